@@ -1,0 +1,29 @@
+"""Fused dequantize + matmul kernels in Pallas, lowered to Triton on NVIDIA GPUs.
+
+Importing this package registers each kernel with qjax's dispatcher as the GPU backend of
+the formats it serves (qjax finds it through the ``qjax.backends`` entry point).
+"""
+
+import jax
+
+import qjax
+from pallas_kernels import int4_matmul as int4_matmul
+
+
+def triton_supported(device: jax.Device) -> bool:
+  """Pallas lowers to Triton on NVIDIA GPUs of compute capability 8.0 and newer."""
+  if device.platform != "gpu" or "nvidia" not in device.device_kind.lower() and not hasattr(
+      device, "compute_capability"):
+    return False
+  cc = getattr(device, "compute_capability", None)
+  try:
+    return cc is None or float(cc) >= 8.0
+  except (TypeError, ValueError):
+    return True
+
+
+qjax.register_kernel(
+    qjax.Int4Weight,
+    qjax.Backend(name="pallas_triton", fn=int4_matmul.int4_matmul,
+                 supported_on=triton_supported,
+                 candidate_configs=int4_matmul.candidate_configs))

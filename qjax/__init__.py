@@ -1,0 +1,29 @@
+"""qjax: 4-bit weights in JAX.
+
+Quantized-weight pytrees (logical shape ``[K, N]`` for ``y = x @ W``), quantizers, the
+dispatcher ``matmul`` with its XLA reference path, and checkpoint I/O. Kernels live in
+``pallas_kernels`` and register themselves here; Flax layers live in ``flax_layers``.
+"""
+
+from qjax._src.dispatch import Backend as Backend
+from qjax._src.dispatch import implementation_name as implementation_name
+from qjax._src.dispatch import matmul as matmul
+from qjax._src.dispatch import register_kernel as register_kernel
+from qjax._src.dispatch import register_xla as register_xla
+from qjax._src.formats import QuantizedWeight as QuantizedWeight
+from qjax._src.formats import is_quantized as is_quantized
+from qjax._src.int4 import Int4Weight as Int4Weight
+from qjax._src.int4 import dequantize as dequantize
+from qjax._src.int4 import quantize as quantize
+from qjax._src.packing import NATIVE_TILE_K as NATIVE_TILE_K
+from qjax._src.packing import PLAIN_TILE_K as PLAIN_TILE_K
+from qjax._src.serialization import load as load
+from qjax._src.serialization import save as save
+from qjax._src.tuning import KernelConfig as KernelConfig
+
+from qjax._src import int4 as _int4
+
+register_xla(Int4Weight, _int4.matmul_xla)
+del _int4
+
+__version__ = "0.1.0"

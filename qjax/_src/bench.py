@@ -1,0 +1,294 @@
+"""``qjax bench``: device time of qjax.matmul per implementation against bf16 ``jnp.dot``.
+
+For each (M, K, N, format) the table gives the device time of every available
+implementation, the bandwidth floor (bytes of packed weights + scales + activations +
+output over the copy bandwidth measured on this device in the same run), the fraction of
+the floor reached and the speedup over bf16. ``--tune`` sweeps kernel configs and writes
+the best per (format, M bucket, K, N) to the tuning table that the dispatcher reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qjax._src import devtime
+from qjax._src import dispatch
+from qjax._src import tuning
+from qjax._src.int4 import Int4Weight
+
+GPU_M = (1, 16, 64, 256, 2048)
+GPU_SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672))
+CPU_M = (1, 16)
+CPU_SHAPES = ((512, 512), (1024, 768))
+L2_BYTES = 50 * 2**20  # H100; rotation targets several times this
+
+
+@dataclasses.dataclass
+class Row:
+  m: int
+  k: int
+  n: int
+  fmt: str
+  times_us: dict[str, float]
+  bf16_us: float
+  floor_us: float
+  floor_bytes: int
+  source: str
+  notes: str = ""
+
+  def fraction_of_floor(self, impl: str) -> float:
+    t = self.times_us.get(impl)
+    return self.floor_us / t if t else float("nan")
+
+  def speedup(self, impl: str) -> float:
+    t = self.times_us.get(impl)
+    return self.bf16_us / t if t else float("nan")
+
+
+def random_weight(fmt: str, k: int, n: int, key: jax.Array) -> Any:
+  """A random weight of the format, built directly (no float matrix)."""
+  if fmt == "int4":
+    kc, ks = jax.random.split(key)
+    group = 128
+    codes = jax.random.bits(kc, (-(-k // 128) * 16, n), jnp.uint32)
+    scales = (jax.random.uniform(ks, (k // group, n), jnp.float32, 0.5, 1.5) / 64).astype(
+        jnp.bfloat16)
+    return Int4Weight(codes=codes, scales=scales, zeros=None, shape=(k, n), group_size=group)
+  raise ValueError(f"unknown bench format {fmt!r}; known: int4")
+
+
+def measure_copy_bandwidth(nbytes: int = 2**30) -> float:
+  """Bytes per second of an elementwise pass (bytes read plus written) on this device."""
+  a = jnp.ones((nbytes // 4,), jnp.float32)
+  b = jnp.ones((nbytes // 4,), jnp.float32) * 2
+  f = jax.jit(lambda v: v * 1.0001 + 1.0)
+  t = devtime.device_time(f, [(a,), (b,)], calls=10, warmup=2)
+  return 2 * nbytes / (t.us * 1e-6)
+
+
+def _rotation(bytes_per_set: int) -> int:
+  return int(min(32, max(2, math.ceil(4 * L2_BYTES / max(bytes_per_set, 1)))))
+
+
+def _timed_impls(on_gpu: bool) -> list[str]:
+  return ["pallas", "xla"] if on_gpu else ["xla", "interpret"]
+
+
+def bench_shape(m: int, k: int, n: int, fmt: str, *, bandwidth: float, impls: Sequence[str],
+                calls: int, seed: int = 0) -> Row:
+  key = jax.random.key(seed)
+  kx, kw = jax.random.split(key)
+  x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+  w0 = random_weight(fmt, k, n, kw)
+  reps = _rotation(w0.nbytes)
+  ws = [w0] + [random_weight(fmt, k, n, jax.random.fold_in(kw, i)) for i in range(1, reps)]
+  times, source = {}, "trace"
+  for impl in impls:
+    f = jax.jit(lambda x_, w_, impl=impl: dispatch.matmul(x_, w_, implementation=impl))
+    t = devtime.device_time(f, [(x, w) for w in ws], calls=calls)
+    times[impl] = t.us
+    source = t.source
+  del ws
+  wb = (jax.random.normal(kw, (k, n), jnp.float32) / 64).astype(jnp.bfloat16)
+  reps_b = _rotation(k * n * 2)
+  wbs = [wb] + [wb * (1 + i / 1024) for i in range(1, reps_b)]
+  fb = jax.jit(lambda x_, w_: jnp.dot(x_, w_, preferred_element_type=jnp.float32).astype(
+      x_.dtype))
+  bf16 = devtime.device_time(fb, [(x, w) for w in wbs], calls=calls).us
+  floor_bytes = w0.nbytes + x.nbytes + m * n * 2
+  return Row(m=m, k=k, n=n, fmt=fmt, times_us=times, bf16_us=bf16,
+             floor_us=floor_bytes / bandwidth * 1e6, floor_bytes=floor_bytes, source=source)
+
+
+def format_table(rows: Sequence[Row], impls: Sequence[str]) -> str:
+  head = f"{'fmt':>5} {'M':>5} {'K':>6} {'N':>6} |" + "".join(f" {i:>10}" for i in impls)
+  head += f" {'bf16':>9} {'floor':>8} |" + "".join(f" {i[:6] + '%fl':>9}" for i in impls)
+  head += "".join(f" {i[:6] + ' xbf':>10}" for i in impls)
+  lines = [head, "-" * len(head)]
+  for r in rows:
+    s = f"{r.fmt:>5} {r.m:>5} {r.k:>6} {r.n:>6} |"
+    s += "".join(f" {r.times_us.get(i, float('nan')):>10.1f}" for i in impls)
+    s += f" {r.bf16_us:>9.1f} {r.floor_us:>8.1f} |"
+    s += "".join(f" {100 * r.fraction_of_floor(i):>8.0f}%" for i in impls)
+    s += "".join(f" {r.speedup(i):>9.2f}x" for i in impls)
+    lines.append(s)
+  return "\n".join(lines)
+
+
+def plot(rows: Sequence[Row], impls: Sequence[str], path: str, title: str) -> None:
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  shapes = sorted({(r.k, r.n) for r in rows})
+  fig, axes = plt.subplots(1, len(shapes), figsize=(4.2 * len(shapes), 3.8), squeeze=False)
+  for ax, (k, n) in zip(axes[0], shapes):
+    rs = sorted([r for r in rows if (r.k, r.n) == (k, n)], key=lambda r: r.m)
+    ms = [r.m for r in rs]
+    for impl in impls:
+      ax.plot(ms, [100 * r.fraction_of_floor(impl) for r in rs], marker="o", label=impl)
+    ax.plot(ms, [100 * r.floor_us / r.bf16_us for r in rs], marker="s", ls="--",
+            label="bf16 jnp.dot")
+    ax.axhline(85, color="grey", lw=0.8, ls=":")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("M (tokens)")
+    ax.set_title(f"K={k} N={n}")
+    ax.set_ylim(0, 110)
+  axes[0][0].set_ylabel("% of bandwidth floor (higher is better)")
+  axes[0][-1].legend(loc="upper right", fontsize=8)
+  fig.suptitle(title, fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+
+
+def tune(shapes: Sequence[tuple[int, int]], ms: Sequence[int], fmt: str, *, calls: int,
+         log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+  """Sweeps the kernel's candidate configs; returns tuning-table entries."""
+  key = jax.random.key(1)
+  entries = []
+  for k, n in shapes:
+    ws = None
+    for m in ms:
+      w0 = random_weight(fmt, k, n, key)
+      if ws is None:
+        ws = [w0] + [random_weight(fmt, k, n, jax.random.fold_in(key, i))
+                     for i in range(1, _rotation(w0.nbytes))]
+      backend = dispatch.kernels_for(w0)[0]
+      x = jax.random.normal(key, (m, k), jnp.float32).astype(jnp.bfloat16)
+      best = None
+      for cfg in backend.candidate_configs(m, k, n):
+        f = jax.jit(lambda x_, w_, cfg=cfg: backend.fn(x_, w_, interpret=False, config=cfg))
+        try:
+          t = devtime.device_time(f, [(x, w) for w in ws], calls=max(10, calls // 2)).us
+        except Exception as e:  # pylint: disable=broad-except
+          log(f"  skip {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
+          continue
+        if best is None or t < best[0]:
+          best = (t, cfg)
+      if best:
+        log(f"tuned {fmt} M={m} K={k} N={n}: {best[0]:.1f} us {best[1]}")
+        entries.append({"format": fmt, "m_bucket": tuning.m_bucket(m), "k": k, "n": n,
+                        "config": best[1].to_json(), "us": round(best[0], 2)})
+    del ws
+  return entries
+
+
+def llama_stack_tokens_per_s(*, layers: int, hidden: int, inter: int, kv: int, calls: int
+                             ) -> dict[str, float]:
+  """Decode at batch 1 through a Llama-shaped stack of linear layers under one jit.
+
+  Each layer: q, k, v, o projections and the SwiGLU MLP (gate, up, down), with a
+  residual; attention itself is left out (it is not a weight matmul). Returns tokens/s
+  of the int4 stack (auto implementation) and of the same stack in bf16, from wall time
+  of repeated jitted steps, and the device time per step.
+  """
+  shapes = [(hidden, hidden), (hidden, kv), (hidden, kv), (hidden, hidden),
+            (hidden, inter), (hidden, inter), (inter, hidden)]
+  key = jax.random.key(2)
+  qws, bws = [], []
+  for layer in range(layers):
+    lk = jax.random.fold_in(key, layer)
+    qws.append([random_weight("int4", k, n, jax.random.fold_in(lk, i))
+                for i, (k, n) in enumerate(shapes)])
+  for layer in range(layers):
+    lk = jax.random.fold_in(key, 1000 + layer)
+    bws.append([(jax.random.normal(jax.random.fold_in(lk, i), (k, n), jnp.float32) / 64
+                 ).astype(jnp.bfloat16) for i, (k, n) in enumerate(shapes)])
+
+  def step(h, weights, mm):
+    for wq, wk, wv, wo, wg, wu, wd in weights:
+      q, k_, v = mm(h, wq), mm(h, wk), mm(h, wv)
+      attn = q + jnp.tile(k_ + v, hidden // kv)  # stands in for attention
+      h = h + mm(attn, wo)
+      h = h + mm(jax.nn.silu(mm(h, wg)) * mm(h, wu), wd)
+    return h
+
+  int4_step = jax.jit(lambda h, w: step(h, w, dispatch.matmul))
+  bf16_step = jax.jit(lambda h, w: step(
+      h, w, lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype)))
+  h0 = jax.random.normal(key, (1, hidden), jnp.float32).astype(jnp.bfloat16) * 0.01
+  out = {}
+  for name, fn, ws in (("int4", int4_step, qws), ("bf16", bf16_step, bws)):
+    jax.block_until_ready(fn(h0, ws))
+    h = h0
+    t0 = time.perf_counter()
+    for _ in range(calls):
+      h = fn(h, ws)
+    jax.block_until_ready(h)
+    out[f"{name}_tokens_per_s"] = calls / (time.perf_counter() - t0)
+    out[f"{name}_device_ms"] = devtime.device_time(fn, [(h0, ws)], calls=5, warmup=1).us / 1e3
+  out["speedup"] = out["int4_tokens_per_s"] / out["bf16_tokens_per_s"]
+  out["int4_weight_gb"] = sum(w.nbytes for ws in qws for w in ws) / 1e9
+  out["bf16_weight_gb"] = sum(w.nbytes for ws in bws for w in ws) / 1e9
+  return out
+
+
+def environment() -> dict[str, str]:
+  d = jax.devices()[0]
+  return {"device": d.device_kind, "platform": d.platform, "jax": jax.__version__,
+          "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def run(args) -> int:
+  """Entry point of ``qjax bench`` (``args`` from cli.py)."""
+  env = environment()
+  on_gpu = env["platform"] == "gpu"
+  ms = [int(v) for v in args.m.split(",")] if args.m else list(GPU_M if on_gpu else CPU_M)
+  if args.shapes:
+    shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",")]
+  else:
+    shapes = list(GPU_SHAPES if on_gpu else CPU_SHAPES)
+  fmts = args.format.split(",")
+  impls = args.impl.split(",") if args.impl else _timed_impls(on_gpu)
+  print(f"# qjax bench on {env['device']} ({env['platform']}), jax {env['jax']}, {env['date']}")
+  if not on_gpu:
+    print("# CPU run: XLA and Pallas interpret mode only, wall-clock medians, small shapes. "
+          "Not kernel figures.")
+  if args.tune:
+    if not on_gpu:
+      print("--tune needs a GPU; nothing tuned")
+      return 2
+    entries = []
+    for fmt in fmts:
+      entries += tune(shapes, ms, fmt, calls=args.calls)
+    path = tuning.write_table(env["device"], entries)
+    print(f"wrote {len(entries)} entries to {path}")
+  bandwidth = measure_copy_bandwidth(2**30 if on_gpu else 2**26)
+  print(f"# measured copy bandwidth: {bandwidth / 1e12:.3f} TB/s (read + write)")
+  rows = []
+  for fmt in fmts:
+    for k, n in shapes:
+      for m in ms:
+        rows.append(bench_shape(m, k, n, fmt, bandwidth=bandwidth, impls=impls,
+                                calls=args.calls))
+        print(format_table(rows[-1:], impls).splitlines()[-1], flush=True)
+  print()
+  print(format_table(rows, impls))
+  result = {"environment": env, "bandwidth_bytes_per_s": bandwidth,
+            "rows": [dataclasses.asdict(r) for r in rows]}
+  if args.model:
+    if on_gpu:
+      stack = llama_stack_tokens_per_s(layers=32, hidden=4096, inter=14336, kv=1024, calls=20)
+    else:
+      stack = llama_stack_tokens_per_s(layers=2, hidden=512, inter=1024, kv=128, calls=3)
+    result["llama_stack"] = stack
+    print("\nLlama-3-8B-shaped linear stack, batch-1 decode under one jit"
+          f"{' (CPU: 2 small layers, labels only)' if not on_gpu else ''}:")
+    print(f"  int4 {stack['int4_tokens_per_s']:.1f} tok/s ({stack['int4_device_ms']:.2f} ms "
+          f"device/step, {stack['int4_weight_gb']:.2f} GB)   bf16 "
+          f"{stack['bf16_tokens_per_s']:.1f} tok/s ({stack['bf16_device_ms']:.2f} ms, "
+          f"{stack['bf16_weight_gb']:.2f} GB)   speedup {stack['speedup']:.2f}x")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(result, f, indent=1)
+  if args.plot:
+    plot(rows, impls, args.plot, f"qjax bench, {env['device']}, jax {env['jax']}, {env['date']}")
+    print(f"plot written to {args.plot}")
+  return 0

@@ -1,0 +1,108 @@
+"""The ``qjax`` command line.
+
+  qjax demo       quantize a layer, run it, print the error and which backend ran
+  qjax bench      device time per implementation against bf16 (``qjax bench --help``)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _demo(args) -> int:
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  import qjax  # pylint: disable=g-import-not-at-top
+
+  k, n, m = args.k, args.n, args.m
+  key = jax.random.key(args.seed)
+  kw, kx = jax.random.split(key)
+  w = jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k)
+  x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+  qw = qjax.quantize(w, group_size=args.group_size, symmetric=not args.asymmetric)
+  impl = qjax.implementation_name(qw)
+  y = jax.jit(qjax.matmul)(x, qw)
+  ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+  ref_q = np.asarray(x, np.float64) @ np.asarray(qw.dequantize(), np.float64)
+  rel = lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(b))
+  print(f"device:            {jax.devices()[0].device_kind} ({jax.default_backend()})")
+  print(f"layer:             x [{m}, {k}] bf16 @ W [{k}, {n}] int4, group {qw.group_size}, "
+        f"{'symmetric' if qw.symmetric else 'asymmetric'}")
+  print(f"backend that ran:  {impl}")
+  print(f"weight bytes:      {qw.nbytes:,} int4 vs {k * n * 2:,} bf16 "
+        f"({k * n * 2 / qw.nbytes:.2f}x smaller)")
+  print(f"weight error:      {rel(np.asarray(qw.dequantize()), np.asarray(w)):.4f} "
+        "(relative Frobenius, int4 vs float32)")
+  print(f"output error:      {rel(np.asarray(y, np.float64), ref_q):.2e} vs float64 x @ "
+        f"dequantized W; {rel(np.asarray(y, np.float64), ref):.4f} vs float64 x @ W")
+  return 0
+
+
+def _add_demo(sub) -> None:
+  p = sub.add_parser("demo", help="quantize one layer, run it, print the error and backend",
+                     description="Quantizes a random [K, N] layer to int4, runs qjax.matmul "
+                     "under jax.jit with the best implementation for this machine, and prints "
+                     "the errors against float64 and which backend ran.")
+  p.add_argument("--k", type=int, default=4096, help="input features K (default 4096)")
+  p.add_argument("--n", type=int, default=4096, help="output features N (default 4096)")
+  p.add_argument("--m", type=int, default=8, help="rows of x, i.e. tokens (default 8)")
+  p.add_argument("--group-size", type=int, default=128, help="rows of K per scale (default 128)")
+  p.add_argument("--asymmetric", action="store_true", help="unsigned int4 with zero points")
+  p.add_argument("--seed", type=int, default=0)
+  p.set_defaults(func=_demo)
+
+
+def _add_bench(sub) -> None:
+  p = sub.add_parser(
+      "bench", help="device time of qjax.matmul per implementation vs bf16",
+      description="Measures the device time (profiler trace, summed kernel durations, "
+      "weights rotated so they are not served from L2) of qjax.matmul for each implementation "
+      "against bf16 jnp.dot on the same shapes, with the bandwidth floor (packed weights + "
+      "scales + activations + output over the copy bandwidth measured in the same run). On a "
+      "CPU it runs small shapes with XLA and interpret mode, timed by wall clock, as a smoke "
+      "test.")
+  p.add_argument("--m", help="comma-separated M values (default GPU: 1,16,64,256,2048; CPU: 1,16)")
+  p.add_argument("--shapes", help="comma-separated KxN, e.g. 4096x4096,4096x14336 "
+                 "(default GPU: the four Llama shapes; CPU: 512x512,1024x768)")
+  p.add_argument("--format", default="int4", help="comma-separated formats (default int4, "
+                 "group 128, symmetric)")
+  p.add_argument("--impl", help="comma-separated implementations to time (default GPU: "
+                 "pallas,xla; CPU: xla,interpret)")
+  p.add_argument("--calls", type=int, default=40, help="timed calls per measurement")
+  p.add_argument("--json", help="also write the results to this JSON file")
+  p.add_argument("--plot", help="also write a PNG plot of %% of floor against M")
+  p.add_argument("--tune", action="store_true", help="sweep kernel configs first and write "
+                 "the best ones to the tuning table of this device (GPU only)")
+  p.add_argument("--model", action="store_true", help="also time batch-1 decode through a "
+                 "Llama-3-8B-shaped stack of linear layers, int4 vs bf16")
+
+  def run(args):
+    from qjax._src import bench  # pylint: disable=g-import-not-at-top
+    return bench.run(args)
+
+  p.set_defaults(func=run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+      prog="qjax", description="4-bit weights in JAX: quantize, run, benchmark.")
+  sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+  _add_demo(sub)
+  _add_bench(sub)
+  return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = build_parser()
+  args = parser.parse_args(argv)
+  if not getattr(args, "func", None):
+    parser.print_help()
+    return 2
+  return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

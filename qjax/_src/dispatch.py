@@ -1,0 +1,189 @@
+"""The dispatcher: ``qjax.matmul`` and the registry of implementations per format.
+
+qjax defines each format's contract and its XLA implementation. Faster implementations
+(Pallas kernels) register themselves from other packages; qjax finds them through the
+``qjax.backends`` entry-point group (or by importing ``pallas_kernels`` when it is on the
+path but not installed), so qjax never imports them at module level.
+
+Implementation names:
+  * ``None``: the best available. A registered kernel whose ``supported_on`` accepts the
+    default device is tried first; ``NotImplementedError`` from it (an argument it cannot
+    handle) falls through to the XLA path. Always works.
+  * ``"xla"``: the pure-JAX reference, on any device.
+  * ``"pallas"``: the registered kernel, compiled; raises if it cannot run here.
+  * ``"interpret"``: the registered kernel in Pallas interpret mode (CPU tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.metadata
+import logging
+import threading
+from typing import Any, Callable, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from qjax._src import formats
+
+log = logging.getLogger("qjax")
+
+ACTIVATION_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+IMPLEMENTATIONS = ("xla", "pallas", "interpret")
+
+
+class KernelFn(Protocol):
+
+  def __call__(self, x: jax.Array, w: Any, *, interpret: bool, config: Any = None
+               ) -> jax.Array:
+    ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+  """A registered kernel implementation of ``matmul`` for one format class.
+
+  Attributes:
+    name: e.g. "pallas_triton".
+    fn: ``fn(x2d [M, K], w, *, interpret) -> [M, N]`` in x's dtype. Raises
+      NotImplementedError naming the argument it cannot handle.
+    supported_on: whether it compiles for a device (interpret mode runs anywhere).
+    candidate_configs: ``(m, k, n) -> [KernelConfig]``, the tuner's search space.
+  """
+  name: str
+  fn: KernelFn
+  supported_on: Callable[[jax.Device], bool]
+  candidate_configs: Callable[[int, int, int], list[Any]] | None = None
+
+
+_XLA: dict[type, Callable[[jax.Array, Any], jax.Array]] = {}
+_KERNELS: dict[type, list[Backend]] = {}
+_plugins_loaded = False
+_plugins_lock = threading.Lock()
+
+
+def register_xla(format_cls: type, fn: Callable[[jax.Array, Any], jax.Array]) -> None:
+  """Registers the reference implementation ``fn(x2d [M, K], w) -> [M, N]``."""
+  _XLA[format_cls] = fn
+
+
+def register_kernel(format_cls: type, backend: Backend) -> None:
+  """Registers a kernel implementation; later registrations of one name replace it."""
+  backends = [b for b in _KERNELS.get(format_cls, []) if b.name != backend.name]
+  backends.append(backend)
+  _KERNELS[format_cls] = backends
+
+
+def load_plugins() -> None:
+  """Imports the kernel packages that register backends (once)."""
+  global _plugins_loaded
+  if _plugins_loaded:
+    return
+  with _plugins_lock:
+    if _plugins_loaded:
+      return
+    modules = {ep.value for ep in importlib.metadata.entry_points(group="qjax.backends")}
+    modules.add("pallas_kernels")  # also found when run from a source tree
+    for module in sorted(modules):
+      try:
+        importlib.import_module(module)
+      except ImportError as e:
+        log.debug("qjax backend %s not available: %s", module, e)
+    _plugins_loaded = True
+
+
+def kernels_for(w: Any) -> list[Backend]:
+  load_plugins()
+  return list(_KERNELS.get(type(w), []))
+
+
+def default_device() -> jax.Device:
+  return jax.devices()[0]
+
+
+def _check_args(x: jax.Array, w: Any) -> None:
+  if not isinstance(w, formats.QuantizedWeight):
+    raise TypeError(f"w must be a quantized weight pytree, got {type(w).__name__}")
+  if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in ACTIVATION_DTYPES]:
+    raise ValueError(
+        f"x.dtype={jnp.dtype(x.dtype).name} is not supported; cast x to bfloat16, float16 "
+        "or float32")
+  if x.ndim < 1 or x.shape[-1] != w.shape[0]:
+    raise ValueError(
+        f"x.shape={tuple(x.shape)}: the last dim must equal K={w.shape[0]} of the weight "
+        f"of shape {w.shape}")
+
+
+def resolve(w: Any, implementation: str | None) -> tuple[str, Callable[..., jax.Array]]:
+  """Picks the implementation; returns its name and ``fn(x2d, w) -> y2d``."""
+  if implementation not in (None, *IMPLEMENTATIONS):
+    raise ValueError(f"{implementation=} must be None or one of {IMPLEMENTATIONS}")
+  fmt = type(w)
+  if implementation == "xla" or (implementation is None and not kernels_for(w)):
+    return "xla", _xla_fn(fmt)
+  if implementation in ("pallas", "interpret"):
+    backends = kernels_for(w)
+    if not backends:
+      raise NotImplementedError(
+          f"no Pallas kernel is registered for {fmt.__name__}; use implementation='xla' "
+          "(is the pallas_kernels package installed?)")
+    backend = backends[0]
+    interpret = implementation == "interpret"
+    if not interpret and not backend.supported_on(default_device()):
+      raise NotImplementedError(
+          f"the {backend.name} kernel for {fmt.__name__} does not run on "
+          f"{default_device().device_kind!r}; use implementation='interpret' or 'xla'")
+    return f"{backend.name}{'-interpret' if interpret else ''}", (
+        lambda x2, w_: backend.fn(x2, w_, interpret=interpret))
+  # Auto: first kernel that supports this device, else XLA.
+  for backend in kernels_for(w):
+    if backend.supported_on(default_device()):
+      xla = _xla_fn(fmt)
+
+      def auto(x2, w_, backend=backend, xla=xla):
+        try:
+          return backend.fn(x2, w_, interpret=False)
+        except NotImplementedError as e:
+          log.info("%s fell back to XLA: %s", backend.name, e)
+          return xla(x2, w_)
+
+      return backend.name, auto
+  return "xla", _xla_fn(fmt)
+
+
+def _xla_fn(fmt: type) -> Callable[[jax.Array, Any], jax.Array]:
+  try:
+    return _XLA[fmt]
+  except KeyError:
+    raise NotImplementedError(f"no XLA implementation is registered for {fmt.__name__}") from None
+
+
+def matmul(x: jax.Array, w: Any, *, implementation: str | None = None) -> jax.Array:
+  """``y = x @ W`` for a quantized weight ``W`` of logical shape ``[K, N]``.
+
+  Args:
+    x: ``[..., K]`` in bfloat16, float16 or float32.
+    w: any quantized-weight pytree of logical shape ``[K, N]``.
+    implementation: None (best available), "xla", "pallas" or "interpret".
+
+  Returns:
+    ``[..., N]`` in x's dtype, accumulated in float32.
+
+  >>> import jax, jax.numpy as jnp, qjax
+  >>> w = qjax.quantize(jax.random.normal(jax.random.key(0), (256, 128)))
+  >>> x = jnp.ones((2, 256), jnp.bfloat16)
+  >>> qjax.matmul(x, w, implementation="xla").shape
+  (2, 128)
+  """
+  _check_args(x, w)
+  _, fn = resolve(w, implementation)
+  lead = x.shape[:-1]
+  y = fn(x.reshape(-1, x.shape[-1]), w)
+  return y.reshape(*lead, w.shape[1])
+
+
+def implementation_name(w: Any, implementation: str | None = None) -> str:
+  """The name of the implementation ``matmul`` would run for ``w`` on this machine."""
+  return resolve(w, implementation)[0]

@@ -1,0 +1,95 @@
+"""The base of every quantized-weight pytree, and the registry of format classes by name.
+
+A format class is a frozen dataclass registered with ``jax.tree_util.register_dataclass``:
+its arrays are data fields, everything else (logical shape, group size, layout, dtypes)
+is static metadata. Every format has the logical shape ``[K, N]`` of a weight used as
+``y = x @ W`` and a ``dequantize()`` that returns that matrix in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, TypeVar
+
+import jax
+import numpy as np
+
+_FORMATS: dict[str, type["QuantizedWeight"]] = {}
+
+T = TypeVar("T", bound=type)
+
+
+def register_format(cls: T) -> T:
+  """Class decorator: registers a frozen dataclass as a pytree and a named format.
+
+  Fields whose ``metadata`` has ``static=True`` become pytree metadata; the others are
+  array leaves (or ``None``). ``cls.format_name`` keys the format in saved files.
+  """
+  fields = dataclasses.fields(cls)
+  meta = [f.name for f in fields if f.metadata.get("static", False)]
+  data = [f.name for f in fields if not f.metadata.get("static", False)]
+  jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=meta)
+  name = cls.format_name
+  if name in _FORMATS and _FORMATS[name] is not cls:
+    raise ValueError(f"format name {name!r} is already registered by {_FORMATS[name]}")
+  _FORMATS[name] = cls
+  return cls
+
+
+def static_field(**kwargs: Any) -> Any:
+  """A dataclass field that is pytree metadata (hashable, not traced)."""
+  return dataclasses.field(metadata={"static": True}, **kwargs)
+
+
+def format_class(name: str) -> type["QuantizedWeight"]:
+  try:
+    return _FORMATS[name]
+  except KeyError:
+    raise ValueError(
+        f"unknown quantized format {name!r}; known formats: {sorted(_FORMATS)}"
+    ) from None
+
+
+def array_field_names(cls: type) -> list[str]:
+  return [f.name for f in dataclasses.fields(cls) if not f.metadata.get("static", False)]
+
+
+def static_field_names(cls: type) -> list[str]:
+  return [f.name for f in dataclasses.fields(cls) if f.metadata.get("static", False)]
+
+
+class QuantizedWeight:
+  """Mixin for quantized-weight pytrees of logical shape ``[K, N]``."""
+
+  format_name: ClassVar[str]
+  shape: tuple[int, int]
+
+  @property
+  def k(self) -> int:
+    return self.shape[0]
+
+  @property
+  def n(self) -> int:
+    return self.shape[1]
+
+  @property
+  def ndim(self) -> int:
+    return 2
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes held by the arrays of this weight (all leading batch dims included)."""
+    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+               for a in jax.tree_util.tree_leaves(self))
+
+  def dequantize(self) -> jax.Array:  # pragma: no cover - abstract
+    raise NotImplementedError
+
+  def _leaves_concrete_2d(self) -> bool:
+    """True when every leaf is an array whose shapes can be validated."""
+    leaves = jax.tree_util.tree_leaves(self)
+    return bool(leaves) and all(hasattr(a, "shape") and hasattr(a, "dtype") for a in leaves)
+
+
+def is_quantized(x: Any) -> bool:
+  return isinstance(x, QuantizedWeight)

@@ -1,0 +1,247 @@
+"""Affine INT4 weights with group scales: the pytree, its quantizer and its dequantizer."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qjax._src import formats
+from qjax._src import packing
+
+SCALE_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+GROUP_SIZES = (32, 64, 128, 256)
+
+
+@formats.register_format
+@dataclasses.dataclass(frozen=True)
+class Int4Weight(formats.QuantizedWeight):
+  """Affine 4-bit weight of logical shape ``[K, N]``, used as ``y = x @ W``.
+
+  Invariant: ``W[k, n] = (q[k, n] - z[k // G, n]) * scales[k // G, n]`` with codes
+  ``q`` in ``[0, 15]``. Symmetric weights have ``z = 8`` (codes are signed int4 in
+  offset-binary) and no ``zeros`` array.
+
+  Attributes:
+    codes: ``[Kp // 8, N]`` uint32, 8 codes per word along K in tile order ``tile_k``
+      (see :mod:`qjax._src.packing`); ``Kp`` is K rounded up to ``tile_k``.
+    scales: ``[K // G, N]`` bf16, f16 or f32.
+    zeros: ``[K // G, N]`` uint8 zero points in ``[0, 15]`` (asymmetric), or None.
+    shape: the logical ``(K, N)``.
+    group_size: ``G``; equal to K for one group per column (per-channel).
+    tile_k: packing order of ``codes`` (8: plain GPTQ order, 128: kernel-native).
+  """
+
+  format_name = "int4"
+
+  codes: jax.Array
+  scales: jax.Array
+  zeros: jax.Array | None
+  shape: tuple[int, int] = formats.static_field()
+  group_size: int = formats.static_field()
+  tile_k: int = formats.static_field(default=packing.NATIVE_TILE_K)
+
+  def __post_init__(self):
+    object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+    k, n = self.shape
+    if k % self.group_size:
+      raise ValueError(
+          f"K={k} must be a multiple of group_size={self.group_size}; pad K or choose a "
+          "group size that divides it")
+    if not self._leaves_concrete_2d():
+      return
+    kp = packing.padded_rows(k, self.tile_k)
+    want = {"codes": ((kp // 8, n), (jnp.uint32,)),
+            "scales": ((k // self.group_size, n), SCALE_DTYPES)}
+    if self.zeros is not None:
+      want["zeros"] = ((k // self.group_size, n), (jnp.uint8,))
+    for name, (shape, dtypes) in want.items():
+      a = getattr(self, name)
+      if tuple(a.shape[-2:]) != shape or jnp.dtype(a.dtype) not in [jnp.dtype(d) for d in dtypes]:
+        raise ValueError(
+            f"Int4Weight.{name} must be {shape} of dtype {[jnp.dtype(d).name for d in dtypes]}"
+            f", got {tuple(a.shape)} {jnp.dtype(a.dtype).name} (shape={self.shape}, "
+            f"group_size={self.group_size}, tile_k={self.tile_k})")
+
+  @property
+  def symmetric(self) -> bool:
+    return self.zeros is None
+
+  @property
+  def num_groups(self) -> int:
+    return self.shape[0] // self.group_size
+
+  def unpacked_codes(self) -> jax.Array:
+    """``[K, N]`` uint8 codes in ``[0, 15]``."""
+    return packing.unpack_codes(self.codes, self.shape[0], self.tile_k)
+
+  def dequantize(self) -> jax.Array:
+    """``[K, N]`` float32: ``(q - z) * s``."""
+    return dequantize_int4(self)
+
+  def repack(self, tile_k: int) -> "Int4Weight":
+    """The same weight with codes in another tile order (lossless, jittable)."""
+    words = packing.repack_codes(self.codes, self.shape[0], self.tile_k, tile_k)
+    return dataclasses.replace(self, codes=words, tile_k=tile_k)
+
+
+def _expand_groups(a: jax.Array, group_size: int) -> jax.Array:
+  """``[..., K // G, N]`` -> ``[..., K, N]`` by repeating each group row G times."""
+  return jnp.repeat(a, group_size, axis=-2)
+
+
+def dequantize_int4(w: Int4Weight, dtype=jnp.float32) -> jax.Array:
+  codes = w.unpacked_codes().astype(jnp.float32)
+  scales = _expand_groups(w.scales.astype(jnp.float32), w.group_size)
+  if w.zeros is None:
+    zeros = jnp.float32(8)
+  else:
+    zeros = _expand_groups(w.zeros.astype(jnp.float32), w.group_size)
+  return ((codes - zeros) * scales).astype(dtype)
+
+
+def _check_finite(w, name: str) -> None:
+  if isinstance(w, jax.core.Tracer):
+    return
+  a = np.asarray(w)
+  bad = ~np.isfinite(a)
+  if bad.any():
+    idx = tuple(int(i) for i in np.argwhere(bad)[0])
+    raise ValueError(
+        f"{name} has {int(bad.sum())} non-finite values (first at index {idx}: {a[idx]}); "
+        "quantization needs finite weights")
+
+
+def quantize(
+    w: jax.Array,
+    *,
+    group_size: int | None = 128,
+    symmetric: bool = True,
+    scale_dtype=jnp.bfloat16,
+    method: Literal["minmax", "mse"] = "minmax",
+    tile_k: int = packing.NATIVE_TILE_K,
+    name: str = "w",
+) -> Int4Weight:
+  """Round-to-nearest INT4 quantization of a ``[K, N]`` weight used as ``y = x @ W``.
+
+  Args:
+    w: ``[K, N]`` float weight.
+    group_size: rows of K sharing one scale: 32, 64, 128 or 256; None for one group
+      per column (per-channel).
+    symmetric: signed int4 with ``scale = absmax / 7`` (True) or unsigned int4 with a
+      zero point spanning ``[min(w, 0), max(w, 0)]`` (False).
+    scale_dtype: bf16, f16 or f32.
+    method: "minmax" uses the full range; "mse" also tries 20 shrunken ranges per group
+      and keeps the one with the smallest squared reconstruction error.
+    tile_k: packing order of the codes (default: the kernel-native order).
+    name: the weight's name, used in error messages.
+
+  Returns:
+    An :class:`Int4Weight`.
+
+  >>> import jax, jax.numpy as jnp, qjax
+  >>> w = jax.random.normal(jax.random.key(0), (256, 64))
+  >>> qw = qjax.quantize(w, group_size=128)
+  >>> qw.codes.shape, qw.scales.shape, qw.scales.dtype
+  ((32, 64), (2, 64), dtype(bfloat16))
+  >>> bool(jnp.linalg.norm(qw.dequantize() - w) / jnp.linalg.norm(w) < 0.15)
+  True
+  """
+  if getattr(w, "ndim", None) != 2:
+    raise ValueError(f"{name} must be a [K, N] matrix, got shape {getattr(w, 'shape', None)}")
+  if not jnp.issubdtype(w.dtype, jnp.floating):
+    raise ValueError(f"{name} must be floating point, got dtype {w.dtype}")
+  k, n = w.shape
+  if group_size is None:
+    group_size = k
+  elif group_size not in GROUP_SIZES:
+    raise ValueError(
+        f"{group_size=} is not supported; use one of {GROUP_SIZES} or None (per-channel)")
+  if k % group_size:
+    raise ValueError(
+        f"K={k} must be a multiple of group_size={group_size}; pad K or choose a group "
+        "size that divides it")
+  if jnp.dtype(scale_dtype) not in [jnp.dtype(d) for d in SCALE_DTYPES]:
+    raise ValueError(f"{scale_dtype=} must be one of bfloat16, float16, float32")
+  if method not in ("minmax", "mse"):
+    raise ValueError(f"{method=} must be 'minmax' or 'mse'")
+  _check_finite(w, name)
+
+  wg = jnp.asarray(w, jnp.float32).reshape(k // group_size, group_size, n)
+  if method == "minmax":
+    shrink = jnp.ones((1,), jnp.float32)
+  else:
+    shrink = jnp.linspace(1.0, 0.5, 20, dtype=jnp.float32)
+
+  def keep_better(best, p):
+    cand = _fit_groups(wg, p, symmetric=symmetric, scale_dtype=scale_dtype)
+    better = cand[3] < best[3]  # [K // G, N]
+    pick = lambda c, b: jnp.where(better[:, None, :] if c.ndim == 3 else better, c, b)
+    return jax.tree.map(pick, cand, best), None
+
+  first = _fit_groups(wg, shrink[0], symmetric=symmetric, scale_dtype=scale_dtype)
+  # Candidates are scanned one at a time so memory stays a few copies of w.
+  (scales, zeros, codes, _), _ = jax.lax.scan(keep_better, first, shrink[1:])
+
+  if not isinstance(scales, jax.core.Tracer):
+    _check_finite(scales.astype(jnp.float32), f"scales of {name} in {jnp.dtype(scale_dtype).name}")
+  words = packing.pack_codes(codes.reshape(k, n), tile_k)
+  return Int4Weight(
+      codes=words,
+      scales=scales,
+      zeros=None if symmetric else zeros.astype(jnp.uint8),
+      shape=(k, n),
+      group_size=group_size,
+      tile_k=tile_k,
+  )
+
+
+def _fit_groups(wg, shrink, *, symmetric, scale_dtype):
+  """Scales, zero points, codes and squared error for one range-shrink factor.
+
+  Args:
+    wg: ``[K // G, G, N]`` float32.
+    shrink: scalar in (0, 1].
+  Returns:
+    scales ``[K // G, N]`` scale_dtype, zeros ``[K // G, N]`` f32, codes
+    ``[K // G, G, N]`` uint8, err ``[K // G, N]`` f32.
+  """
+  if symmetric:
+    amax = jnp.max(jnp.abs(wg), axis=1) * shrink
+    scales = (amax / 7.0).astype(scale_dtype)
+    s = scales.astype(jnp.float32)
+    safe = jnp.where(s > 0, s, 1.0)
+    q = jnp.clip(jnp.round(wg / safe[:, None]), -8, 7)
+    zeros = jnp.full_like(s, 8.0)
+    codes = (q + 8).astype(jnp.uint8)
+    deq = q * s[:, None]
+  else:
+    lo = jnp.minimum(jnp.min(wg, axis=1), 0.0) * shrink
+    hi = jnp.maximum(jnp.max(wg, axis=1), 0.0) * shrink
+    scales = ((hi - lo) / 15.0).astype(scale_dtype)
+    s = scales.astype(jnp.float32)
+    safe = jnp.where(s > 0, s, 1.0)
+    zeros = jnp.clip(jnp.round(-lo / safe), 0, 15)
+    q = jnp.clip(jnp.round(wg / safe[:, None]) + zeros[:, None], 0, 15)
+    codes = q.astype(jnp.uint8)
+    deq = (q - zeros[:, None]) * s[:, None]
+  err = jnp.sum((deq - wg) ** 2, axis=1)
+  return scales, zeros, codes, err
+
+
+def dequantize(w) -> jax.Array:
+  """``[K, N]`` float32 matrix of any quantized weight (``w.dequantize()``)."""
+  if not isinstance(w, formats.QuantizedWeight):
+    raise TypeError(f"expected a quantized weight, got {type(w).__name__}")
+  return w.dequantize()
+
+
+def matmul_xla(x: jax.Array, w: Int4Weight) -> jax.Array:
+  """Reference ``x [M, K] @ dequantize(w) [K, N] -> [M, N]`` in x's dtype, f32 accumulation."""
+  wd = dequantize_int4(w, dtype=x.dtype)
+  precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+  y = jnp.dot(x, wd, preferred_element_type=jnp.float32, precision=precision)
+  return y.astype(x.dtype)
