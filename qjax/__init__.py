@@ -20,6 +20,19 @@ from qjax._src.packing import PLAIN_TILE_K as PLAIN_TILE_K
 from qjax._src.serialization import load as load
 from qjax._src.serialization import save as save
 from qjax._src.tuning import KernelConfig as KernelConfig
+# GGUF
+from qjax._src.gguf_formats import GGUFBlockWeight as GGUFBlockWeight
+from qjax._src.gguf_formats import GGUFDense as GGUFDense
+from qjax._src.gguf_formats import GGUFQ4_0 as GGUFQ4_0
+from qjax._src.gguf_formats import GGUFQ4_1 as GGUFQ4_1
+from qjax._src.gguf_formats import GGUFQ4_K as GGUFQ4_K
+from qjax._src.gguf_formats import GGUFQ5_K as GGUFQ5_K
+from qjax._src.gguf_formats import GGUFQ6_K as GGUFQ6_K
+from qjax._src.gguf_formats import GGUFQ8_0 as GGUFQ8_0
+from qjax._src.gguf_formats import embedding_rows as embedding_rows
+from qjax._src.gguf_io import GGUFFile as GGUFFile
+from qjax._src.gguf_io import describe_gguf as describe_gguf
+from qjax._src.gguf_io import load_gguf as load_gguf
 
 from qjax._src import int4 as _int4
 

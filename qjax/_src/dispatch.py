@@ -51,11 +51,14 @@ class Backend:
       NotImplementedError naming the argument it cannot handle.
     supported_on: whether it compiles for a device (interpret mode runs anywhere).
     candidate_configs: ``(m, k, n) -> [KernelConfig]``, the tuner's search space.
+    auto_max_m: with ``implementation=None``, rows of x above which the XLA path is
+      used instead (where the kernel was measured slower than XLA); None: no limit.
   """
   name: str
   fn: KernelFn
   supported_on: Callable[[jax.Device], bool]
   candidate_configs: Callable[[int, int, int], list[Any]] | None = None
+  auto_max_m: int | None = None
 
 
 _XLA: dict[type, Callable[[jax.Array, Any], jax.Array]] = {}
@@ -143,6 +146,8 @@ def resolve(w: Any, implementation: str | None) -> tuple[str, Callable[..., jax.
       xla = _xla_fn(fmt)
 
       def auto(x2, w_, backend=backend, xla=xla):
+        if backend.auto_max_m is not None and x2.shape[0] > backend.auto_max_m:
+          return xla(x2, w_)
         try:
           return backend.fn(x2, w_, interpret=False)
         except NotImplementedError as e:

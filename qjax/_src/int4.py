@@ -21,18 +21,25 @@ GROUP_SIZES = (32, 64, 128, 256)
 class Int4Weight(formats.QuantizedWeight):
   """Affine 4-bit weight of logical shape ``[K, N]``, used as ``y = x @ W``.
 
-  Invariant: ``W[k, n] = (q[k, n] - z[k // G, n]) * scales[k // G, n]`` with codes
-  ``q`` in ``[0, 15]``. Symmetric weights have ``z = 8`` (codes are signed int4 in
-  offset-binary) and no ``zeros`` array.
+  Invariant, with codes ``q`` in ``[0, 15]`` and ``g = k // G``:
+
+  * integer zero points: ``W[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n]``;
+  * symmetric (no zeros, no biases): the same with ``zeros = 8`` (signed int4 stored in
+    offset binary);
+  * float biases (GGUF Q4_1 / K-quant style): ``W[k, n] = q[k, n] * scales[g, n] +
+    biases[g, n]``.
 
   Attributes:
     codes: ``[Kp // 8, N]`` uint32, 8 codes per word along K in tile order ``tile_k``
       (see :mod:`qjax._src.packing`); ``Kp`` is K rounded up to ``tile_k``.
     scales: ``[K // G, N]`` bf16, f16 or f32.
     zeros: ``[K // G, N]`` uint8 zero points in ``[0, 15]`` (asymmetric), or None.
+    biases: ``[K // G, N]`` float offsets in the scales' dtype, or None; never together
+      with zeros.
     shape: the logical ``(K, N)``.
     group_size: ``G``; equal to K for one group per column (per-channel).
-    tile_k: packing order of ``codes`` (8: plain GPTQ order, 128: kernel-native).
+    tile_k: packing order of ``codes`` (128, the default: kernel-native; 8: plain GPTQ
+      order).
   """
 
   format_name = "int4"
@@ -43,6 +50,7 @@ class Int4Weight(formats.QuantizedWeight):
   shape: tuple[int, int] = formats.static_field()
   group_size: int = formats.static_field()
   tile_k: int = formats.static_field(default=packing.NATIVE_TILE_K)
+  biases: jax.Array | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
@@ -51,6 +59,8 @@ class Int4Weight(formats.QuantizedWeight):
       raise ValueError(
           f"K={k} must be a multiple of group_size={self.group_size}; pad K or choose a "
           "group size that divides it")
+    if self.zeros is not None and self.biases is not None:
+      raise ValueError("Int4Weight takes integer zeros or float biases, not both")
     if not self._leaves_concrete_2d():
       return
     kp = packing.padded_rows(k, self.tile_k)
@@ -58,6 +68,8 @@ class Int4Weight(formats.QuantizedWeight):
             "scales": ((k // self.group_size, n), SCALE_DTYPES)}
     if self.zeros is not None:
       want["zeros"] = ((k // self.group_size, n), (jnp.uint8,))
+    if self.biases is not None:
+      want["biases"] = ((k // self.group_size, n), SCALE_DTYPES)
     for name, (shape, dtypes) in want.items():
       a = getattr(self, name)
       if tuple(a.shape[-2:]) != shape or jnp.dtype(a.dtype) not in [jnp.dtype(d) for d in dtypes]:
@@ -68,7 +80,7 @@ class Int4Weight(formats.QuantizedWeight):
 
   @property
   def symmetric(self) -> bool:
-    return self.zeros is None
+    return self.zeros is None and self.biases is None
 
   @property
   def num_groups(self) -> int:
@@ -96,6 +108,9 @@ def _expand_groups(a: jax.Array, group_size: int) -> jax.Array:
 def dequantize_int4(w: Int4Weight, dtype=jnp.float32) -> jax.Array:
   codes = w.unpacked_codes().astype(jnp.float32)
   scales = _expand_groups(w.scales.astype(jnp.float32), w.group_size)
+  if w.biases is not None:
+    biases = _expand_groups(w.biases.astype(jnp.float32), w.group_size)
+    return (codes * scales + biases).astype(dtype)
   if w.zeros is None:
     zeros = jnp.float32(8)
   else:

@@ -30,8 +30,28 @@ from qjax._src import formats
 VERSION = 1
 
 
+# dtypes that safetensors' numpy API reads and writes natively.
+_NATIVE = {np.dtype(t) for t in (np.bool_, np.uint8, np.int8, np.uint16, np.int16, np.float16,
+                                 np.uint32, np.int32, np.float32, np.uint64, np.int64,
+                                 np.float64)}
+
+
 def _to_numpy(a: Any) -> np.ndarray:
   return np.ascontiguousarray(np.asarray(jax.device_get(a)))
+
+
+def _storable(a: np.ndarray) -> tuple[np.ndarray, str | None]:
+  """``a`` or, for ml_dtypes types (bf16, fp8, ...), its bits as an unsigned view."""
+  if a.dtype in _NATIVE:
+    return a, None
+  return a.view(np.dtype(f"uint{8 * a.dtype.itemsize}")), a.dtype.name
+
+
+def _restore(a: np.ndarray, dtype_name: str | None) -> np.ndarray:
+  if dtype_name is None:
+    return a
+  import ml_dtypes  # pylint: disable=g-import-not-at-top
+  return a.view(np.dtype(getattr(ml_dtypes, dtype_name)))
 
 
 def _digest(arrays: Mapping[str, np.ndarray]) -> str:
@@ -80,8 +100,13 @@ def save(path: str | os.PathLike, tensors: Mapping[str, Any]) -> None:
       arrays[name] = _to_numpy(value)
       entry = {"format": "array", "arrays": {"value": name}}
     desc[name] = entry
-  header = {"version": VERSION, "sha256": _digest(arrays), "tensors": desc}
-  data = st_save(arrays, metadata={"qjax": json.dumps(header)})
+  stored, views = {}, {}
+  for key, a in arrays.items():
+    stored[key], dtype_name = _storable(a)
+    if dtype_name:
+      views[key] = dtype_name
+  header = {"version": VERSION, "sha256": _digest(arrays), "tensors": desc, "views": views}
+  data = st_save(stored, metadata={"qjax": json.dumps(header)})
   path = pathlib.Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
   fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -125,6 +150,7 @@ def load(path: str | os.PathLike) -> dict[str, Any]:
   header = json.loads(meta["qjax"])
   if header.get("version") != VERSION:
     raise ValueError(f"{path}: qjax file version {header.get('version')} is not {VERSION}")
+  arrays = {k: _restore(a, header.get("views", {}).get(k)) for k, a in arrays.items()}
   if _digest(arrays) != header["sha256"]:
     raise ValueError(f"{path}: sha256 of the tensor data does not match the header; "
                      "the file is corrupt")

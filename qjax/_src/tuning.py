@@ -43,7 +43,7 @@ class KernelConfig:
       if v & (v - 1):
         raise ValueError(f"KernelConfig.{name}={v} must be a power of two (Triton needs it)")
 
-  def to_json(self) -> dict[str, int]:
+  def to_json(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
 
   @classmethod

@@ -1,0 +1,171 @@
+"""Dense layers on quantized weights: ``Int4Dense`` (linen) and ``Int4Linear`` (NNX).
+
+Both are inference-only (no custom_vjp: quantized weights are not trained) and take the
+keyword-only options of ``flax.linen.Dense`` / ``flax.nnx.Linear``. The kernel param is
+a quantized-weight pytree of logical shape ``[in_features, out_features]`` and every
+call goes through ``qjax.matmul`` (the Pallas kernel on NVIDIA GPUs, XLA elsewhere).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import qjax
+
+Array = jax.Array
+default_kernel_init = nn.initializers.lecun_normal()
+
+
+def _value(variable: nnx.Variable) -> Any:
+  """A variable's value across flax versions (``.value`` is deprecated in newer ones)."""
+  get = getattr(variable, "get_value", None)
+  return get() if get is not None else variable.value
+
+
+def _apply(x: Array, kernel: Any, bias: Array | None, dtype: Any, implementation: str | None
+           ) -> Array:
+  dtype = dtype or x.dtype
+  if jnp.dtype(dtype) not in [jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32)]:
+    raise ValueError(f"dtype={jnp.dtype(dtype).name} must be bfloat16, float16 or float32")
+  x = jnp.asarray(x, dtype)
+  if qjax.is_quantized(kernel):
+    y = qjax.matmul(x, kernel, implementation=implementation)
+  else:  # a float kernel (e.g. a layer left unquantized by a skip rule)
+    y = jnp.dot(x, kernel.astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
+  if bias is not None:
+    y = y + bias.astype(dtype)
+  return y
+
+
+def quantize_dense_params(params: dict[str, Any], *, group_size: int | None = 128,
+                          symmetric: bool = True, scale_dtype: Any = jnp.bfloat16,
+                          method: str = "minmax") -> dict[str, Any]:
+  """``nn.Dense`` params ``{"kernel": [K, N], "bias": [N]}`` -> ``Int4Dense`` params."""
+  if "kernel" not in params:
+    raise ValueError(f"expected nn.Dense params with a 'kernel', got keys {sorted(params)}")
+  out = dict(params)
+  out["kernel"] = qjax.quantize(params["kernel"], group_size=group_size, symmetric=symmetric,
+                                scale_dtype=scale_dtype, method=method, name="kernel")
+  return out
+
+
+class Int4Dense(nn.Module):
+  """A linen Dense layer whose kernel is an int4 :class:`qjax.Int4Weight`.
+
+  Initialized from ``kernel_init`` (then quantized), or applied to params made by
+  :func:`quantize_dense_params` from an existing ``nn.Dense``, or holding any
+  pre-quantized pytree (GGUF, other layouts) under ``"kernel"``.
+
+  >>> import jax, jax.numpy as jnp, flax.linen as nn
+  >>> from flax_layers import Int4Dense, quantize_dense_params
+  >>> x = jnp.ones((2, 256))
+  >>> dense_params = nn.Dense(64).init(jax.random.key(0), x)["params"]
+  >>> params = quantize_dense_params(dense_params, group_size=128)
+  >>> jax.tree.map(jnp.shape, params)
+  {'bias': (64,), 'kernel': Int4Weight(codes=(32, 64), scales=(2, 64), zeros=None, shape=(256, 64), group_size=128, tile_k=128, biases=None)}
+  >>> Int4Dense(64).apply({"params": params}, x).shape
+  (2, 64)
+
+  Attributes:
+    features: output features N.
+    use_bias: add a float bias.
+    dtype: computation dtype (bf16, f16, f32); None: x's dtype.
+    param_dtype: dtype of the float params before quantization (kernel init, bias).
+    precision: accepted for nn.Dense compatibility; the kernel accumulates in f32.
+    group_size, symmetric, scale_dtype: quantization of the initialized kernel.
+    implementation: qjax.matmul implementation (None: best available).
+  """
+  features: int
+  use_bias: bool = True
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+  precision: Any = None
+  kernel_init: Callable[..., Array] = default_kernel_init
+  bias_init: Callable[..., Array] = nn.initializers.zeros_init()
+  group_size: int | None = 128
+  symmetric: bool = True
+  scale_dtype: Any = jnp.bfloat16
+  implementation: str | None = None
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    k = x.shape[-1]
+
+    def init_kernel(rng):
+      w = self.kernel_init(rng, (k, self.features), self.param_dtype)
+      return qjax.quantize(w, group_size=self.group_size, symmetric=self.symmetric,
+                           scale_dtype=self.scale_dtype)
+
+    kernel = self.param("kernel", init_kernel)
+    if kernel.shape != (k, self.features):
+      raise ValueError(f"kernel of logical shape {kernel.shape} does not fit x with "
+                       f"{k} features and features={self.features}")
+    bias = None
+    if self.use_bias:
+      bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
+    return _apply(x, kernel, bias, self.dtype, self.implementation)
+
+
+class Int4Linear(nnx.Module):
+  """The NNX twin of :class:`Int4Dense` (options as ``nnx.Linear``).
+
+  >>> import jax.numpy as jnp
+  >>> from flax import nnx
+  >>> from flax_layers import Int4Linear
+  >>> layer = Int4Linear(256, 64, rngs=nnx.Rngs(0))
+  >>> layer.kernel.codes.shape, layer.bias.shape
+  ((32, 64), (64,))
+  >>> layer(jnp.ones((2, 256))).shape
+  (2, 64)
+  """
+
+  def __init__(self, in_features: int, out_features: int, *, use_bias: bool = True,
+               dtype: Any = None, param_dtype: Any = jnp.float32, precision: Any = None,
+               kernel_init: Callable[..., Array] = default_kernel_init,
+               bias_init: Callable[..., Array] = nn.initializers.zeros_init(),
+               group_size: int | None = 128, symmetric: bool = True,
+               scale_dtype: Any = jnp.bfloat16, implementation: str | None = None,
+               kernel: Any = None, rngs: nnx.Rngs | None = None):
+    self.in_features = in_features
+    self.out_features = out_features
+    self.dtype = dtype
+    self.precision = precision
+    self.implementation = implementation
+    if kernel is None:
+      if rngs is None:
+        raise ValueError("Int4Linear needs rngs=nnx.Rngs(...) or a pre-quantized kernel=")
+      w = kernel_init(rngs.params(), (in_features, out_features), param_dtype)
+      kernel = qjax.quantize(w, group_size=group_size, symmetric=symmetric,
+                             scale_dtype=scale_dtype)
+    if tuple(kernel.shape) != (in_features, out_features):
+      raise ValueError(f"kernel of logical shape {tuple(kernel.shape)} is not "
+                       f"({in_features}, {out_features})")
+    self.kernel = nnx.Param(kernel)
+    if use_bias:
+      bias = (bias_init(rngs.params(), (out_features,), param_dtype) if rngs is not None
+              else jnp.zeros((out_features,), param_dtype))
+      self.bias = nnx.Param(bias)
+    else:
+      self.bias = None
+
+  @classmethod
+  def from_linear(cls, linear: nnx.Linear, *, group_size: int | None = 128,
+                  symmetric: bool = True, scale_dtype: Any = jnp.bfloat16,
+                  method: str = "minmax", implementation: str | None = None) -> "Int4Linear":
+    """Quantizes an existing ``nnx.Linear``."""
+    kernel = qjax.quantize(_value(linear.kernel), group_size=group_size, symmetric=symmetric,
+                           scale_dtype=scale_dtype, method=method, name="kernel")
+    layer = cls(linear.in_features, linear.out_features, use_bias=linear.bias is not None,
+                dtype=linear.dtype, implementation=implementation, kernel=kernel)
+    if linear.bias is not None:
+      layer.bias = nnx.Param(_value(linear.bias))
+    return layer
+
+  def __call__(self, x: Array) -> Array:
+    bias = None if self.bias is None else _value(self.bias)
+    return _apply(x, _value(self.kernel), bias, self.dtype, self.implementation)

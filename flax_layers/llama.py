@@ -1,0 +1,423 @@
+"""A Llama model in Flax linen on quantized weights (GGUF files), with a KV cache.
+
+Every projection goes through :func:`qjax.matmul`, so any quantized-weight pytree of
+logical shape ``[K, N]`` works (GGUF block formats, :class:`qjax.Int4Weight`, ...). The
+token embedding ``[K=hidden, N=vocab]`` is looked up by dequantizing only the gathered rows
+and, when the file has no ``output.weight``, is also the output head (tied: ``x @ W``).
+
+The layers are stacked along a leading axis and run with ``nn.scan``, so one layer is
+compiled once. Weights come from :func:`params_from_gguf`; there is no random init.
+
+Layout notes: llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` so that
+RoPE rotates adjacent pairs ``(x[2i], x[2i+1])`` of each head (``LLAMA_ROPE_TYPE_NORM``);
+:func:`apply_rope` does that, with frequency ``base ** (-2i / rope_dim)`` for pair ``i``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import qjax
+from qjax._src.gguf_formats import embedding_rows
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  """Hyperparameters (from GGUF metadata) and run options.
+
+  Attributes:
+    vocab_size, hidden_size, num_layers, num_heads, num_kv_heads, head_dim, ffn_size:
+      the model's shapes.
+    rope_base: RoPE frequency base (``llama.rope.freq_base``).
+    rope_dim: leading dims of each head RoPE rotates (``llama.rope.dimension_count``).
+    rms_eps: RMSNorm epsilon.
+    context_length: the longest sequence the model was trained for.
+    dtype: activation and KV-cache dtype (float32 on CPU, bfloat16 on GPU).
+    implementation: the ``qjax.matmul`` implementation (None: best available).
+  """
+  vocab_size: int
+  hidden_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  ffn_size: int
+  rope_base: float = 10000.0
+  rope_dim: int | None = None
+  rms_eps: float = 1e-5
+  context_length: int = 2048
+  dtype: Any = jnp.float32
+  implementation: str | None = None
+
+  def __post_init__(self):
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
+                       f"num_kv_heads={self.num_kv_heads}")
+    rd = self.head_dim if self.rope_dim is None else self.rope_dim
+    if rd % 2 or rd > self.head_dim:
+      raise ValueError(f"rope_dim={rd} must be even and at most head_dim={self.head_dim}")
+    object.__setattr__(self, "rope_dim", rd)
+
+  @classmethod
+  def from_metadata(cls, metadata: dict[str, Any], **options: Any) -> "LlamaConfig":
+    """The config of a GGUF file's metadata; ``options`` sets dtype / implementation."""
+    arch = metadata.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+      raise ValueError(f"general.architecture={arch!r} is not supported; qjax runs "
+                       f"{SUPPORTED_ARCHITECTURES}")
+
+    def get(key, default=None):
+      v = metadata.get(f"{arch}.{key}", default)
+      if v is None:
+        raise ValueError(f"the GGUF metadata lacks {arch}.{key}")
+      return v
+
+    scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", None):
+      raise ValueError(f"{arch}.rope.scaling.type={scaling!r} is not supported (only 'none')")
+    hidden = int(get("embedding_length"))
+    heads = int(get("attention.head_count"))
+    vocab = metadata.get(f"{arch}.vocab_size")
+    if vocab is None:
+      vocab = len(metadata.get("tokenizer.ggml.tokens") or []) or None
+    if vocab is None:
+      raise ValueError(f"the GGUF metadata has neither {arch}.vocab_size nor tokenizer tokens")
+    head_dim = int(metadata.get(f"{arch}.attention.key_length", hidden // heads))
+    return cls(
+        vocab_size=int(vocab), hidden_size=hidden, num_layers=int(get("block_count")),
+        num_heads=heads, num_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=head_dim, ffn_size=int(get("feed_forward_length")),
+        rope_base=float(get("rope.freq_base", 10000.0)),
+        rope_dim=int(get("rope.dimension_count", head_dim)),
+        rms_eps=float(get("attention.layer_norm_rms_epsilon")),
+        context_length=int(get("context_length", 2048)), **options)
+
+
+def _pretrained(rng, *args):
+  """Init of every parameter: none. Weights come from :func:`params_from_gguf`."""
+  del rng, args
+  return None
+
+
+class QuantizedDense(nn.Module):
+  """``y = x @ W`` with ``W`` (param "kernel") any quantized pytree of shape ``[K, features]``.
+
+  Attributes:
+    features: N.
+    implementation: the ``qjax.matmul`` implementation (None: best available).
+  """
+  features: int
+  implementation: str | None = None
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """x: ``[..., K]`` -> ``[..., features]`` in x's dtype."""
+    w = self.param("kernel", _pretrained)
+    if w is None:
+      raise ValueError(f"{self.name}: the kernel must come from params_from_gguf")
+    if w.shape[1] != self.features:
+      raise ValueError(f"{self.name}: kernel of shape {w.shape} has N={w.shape[1]}, "
+                       f"want features={self.features}")
+    return qjax.matmul(x, w, implementation=self.implementation)
+
+
+class RMSNorm(nn.Module):
+  """``x / rms(x) * scale`` computed in float32 (param "scale": ``[hidden]``)."""
+  eps: float
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    scale = self.param("scale", _pretrained)
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, base: float, rope_dim: int) -> jax.Array:
+  """Rotates adjacent pairs ``(x[..., 2i], x[..., 2i+1])`` by ``pos * base**(-2i/rope_dim)``.
+
+  Args:
+    x: ``[batch, seq, heads, head_dim]``.
+    positions: ``[batch, seq]`` int32.
+    base: the frequency base.
+    rope_dim: leading dims of each head to rotate (the rest pass through).
+
+  Returns:
+    ``[batch, seq, heads, head_dim]`` in x's dtype.
+  """
+  inv_freq = base ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
+  angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+  cos = jnp.cos(angles)[:, :, None, :]  # [B, T, 1, rope_dim // 2]
+  sin = jnp.sin(angles)[:, :, None, :]
+  rot, rest = x[..., :rope_dim], x[..., rope_dim:]
+  pairs = rot.astype(jnp.float32).reshape(*rot.shape[:-1], rope_dim // 2, 2)
+  x0, x1 = pairs[..., 0], pairs[..., 1]
+  out = jnp.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1)
+  out = out.reshape(rot.shape).astype(x.dtype)
+  return jnp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
+
+
+class Attention(nn.Module):
+  """Grouped-query attention with RoPE that writes its keys and values into a KV cache."""
+  cfg: LlamaConfig
+
+  @nn.compact
+  def __call__(self, x, positions, mask, k_cache, v_cache):
+    """One layer's attention.
+
+    Args:
+      x: ``[batch, seq, hidden]``.
+      positions: ``[batch, seq]`` int32, where each token's key and value are written.
+      mask: ``[batch, seq, max_len]`` bool, the cache slots each query attends to.
+      k_cache, v_cache: ``[batch, max_len, kv_heads, head_dim]``.
+
+    Returns:
+      ``([batch, seq, hidden], k_cache, v_cache)``.
+    """
+    c = self.cfg
+    b, t, _ = x.shape
+    dense = functools.partial(QuantizedDense, implementation=c.implementation)
+    q = dense(c.num_heads * c.head_dim, name="q")(x).reshape(b, t, c.num_heads, c.head_dim)
+    k = dense(c.num_kv_heads * c.head_dim, name="k")(x).reshape(b, t, c.num_kv_heads, c.head_dim)
+    v = dense(c.num_kv_heads * c.head_dim, name="v")(x).reshape(b, t, c.num_kv_heads, c.head_dim)
+    q = apply_rope(q, positions, c.rope_base, c.rope_dim)
+    k = apply_rope(k, positions, c.rope_base, c.rope_dim)
+    rows = jnp.arange(b)[:, None]
+    k_cache = k_cache.at[rows, positions].set(k.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[rows, positions].set(v.astype(v_cache.dtype), mode="drop")
+
+    g = c.num_heads // c.num_kv_heads
+    qg = q.reshape(b, t, c.num_kv_heads, g, c.head_dim)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k_cache.astype(q.dtype),
+                        preferred_element_type=jnp.float32) / np.sqrt(c.head_dim)
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache.astype(x.dtype),
+                     preferred_element_type=jnp.float32).astype(x.dtype)
+    out = out.reshape(b, t, c.num_heads * c.head_dim)
+    return dense(c.hidden_size, name="o")(out), k_cache, v_cache
+
+
+class MLP(nn.Module):
+  """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+  cfg: LlamaConfig
+
+  @nn.compact
+  def __call__(self, x):
+    """x: ``[batch, seq, hidden]`` -> ``[batch, seq, hidden]``."""
+    c = self.cfg
+    dense = functools.partial(QuantizedDense, implementation=c.implementation)
+    h = jax.nn.silu(dense(c.ffn_size, name="gate")(x)) * dense(c.ffn_size, name="up")(x)
+    return dense(c.hidden_size, name="down")(h)
+
+
+class Block(nn.Module):
+  """A pre-norm decoder layer; the scan body over layers."""
+  cfg: LlamaConfig
+
+  @nn.compact
+  def __call__(self, x, layer_cache, ctx):
+    """x: ``[batch, seq, hidden]``; layer_cache: (k, v) ``[batch, max_len, kv_heads, head_dim]``;
+    ctx: (positions ``[batch, seq]``, mask ``[batch, seq, max_len]``)."""
+    positions, mask = ctx
+    k_cache, v_cache = layer_cache
+    h, k_cache, v_cache = Attention(self.cfg, name="attn")(
+        RMSNorm(self.cfg.rms_eps, name="attn_norm")(x), positions, mask, k_cache, v_cache)
+    x = x + h
+    x = x + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg.rms_eps, name="ffn_norm")(x))
+    return x, (k_cache, v_cache)
+
+
+class Llama(nn.Module):
+  """The decoder: embedding, ``num_layers`` scanned blocks, final norm, output head.
+
+  Params: ``embed`` (quantized ``[hidden, vocab]``), ``blocks`` (every leaf with a leading
+  ``[layers]`` axis), ``final_norm``, and ``lm_head`` only when the output is not tied.
+  """
+  cfg: LlamaConfig
+
+  @nn.compact
+  def __call__(self, tokens, positions, cache):
+    """Runs ``tokens`` at ``positions``, writing their keys and values into ``cache``.
+
+    Args:
+      tokens: ``[batch, seq]`` int32.
+      positions: ``[batch, seq]`` int32; query ``(b, t)`` attends to cache slots
+        ``<= positions[b, t]``.
+      cache: {"k", "v"}: ``[layers, batch, max_len, kv_heads, head_dim]``.
+
+    Returns:
+      (logits ``[batch, seq, vocab]`` float32, the updated cache).
+    """
+    c = self.cfg
+    embed = self.param("embed", _pretrained)
+    x = embedding_rows(embed, tokens).astype(c.dtype)
+    max_len = cache["k"].shape[2]
+    mask = jnp.arange(max_len)[None, None, :] <= positions[:, :, None]
+    blocks = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": False},
+                     in_axes=(0, nn.broadcast), length=c.num_layers)
+    x, (k, v) = blocks(c, name="blocks")(x, (cache["k"], cache["v"]), (positions, mask))
+    x = RMSNorm(c.rms_eps, name="final_norm")(x)
+    head = embed
+    if self.has_variable("params", "lm_head"):
+      head = self.param("lm_head", _pretrained)
+    logits = qjax.matmul(x, head, implementation=c.implementation)
+    return logits.astype(jnp.float32), {"k": k, "v": v}
+
+
+def init_cache(cfg: LlamaConfig, batch: int, max_len: int) -> dict[str, jax.Array]:
+  """Zero KV cache: {"k", "v"}: ``[layers, batch, max_len, kv_heads, head_dim]`` in cfg.dtype."""
+  if max_len < 1:
+    raise ValueError(f"max_len={max_len} must be positive")
+  shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+  return {"k": jnp.zeros(shape, cfg.dtype), "v": jnp.zeros(shape, cfg.dtype)}
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def prefill(params, tokens, cache, *, cfg: LlamaConfig):
+  """Runs a prompt from position 0.
+
+  Args:
+    params: from :func:`params_from_gguf`.
+    tokens: ``[batch, seq]`` int32, padded on the right to a bucket length (the padding's
+      keys land in the cache past the prompt and are overwritten by decoding).
+    cache: from :func:`init_cache` (donated).
+    cfg: the config (static).
+
+  Returns:
+    (logits ``[batch, seq, vocab]`` float32, cache).
+  """
+  b, t = tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  return Llama(cfg).apply(params, tokens.astype(jnp.int32), positions, cache)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def decode_step(params, token, pos, cache, *, cfg: LlamaConfig):
+  """One token per sequence.
+
+  Args:
+    params: from :func:`params_from_gguf`.
+    token: ``[batch]`` int32.
+    pos: ``[batch]`` (or scalar) int32, the position of ``token``.
+    cache: the KV cache (donated).
+    cfg: the config (static).
+
+  Returns:
+    (logits ``[batch, vocab]`` float32, cache).
+  """
+  b = token.shape[0]
+  positions = jnp.broadcast_to(jnp.asarray(pos, jnp.int32).reshape(-1), (b,))[:, None]
+  logits, cache = Llama(cfg).apply(params, token.astype(jnp.int32)[:, None], positions, cache)
+  return logits[:, 0], cache
+
+
+def forward(params, tokens, *, cfg: LlamaConfig) -> jax.Array:
+  """Logits ``[batch, seq, vocab]`` of ``tokens [batch, seq]`` with no prior cache."""
+  cache = init_cache(cfg, tokens.shape[0], tokens.shape[1])
+  return prefill(params, tokens, cache, cfg=cfg)[0]
+
+
+@jax.jit
+def _sample_top_p(logits, key, temperature, top_p):
+  logits = logits.astype(jnp.float32) / temperature
+  order = jnp.argsort(-logits, axis=-1)
+  sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+  probs = jax.nn.softmax(sorted_logits, axis=-1)
+  before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
+  sorted_logits = jnp.where(before < top_p, sorted_logits, -jnp.inf)
+  choice = jax.random.categorical(key, sorted_logits, axis=-1)
+  return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+def sample(logits: jax.Array, key: jax.Array | None = None, *, temperature: float = 0.0,
+           top_p: float = 1.0) -> jax.Array:
+  """Next tokens ``[batch]`` int32 from ``logits [batch, vocab]``.
+
+  temperature 0 is greedy (argmax); otherwise nucleus sampling: the smallest set of most
+  likely tokens whose probability reaches ``top_p``, at ``temperature``, drawn with ``key``.
+  """
+  if temperature < 0:
+    raise ValueError(f"temperature={temperature} must be >= 0")
+  if not 0 < top_p <= 1:
+    raise ValueError(f"top_p={top_p} must be in (0, 1]")
+  if temperature == 0:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  if key is None:
+    raise ValueError("sampling with temperature > 0 needs a PRNG key")
+  return _sample_top_p(logits, key, jnp.float32(temperature), jnp.float32(top_p))
+
+
+# GGUF tensor name (in block i) -> path in the block params.
+_BLOCK_TENSORS = {
+    "attn_norm.weight": ("attn_norm", "scale"),
+    "attn_q.weight": ("attn", "q", "kernel"),
+    "attn_k.weight": ("attn", "k", "kernel"),
+    "attn_v.weight": ("attn", "v", "kernel"),
+    "attn_output.weight": ("attn", "o", "kernel"),
+    "ffn_norm.weight": ("ffn_norm", "scale"),
+    "ffn_gate.weight": ("mlp", "gate", "kernel"),
+    "ffn_up.weight": ("mlp", "up", "kernel"),
+    "ffn_down.weight": ("mlp", "down", "kernel"),
+}
+
+
+def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
+  for p in path[:-1]:
+    tree = tree.setdefault(p, {})
+  tree[path[-1]] = value
+
+
+def params_from_gguf(gguf_file: Any, *, convert=None, consume: bool = False) -> dict:
+  """The Flax params of :class:`Llama` from a loaded GGUF file.
+
+  Args:
+    gguf_file: a ``GGUFFile`` (``qjax._src.gguf_io.load_gguf``) of a llama model.
+    convert: optional ``fn(name, weight) -> weight`` applied to each 2-D projection weight
+      of the blocks before stacking (e.g. ``lambda n, w: w.to_int4()`` for the GPU kernel).
+    consume: remove the tensors from ``gguf_file.tensors`` as they are stacked, so the
+      per-layer copies can be freed.
+
+  Returns:
+    ``{"params": {"embed", "blocks", "final_norm", ["lm_head"]}}``; block leaves carry a
+    leading ``[layers]`` axis.
+  """
+  tensors = gguf_file.tensors
+  cfg = LlamaConfig.from_metadata(gguf_file.metadata)
+  take = tensors.pop if consume else tensors.__getitem__
+
+  def need(name):
+    if name not in tensors:
+      raise ValueError(f"{gguf_file.path}: the llama model needs tensor {name!r}, which the "
+                       "file lacks")
+    return take(name)
+
+  blocks: dict = {}
+  for suffix, path in _BLOCK_TENSORS.items():
+    layers = []
+    for i in range(cfg.num_layers):
+      w = need(f"blk.{i}.{suffix}")
+      if convert is not None and path[-1] == "kernel":
+        w = convert(f"blk.{i}.{suffix}", w)
+      layers.append(w)
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+    del layers
+    _set(blocks, path, stacked)
+  params = {"embed": need("token_embd.weight"), "blocks": blocks,
+            "final_norm": {"scale": need("output_norm.weight")}}
+  if "output.weight" in tensors:
+    params["lm_head"] = take("output.weight")
+  emb = params["embed"]
+  if tuple(emb.shape) != (cfg.hidden_size, cfg.vocab_size):
+    raise ValueError(f"token_embd.weight has logical shape {tuple(emb.shape)}, want "
+                     f"(hidden={cfg.hidden_size}, vocab={cfg.vocab_size})")
+  return {"params": params}

@@ -1,0 +1,1 @@
+"""qjax internals; the public API is re-exported from qjax."""

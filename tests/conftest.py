@@ -1,0 +1,27 @@
+"""Shared test helpers: per-test seeds and the float64 reference."""
+
+import hashlib
+
+import jax
+import numpy as np
+import pytest
+
+
+def seed_from(name: str) -> int:
+  """A seed derived from the test's name, so a failure reproduces."""
+  return int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "little")
+
+
+@pytest.fixture
+def rng(request):
+  return np.random.default_rng(seed_from(request.node.nodeid))
+
+
+def on_gpu() -> bool:
+  return jax.devices()[0].platform == "gpu"
+
+
+def rel_err(y, ref) -> float:
+  y = np.asarray(y, np.float64)
+  ref = np.asarray(ref, np.float64)
+  return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
