@@ -3,3 +3,14 @@
 from flax_layers.dense import Int4Dense as Int4Dense
 from flax_layers.dense import Int4Linear as Int4Linear
 from flax_layers.dense import quantize_dense_params as quantize_dense_params
+from flax_layers.llama import Llama as Llama
+from flax_layers.llama import LlamaConfig as LlamaConfig
+from flax_layers.llama import QuantizedDense as QuantizedDense
+from flax_layers.llama import RMSNorm as RMSNorm
+from flax_layers.llama import apply_rope as apply_rope
+from flax_layers.llama import decode_step as decode_step
+from flax_layers.llama import forward as forward
+from flax_layers.llama import init_cache as init_cache
+from flax_layers.llama import params_from_gguf as params_from_gguf
+from flax_layers.llama import prefill as prefill
+from flax_layers.llama import sample as sample

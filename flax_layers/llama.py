@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import qjax
+from qjax._src import dispatch
 from qjax._src.gguf_formats import embedding_rows
 
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -42,7 +43,8 @@ class LlamaConfig:
     rms_eps: RMSNorm epsilon.
     context_length: the longest sequence the model was trained for.
     dtype: activation and KV-cache dtype (float32 on CPU, bfloat16 on GPU).
-    implementation: the ``qjax.matmul`` implementation (None: best available).
+    implementation: the ``qjax.matmul`` implementation (None: best available; "pallas"
+      and "interpret" apply to the weights whose format has a kernel, the rest run XLA).
   """
   vocab_size: int
   hidden_size: int
@@ -102,6 +104,14 @@ class LlamaConfig:
         context_length=int(get("context_length", 2048)), **options)
 
 
+def matmul(x: jax.Array, w: Any, implementation: str | None) -> jax.Array:
+  """``qjax.matmul``; a weight whose format has no kernel runs XLA even when
+  ``implementation`` is "pallas" or "interpret" (e.g. a Q8_0 embedding used as the head)."""
+  if implementation in ("pallas", "interpret") and not dispatch.kernels_for(w):
+    implementation = "xla"
+  return qjax.matmul(x, w, implementation=implementation)
+
+
 def _pretrained(rng, *args):
   """Init of every parameter: none. Weights come from :func:`params_from_gguf`."""
   del rng, args
@@ -127,7 +137,7 @@ class QuantizedDense(nn.Module):
     if w.shape[1] != self.features:
       raise ValueError(f"{self.name}: kernel of shape {w.shape} has N={w.shape[1]}, "
                        f"want features={self.features}")
-    return qjax.matmul(x, w, implementation=self.implementation)
+    return matmul(x, w, self.implementation)
 
 
 class RMSNorm(nn.Module):
@@ -270,7 +280,7 @@ class Llama(nn.Module):
     head = embed
     if self.has_variable("params", "lm_head"):
       head = self.param("lm_head", _pretrained)
-    logits = qjax.matmul(x, head, implementation=c.implementation)
+    logits = matmul(x, head, c.implementation)
     return logits.astype(jnp.float32), {"k": k, "v": v}
 
 

@@ -199,7 +199,8 @@ def generate(args) -> int:
   except UsageError as e:
     print(f"qjax generate: error: {e}", file=sys.stderr)
     return 2
-  except (ValueError, FileNotFoundError, IsADirectoryError, PermissionError, ImportError) as e:
+  except (ValueError, FileNotFoundError, IsADirectoryError, PermissionError, ImportError,
+          NotImplementedError) as e:  # bad files; an implementation this device lacks
     print(f"qjax generate: error: {_bad_file(e)}", file=sys.stderr)
     return 2
 

@@ -112,9 +112,7 @@ class GGUFBlockWeight(formats.QuantizedWeight):
           f"{cls.__name__}: K={k} (row length) must be a multiple of the {cls.ggml_type} "
           f"block size {cls.block_size}")
     nb = k // cls.block_size
-    raw = np.asarray(raw)
-    if raw.dtype != np.uint8:
-      raw = raw.view(np.uint8)
+    raw = _as_bytes(raw)
     if raw.size != n * nb * cls.type_size:
       raise ValueError(
           f"{cls.__name__} of shape (K={k}, N={n}) needs {n * nb * cls.type_size} bytes, "
@@ -156,6 +154,14 @@ class GGUFBlockWeight(formats.QuantizedWeight):
   def _rows_f32(**fields: jax.Array) -> jax.Array:  # pragma: no cover - abstract
     """``[..., nb, block_size]`` float32 from the fields of ``[..., nb]`` blocks."""
     raise NotImplementedError
+
+
+def _as_bytes(raw: Any) -> np.ndarray:
+  """A flat uint8 view of an array or buffer (a copy only if it is not contiguous)."""
+  if isinstance(raw, (bytes, bytearray, memoryview)):
+    return np.frombuffer(raw, np.uint8)
+  a = np.ascontiguousarray(np.asarray(raw))
+  return a.reshape(-1).view(np.uint8)
 
 
 def _f32(a: jax.Array) -> jax.Array:
@@ -446,8 +452,7 @@ class GGUFDense(formats.QuantizedWeight):
     if ggml_type not in _DENSE_TYPES:
       raise ValueError(f"{ggml_type=} must be one of {sorted(_DENSE_TYPES)}")
     k, n = (int(d) for d in shape)
-    a = np.asarray(raw)
-    a = a.reshape(-1).view(np.uint8).view(_DENSE_TYPES[ggml_type])
+    a = _as_bytes(raw).view(_DENSE_TYPES[ggml_type])
     if a.size != k * n:
       raise ValueError(f"GGUFDense of shape (K={k}, N={n}) needs {k * n} {ggml_type} values, "
                        f"got {a.size}")

@@ -1,0 +1,77 @@
+"""Int4Dense (linen) and Int4Linear (NNX) against nn.Dense / nnx.Linear on the
+dequantized kernel."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import qjax
+from flax_layers import Int4Dense, Int4Linear, quantize_dense_params
+from conftest import rel_err
+
+
+@pytest.mark.parametrize("group_size,symmetric", [(128, True), (32, False), (None, True)])
+def test_linen_matches_dense_on_dequantized_kernel(rng, group_size, symmetric):
+  x = jnp.asarray(rng.standard_normal((4, 256)), jnp.float32)
+  dense = nn.Dense(96)
+  params = dense.init(jax.random.key(0), x)["params"]
+  params["bias"] = jnp.asarray(rng.standard_normal(96), jnp.float32)
+  qparams = quantize_dense_params(params, group_size=group_size, symmetric=symmetric)
+  y = jax.jit(lambda p, x: Int4Dense(96).apply({"params": p}, x))(qparams, x)
+  deq = {"kernel": qparams["kernel"].dequantize(), "bias": params["bias"]}
+  ref = dense.apply({"params": deq}, x)
+  np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_linen_init_and_model(rng):
+  class Mlp(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      h = jax.nn.gelu(Int4Dense(128, group_size=64)(x))
+      return Int4Dense(16, use_bias=False, dtype=jnp.bfloat16)(h)
+
+  x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
+  variables = Mlp().init(jax.random.key(1), x)
+  k0 = variables["params"]["Int4Dense_0"]["kernel"]
+  assert isinstance(k0, qjax.Int4Weight) and k0.shape == (64, 128) and k0.group_size == 64
+  y = jax.jit(Mlp().apply)(variables, x)
+  assert y.shape == (3, 16) and y.dtype == jnp.bfloat16
+  p = variables["params"]
+  h = jax.nn.gelu(np.asarray(x, np.float64) @ np.asarray(k0.dequantize(), np.float64)
+                  + np.asarray(p["Int4Dense_0"]["bias"]))
+  ref = h @ np.asarray(p["Int4Dense_1"]["kernel"].dequantize(), np.float64)
+  assert rel_err(y, ref) < 1e-2
+
+
+def test_nnx_matches_linear_and_linen(rng):
+  lin = nnx.Linear(256, 48, rngs=nnx.Rngs(0))
+  q = Int4Linear.from_linear(lin, group_size=128)
+  x = jnp.asarray(rng.standard_normal((5, 256)), jnp.float32)
+  ref_lin = nnx.Linear(256, 48, rngs=nnx.Rngs(1))
+  ref_lin.kernel = nnx.Param(q.kernel.get_value().dequantize() if hasattr(q.kernel, "get_value")
+                             else q.kernel.value.dequantize())
+  ref_lin.bias = lin.bias
+  y = nnx.jit(lambda m, x: m(x))(q, x)
+  np.testing.assert_allclose(np.asarray(y), np.asarray(ref_lin(x)), rtol=1e-5, atol=1e-5)
+  # The linen twin on the same params agrees exactly.
+  kernel = q.kernel.get_value() if hasattr(q.kernel, "get_value") else q.kernel.value
+  bias = q.bias.get_value() if hasattr(q.bias, "get_value") else q.bias.value
+  y2 = Int4Dense(48).apply({"params": {"kernel": kernel, "bias": bias}}, x)
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(y2))
+
+
+def test_nnx_from_prequantized_and_errors(rng):
+  w = qjax.quantize(rng.standard_normal((128, 8)).astype(np.float32))
+  layer = Int4Linear(128, 8, use_bias=False, kernel=w)
+  assert layer(jnp.ones((1, 128))).shape == (1, 8)
+  with pytest.raises(ValueError, match=r"\(128, 8\) is not \(64, 8\)"):
+    Int4Linear(64, 8, kernel=w)
+  with pytest.raises(ValueError, match="rngs"):
+    Int4Linear(64, 8)
+  with pytest.raises(ValueError, match="dtype=int32"):
+    layer(jnp.ones((1, 128)).astype(jnp.int32)) if False else Int4Dense(8, dtype=jnp.int32).apply(
+        {"params": {"kernel": w, "bias": jnp.zeros(8)}}, jnp.ones((1, 128)))

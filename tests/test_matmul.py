@@ -1,0 +1,154 @@
+"""qjax.matmul on Int4Weight: every implementation against a float64 numpy reference.
+
+One base class holds the suite; subclasses run it on the XLA path, on the Pallas kernel
+in interpret mode (CPU) and on the compiled kernel (GPU only). Inputs are drawn fresh per
+case from a seed derived from the test name; kernel outputs are poisoned (NaN) before
+the run so an unwritten tile fails.
+"""
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import qjax
+from qjax._src import packing
+from conftest import on_gpu, rel_err, seed_from
+
+MS = (1, 3, 16, 100, 257)
+SHAPES = ((256, 384), (4096, 4096), (4096, 11008))
+GROUPS = (32, 128, None)
+# Ordered so that cases sharing a weight run together (see _weight's cache).
+CASES = [(m, shape, g, sym, dt) for shape, g, sym in itertools.product(SHAPES, GROUPS,
+                                                                      (True, False))
+         for m, dt in itertools.product(MS, (jnp.bfloat16, jnp.float16))]
+
+
+def case_id(c):
+  m, (k, n), g, sym, dt = c
+  return f"M{m}-K{k}-N{n}-G{g or 'chan'}-{'sym' if sym else 'asym'}-{jnp.dtype(dt).name}"
+
+
+def reference(x, w):
+  """float64 x @ W, W rebuilt in numpy from the unpacked codes (not qjax.dequantize)."""
+  k, n = w.shape
+  q = packing.unpack_codes(np.asarray(w.codes), k, w.tile_k).astype(np.float64)
+  s = np.repeat(np.asarray(w.scales, np.float64), w.group_size, axis=0)
+  if w.biases is not None:
+    wd = q * s + np.repeat(np.asarray(w.biases, np.float64), w.group_size, axis=0)
+  else:
+    z = 8.0 if w.zeros is None else np.repeat(np.asarray(w.zeros, np.float64), w.group_size,
+                                              axis=0)
+    wd = (q - z) * s
+  return np.asarray(x, np.float64) @ wd
+
+
+@functools.lru_cache(maxsize=4)
+def _weight(k, n, group_size, symmetric):
+  """One quantized weight per (shape, group, symmetry), shared by the M and dtype cases
+  (quantizing 4096 x 11008 on a 2-core CPU dominates the suite otherwise)."""
+  rng = np.random.default_rng(seed_from(f"w-{k}-{n}-{group_size}-{symmetric}"))
+  return qjax.quantize(rng.standard_normal((k, n)).astype(np.float32) / np.sqrt(k),
+                       group_size=group_size, symmetric=symmetric)
+
+
+def make_case(name, m, k, n, group_size, symmetric, dtype):
+  """A fresh x per test (seeded from its name) and the shared weight of its kind."""
+  rng = np.random.default_rng(seed_from(name))
+  x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+  return x, _weight(k, n, group_size, symmetric)
+
+
+class MatmulSuite:
+  """Subclasses set ``run(x, w) -> y``."""
+
+  def run(self, x, w):
+    raise NotImplementedError
+
+  @pytest.mark.parametrize("case", CASES, ids=case_id)
+  def test_matches_float64(self, request, case):
+    m, (k, n), g, sym, dt = case
+    x, w = make_case(request.node.nodeid, m, k, n, g, sym, dt)
+    y = self.run(x, w)
+    assert y.shape == (m, n) and y.dtype == jnp.dtype(dt)
+    y = np.asarray(y, np.float64)
+    assert np.isfinite(y).all(), "unwritten (poisoned) or non-finite outputs"
+    assert rel_err(y, reference(x, w)) < 1e-2
+
+  @pytest.mark.parametrize("m,k,n,g", [(5, 96, 33, 32), (17, 200, 70, None), (2, 384, 1, 128),
+                                       (9, 640, 130, 64)])
+  def test_ragged_shapes_and_float_biases(self, request, m, k, n, g):
+    rng = np.random.default_rng(seed_from(request.node.nodeid))
+    w = qjax.quantize(rng.standard_normal((k, n)).astype(np.float32), group_size=g,
+                      symmetric=False, scale_dtype=jnp.float16)
+    w = qjax.Int4Weight(codes=w.codes, scales=w.scales, zeros=None, shape=w.shape,
+                        group_size=w.group_size,
+                        biases=jnp.asarray(rng.standard_normal(w.scales.shape), jnp.float16))
+    for dt in (jnp.bfloat16, jnp.float16, jnp.float32):
+      x = jnp.asarray(rng.standard_normal((m, k)), dt)
+      y = np.asarray(self.run(x, w), np.float64)
+      assert np.isfinite(y).all()
+      assert rel_err(y, reference(x, w)) < 1e-2, dt
+
+  def test_plain_order_weights(self, request):
+    x, w = make_case(request.node.nodeid, 4, 256, 64, 64, False, jnp.bfloat16)
+    y = np.asarray(self.run(x, w.repack(packing.PLAIN_TILE_K)), np.float64)
+    assert rel_err(y, reference(x, w)) < 1e-2
+
+
+class TestXla(MatmulSuite):
+
+  def run(self, x, w):
+    return jax.jit(lambda a, b: qjax.matmul(a, b, implementation="xla"))(x, w)
+
+  def test_leading_dims(self, request):
+    x, w = make_case(request.node.nodeid, 6, 256, 32, 128, True, jnp.float32)
+    y = qjax.matmul(x.reshape(2, 3, 256), w, implementation="xla")
+    assert y.shape == (2, 3, 32)
+    assert rel_err(y.reshape(6, 32), reference(x, w)) < 1e-5
+
+
+def _kernel(x, w, interpret):
+  from pallas_kernels import int4_matmul as km  # pylint: disable=g-import-not-at-top
+  config = None
+  if interpret and w.shape[0] >= 1024:
+    # Big blocks keep interpret mode (one Python step per program) fast on the CPU.
+    config = qjax.KernelConfig(block_m=64 if x.shape[0] > 16 else 16, block_n=256,
+                               block_k=512)
+  return jax.jit(lambda a, b: km.int4_matmul(a, b, interpret=interpret, config=config,
+                                             poison=True))(x, w)
+
+
+class TestInterpret(MatmulSuite):
+
+  def run(self, x, w):
+    return _kernel(x, w, interpret=True)
+
+  def test_dispatcher_routes_interpret(self, request):
+    x, w = make_case(request.node.nodeid, 3, 256, 64, 32, True, jnp.bfloat16)
+    assert qjax.implementation_name(w, "interpret") == "pallas_triton-interpret"
+    y = qjax.matmul(x, w, implementation="interpret")
+    assert rel_err(y, reference(x, w)) < 1e-2
+
+
+@pytest.mark.skipif(not on_gpu(), reason="the compiled Pallas-Triton kernel needs an NVIDIA GPU")
+class TestPallasGpu(MatmulSuite):
+
+  def run(self, x, w):
+    return _kernel(x, w, interpret=False)
+
+  def test_auto_picks_pallas_for_small_m(self, request):
+    x, w = make_case(request.node.nodeid, 16, 4096, 4096, 128, True, jnp.bfloat16)
+    assert qjax.implementation_name(w) == "pallas_triton"
+    assert rel_err(jax.jit(qjax.matmul)(x, w), reference(x, w)) < 1e-2
+
+
+def test_pallas_without_gpu_says_so():
+  if on_gpu():
+    pytest.skip("this machine has a GPU")
+  w = qjax.quantize(np.ones((128, 8), np.float32))
+  with pytest.raises(NotImplementedError, match="interpret"):
+    qjax.matmul(jnp.ones((1, 128), jnp.bfloat16), w, implementation="pallas")
