@@ -17,7 +17,7 @@ class Mlp(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    return self.dense(256)(jax.nn.gelu(self.dense(1024)(x)))
+    return self.dense(256, name="out")(jax.nn.gelu(self.dense(1024, name="hidden")(x)))
 
 
 def main():
@@ -31,7 +31,7 @@ def main():
   fbytes = sum(p["kernel"].size * 2 for p in params.values())
   print(f"relative output error of the int4 MLP: {err:.4f}")
   print(f"kernel bytes: {qbytes:,} int4 vs {fbytes:,} bf16; implementation: "
-        f"{qjax.implementation_name(qparams['Dense_0']['kernel'])}")
+        f"{qjax.implementation_name(qparams['hidden']['kernel'])}")
   assert np.isfinite(err)
 
 

@@ -101,7 +101,15 @@ class Int4Dense(nn.Module):
       return qjax.quantize(w, group_size=self.group_size, symmetric=self.symmetric,
                            scale_dtype=self.scale_dtype)
 
-    kernel = self.param("kernel", init_kernel)
+    if self.is_initializing():
+      kernel = self.param("kernel", init_kernel)
+    else:
+      # Read the existing pytree as it is: its group size or format may differ from this
+      # module's defaults (pre-quantized params), which flax's init-shape check rejects.
+      kernel = self.get_variable("params", "kernel")
+      if kernel is None:
+        raise ValueError(f"{self.name or 'Int4Dense'}: params have no 'kernel'; quantize an "
+                         "nn.Dense's params with quantize_dense_params or call init")
     if kernel.shape != (k, self.features):
       raise ValueError(f"kernel of logical shape {kernel.shape} does not fit x with "
                        f"{k} features and features={self.features}")

@@ -1,6 +1,8 @@
 """The command line: --help texts, the demo and the CPU bench smoke test."""
 
 import json
+import os
+import pathlib
 import subprocess
 import sys
 
@@ -37,7 +39,9 @@ def test_bench_on_cpu_is_labelled(tmp_path, capsys):
 
 
 def test_example_runs():
-  proc = subprocess.run([sys.executable, "examples/quantize_dense.py"], capture_output=True,
-                        text=True, timeout=300)
+  root = pathlib.Path(__file__).resolve().parent.parent
+  env = dict(os.environ, PYTHONPATH=str(root))
+  proc = subprocess.run([sys.executable, str(root / "examples" / "quantize_dense.py")],
+                        capture_output=True, text=True, timeout=300, env=env)
   assert proc.returncode == 0, proc.stderr
   assert "relative output error" in proc.stdout
