@@ -166,7 +166,7 @@ def tune(shapes: Sequence[tuple[int, int]], ms: Sequence[int], fmt: str, *, call
       for cfg in backend.candidate_configs(m, k, n):
         f = jax.jit(lambda x_, w_, cfg=cfg: backend.fn(x_, w_, interpret=False, config=cfg))
         try:
-          t = devtime.device_time(f, [(x, w) for w in ws], calls=max(10, calls // 2)).us
+          t = devtime.device_time(f, [(x, w) for w in ws], calls=max(5, calls // 2)).us
         except Exception as e:  # pylint: disable=broad-except
           log(f"  skip {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
           continue
@@ -174,8 +174,11 @@ def tune(shapes: Sequence[tuple[int, int]], ms: Sequence[int], fmt: str, *, call
           best = (t, cfg)
       if best:
         log(f"tuned {fmt} M={m} K={k} N={n}: {best[0]:.1f} us {best[1]}")
-        entries.append({"format": fmt, "m_bucket": tuning.m_bucket(m), "k": k, "n": n,
-                        "config": best[1].to_json(), "us": round(best[0], 2)})
+        entry = {"format": fmt, "m_bucket": tuning.m_bucket(m), "k": k, "n": n,
+                 "config": best[1].to_json(), "us": round(best[0], 2)}
+        entries.append(entry)
+        # Written as it goes, so a run cut off by a time limit keeps what it measured.
+        tuning.write_table(jax.devices()[0].device_kind, [entry])
     del ws
   return entries
 
@@ -258,7 +261,7 @@ def run(args) -> int:
     entries = []
     for fmt in fmts:
       entries += tune(shapes, ms, fmt, calls=args.calls)
-    path = tuning.write_table(env["device"], entries)
+    path = tuning.DATA_DIR / tuning.device_file_name(env["device"])
     print(f"wrote {len(entries)} entries to {path}")
   bandwidth = measure_copy_bandwidth(2**30 if on_gpu else 2**26)
   print(f"# measured copy bandwidth: {bandwidth / 1e12:.3f} TB/s (read + write)")
