@@ -46,13 +46,6 @@ def _load(ref, mask=None, other=0):
 _MAGIC = {jnp.dtype(jnp.bfloat16): (0x4300, 128.0), jnp.dtype(jnp.float16): (0x6400, 1024.0)}
 
 
-def _load(ref, mask=None, other=0):
-  """Masked load where a mask is given, plain (vectorizable) load otherwise."""
-  if mask is None:
-    return plgpu.load(ref)
-  return plgpu.load(ref, mask=mask, other=other)
-
-
 def _codes_to_float(q: jax.Array, dtype) -> tuple[jax.Array, float]:
   """uint32 codes in [0, 15] -> (C + q in ``dtype``, C), exactly."""
   dtype = jnp.dtype(dtype)

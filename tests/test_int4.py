@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 import qjax
-from qjax._src import packing
 
 
 def numpy_rtn(w, group_size, symmetric, scale_dtype):

