@@ -5,8 +5,10 @@ logical shape ``[K, N]`` works (GGUF block formats, :class:`qjax.Int4Weight`, ..
 token embedding ``[K=hidden, N=vocab]`` is looked up by dequantizing only the gathered rows
 and, when the file has no ``output.weight``, is also the output head (tied: ``x @ W``).
 
-The layers are stacked along a leading axis and run with ``nn.scan``, so one layer is
-compiled once. Weights come from :func:`params_from_gguf`; there is no random init.
+By default the layers are stacked along a leading axis and run with ``nn.scan``, so one
+layer is compiled once; with ``LlamaConfig(scan_layers=False)`` they are separate submodules
+``layers_0 ... layers_{n-1}`` run in an unrolled Python loop (no ``nn.scan``), with per-layer
+params. Weights come from :func:`params_from_gguf`; there is no random init.
 
 Layout notes: llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` so that
 RoPE rotates adjacent pairs ``(x[2i], x[2i+1])`` of each head (``LLAMA_ROPE_TYPE_NORM``);
@@ -45,6 +47,9 @@ class LlamaConfig:
     dtype: activation and KV-cache dtype (float32 on CPU, bfloat16 on GPU).
     implementation: the ``qjax.matmul`` implementation (None: best available; "pallas"
       and "interpret" apply to the weights whose format has a kernel, the rest run XLA).
+    scan_layers: run the blocks with ``nn.scan`` over stacked params (True), or as an
+      unrolled loop over per-layer submodules ``layers_{i}`` (False; longer compile, but
+      no ``nn.scan``). The params layout must match (see :func:`params_from_gguf`).
   """
   vocab_size: int
   hidden_size: int
@@ -59,6 +64,7 @@ class LlamaConfig:
   context_length: int = 2048
   dtype: Any = jnp.float32
   implementation: str | None = None
+  scan_layers: bool = True
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -71,7 +77,8 @@ class LlamaConfig:
 
   @classmethod
   def from_metadata(cls, metadata: dict[str, Any], **options: Any) -> "LlamaConfig":
-    """The config of a GGUF file's metadata; ``options`` sets dtype / implementation."""
+    """The config of a GGUF file's metadata; ``options`` sets dtype / implementation /
+    scan_layers."""
     arch = metadata.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
       raise ValueError(f"general.architecture={arch!r} is not supported; qjax runs "
@@ -231,7 +238,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-  """A pre-norm decoder layer; the scan body over layers."""
+  """A pre-norm decoder layer (the scan body over layers, or one unrolled layer)."""
   cfg: LlamaConfig
 
   @nn.compact
@@ -248,10 +255,12 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-  """The decoder: embedding, ``num_layers`` scanned blocks, final norm, output head.
+  """The decoder: embedding, ``num_layers`` blocks, final norm, output head.
 
-  Params: ``embed`` (quantized ``[hidden, vocab]``), ``blocks`` (every leaf with a leading
-  ``[layers]`` axis), ``final_norm``, and ``lm_head`` only when the output is not tied.
+  Params: ``embed`` (quantized ``[hidden, vocab]``), the blocks, ``final_norm``, and
+  ``lm_head`` only when the output is not tied. The blocks are ``blocks`` (every leaf with
+  a leading ``[layers]`` axis) when ``cfg.scan_layers``, else ``layers_0 ...
+  layers_{n-1}`` (one layer's params each).
   """
   cfg: LlamaConfig
 
@@ -273,9 +282,21 @@ class Llama(nn.Module):
     x = embedding_rows(embed, tokens).astype(c.dtype)
     max_len = cache["k"].shape[2]
     mask = jnp.arange(max_len)[None, None, :] <= positions[:, :, None]
-    blocks = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": False},
-                     in_axes=(0, nn.broadcast), length=c.num_layers)
-    x, (k, v) = blocks(c, name="blocks")(x, (cache["k"], cache["v"]), (positions, mask))
+    layout = "blocks" if c.scan_layers else "layers_0"
+    if not self.has_variable("params", layout):
+      raise ValueError(f"the params have no {layout!r} (scan_layers={c.scan_layers}); build "
+                       f"them with params_from_gguf(..., scan_layers={c.scan_layers})")
+    if c.scan_layers:
+      blocks = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": False},
+                       in_axes=(0, nn.broadcast), length=c.num_layers)
+      x, (k, v) = blocks(c, name="blocks")(x, (cache["k"], cache["v"]), (positions, mask))
+    else:
+      # Unrolled: each layer reads its static slice of the cache and writes it back in
+      # place (dynamic_update_slice on the donated buffer).
+      k, v = cache["k"], cache["v"]
+      for i in range(c.num_layers):
+        x, (k_i, v_i) = Block(c, name=f"layers_{i}")(x, (k[i], v[i]), (positions, mask))
+        k, v = k.at[i].set(k_i), v.at[i].set(v_i)
     x = RMSNorm(c.rms_eps, name="final_norm")(x)
     head = embed
     if self.has_variable("params", "lm_head"):
@@ -387,19 +408,23 @@ def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
   tree[path[-1]] = value
 
 
-def params_from_gguf(gguf_file: Any, *, convert=None, consume: bool = False) -> dict:
+def params_from_gguf(gguf_file: Any, *, convert=None, consume: bool = False,
+                     scan_layers: bool = True) -> dict:
   """The Flax params of :class:`Llama` from a loaded GGUF file.
 
   Args:
     gguf_file: a ``GGUFFile`` (``qjax._src.gguf_io.load_gguf``) of a llama model.
     convert: optional ``fn(name, weight) -> weight`` applied to each 2-D projection weight
-      of the blocks before stacking (e.g. ``lambda n, w: w.to_int4()`` for the GPU kernel).
+      of the blocks (before stacking, if stacked) (e.g. ``lambda n, w: w.to_int4()`` for the GPU kernel).
     consume: remove the tensors from ``gguf_file.tensors`` as they are stacked, so the
       per-layer copies can be freed.
+    scan_layers: the layout, which must equal the ``LlamaConfig.scan_layers`` the params
+      run with: stacked ``blocks`` (True) or per-layer ``layers_{i}`` (False).
 
   Returns:
-    ``{"params": {"embed", "blocks", "final_norm", ["lm_head"]}}``; block leaves carry a
-    leading ``[layers]`` axis.
+    ``{"params": {"embed", "blocks", "final_norm", ["lm_head"]}}`` with block leaves that
+    carry a leading ``[layers]`` axis (scan_layers) or ``{"params": {"embed", "layers_0",
+    ..., "layers_{n-1}", "final_norm", ["lm_head"]}}`` (not scan_layers).
   """
   tensors = gguf_file.tensors
   cfg = LlamaConfig.from_metadata(gguf_file.metadata)
@@ -411,18 +436,28 @@ def params_from_gguf(gguf_file: Any, *, convert=None, consume: bool = False) -> 
                        "file lacks")
     return take(name)
 
+  def layer_weight(i, suffix, path):
+    w = need(f"blk.{i}.{suffix}")
+    if convert is not None and path[-1] == "kernel":
+      w = convert(f"blk.{i}.{suffix}", w)
+    return w
+
   blocks: dict = {}
-  for suffix, path in _BLOCK_TENSORS.items():
-    layers = []
+  if scan_layers:
+    stacked_blocks: dict = {}
+    for suffix, path in _BLOCK_TENSORS.items():
+      layers = [layer_weight(i, suffix, path) for i in range(cfg.num_layers)]
+      stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+      del layers
+      _set(stacked_blocks, path, stacked)
+    blocks["blocks"] = stacked_blocks
+  else:
     for i in range(cfg.num_layers):
-      w = need(f"blk.{i}.{suffix}")
-      if convert is not None and path[-1] == "kernel":
-        w = convert(f"blk.{i}.{suffix}", w)
-      layers.append(w)
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
-    del layers
-    _set(blocks, path, stacked)
-  params = {"embed": need("token_embd.weight"), "blocks": blocks,
+      layer: dict = {}
+      for suffix, path in _BLOCK_TENSORS.items():
+        _set(layer, path, layer_weight(i, suffix, path))
+      blocks[f"layers_{i}"] = layer
+  params = {"embed": need("token_embd.weight"), **blocks,
             "final_norm": {"scale": need("output_norm.weight")}}
   if "output.weight" in tensors:
     params["lm_head"] = take("output.weight")

@@ -249,3 +249,23 @@ def test_cli_inspect():
   assert rc == 0
   assert "token_embd.weight" in out and "Q8_0" in out and "(576, 49152)" in out
   assert out.strip().splitlines()[-1].startswith("272 tensors")
+
+
+def test_unrolled_layers_match_scan(model):
+  cfg, params, tok = model
+  f = gguf_io.load_gguf(MODEL, progress=False)
+  ucfg = llama.LlamaConfig.from_metadata(f.metadata, scan_layers=False)
+  uparams = llama.params_from_gguf(f, scan_layers=False)["params"]
+  assert "blocks" not in uparams and f"layers_{cfg.num_layers - 1}" in uparams
+  q = uparams["layers_0"]["attn"]["q"]["kernel"]
+  assert q.shape == (576, 576) and q.d.shape == params["params"]["blocks"]["attn"]["q"][
+      "kernel"].d.shape[1:]  # one layer, no leading [layers] axis
+  with pytest.raises(ValueError, match="scan_layers=False"):
+    llama.prefill(params, jnp.zeros((1, 16), jnp.int32), llama.init_cache(ucfg, 1, 16),
+                  cfg=ucfg)
+  prompt_ids = tok.encode(PROMPT)
+  want, want_logits = _qjax_greedy(cfg, params, prompt_ids, NEW_TOKENS)
+  got, got_logits = _qjax_greedy(ucfg, {"params": uparams}, prompt_ids, NEW_TOKENS)
+  assert got == want, (tok.decode(got), tok.decode(want))
+  np.testing.assert_allclose(got_logits, want_logits, rtol=1e-4,
+                             atol=1e-4 * np.abs(want_logits).max())

@@ -5,6 +5,7 @@ Both report a bad file as one line on stderr and exit code 2.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -100,11 +101,24 @@ def _run_generate(args) -> int:
   cfg = llama.LlamaConfig.from_metadata(gfile.metadata, dtype=dtype,
                                         implementation=implementation)
   tok = tokenizer_lib.tokenizer_from_gguf(gfile.metadata)
-  params = llama.params_from_gguf(gfile, convert=_maybe_to_int4(implementation), consume=True)
+  convert = _maybe_to_int4(implementation)
+  q_name = "blk.0.attn_q.weight"
+  q_weight = gfile.tensors.get(q_name)
+  if q_weight is None:
+    raise ValueError(f"{path}: the llama model needs tensor {q_name!r}, which the file lacks")
+  if convert is not None:
+    q_weight = convert(q_name, q_weight)
+  impl_name = qjax.implementation_name(q_weight, implementation)
+  del q_weight
+  # A compiled Pallas kernel inside flax's nn.scan fails to trace on the GPU ("broadcasted
+  # variable has a data dependency on the scan body"), so it runs the layers unrolled.
+  scan_layers = not (impl_name.startswith("pallas_triton")
+                     and not impl_name.endswith("-interpret"))
+  cfg = dataclasses.replace(cfg, scan_layers=scan_layers)
+  params = llama.params_from_gguf(gfile, convert=convert, consume=True,
+                                  scan_layers=scan_layers)
   del gfile
   weight_bytes = _live_bytes()
-  q_weight = jax.tree.map(lambda a: a[0], params["params"]["blocks"]["attn"]["q"]["kernel"])
-  impl_name = qjax.implementation_name(q_weight, implementation)
 
   text = args.prompt
   if args.chat:
