@@ -209,3 +209,9 @@ def test_auto_implementation_on_this_machine():
   qw = qjax.quantize(np.ones((128, 8), np.float32))
   name = qjax.implementation_name(qw)
   assert name == ("pallas_triton" if jax.devices()[0].platform == "gpu" else "xla")
+
+
+def test_implementation_name_follows_rows():
+  qw = qjax.quantize(np.ones((128, 8), np.float32))
+  assert qjax.implementation_name(qw, m=4096) == "xla"
+  assert qjax.implementation_name(qw, "xla", m=1) == "xla"

@@ -194,6 +194,12 @@ def matmul(x: jax.Array, w: Any, *, implementation: str | None = None) -> jax.Ar
   return y.reshape(*lead, w.shape[1])
 
 
-def implementation_name(w: Any, implementation: str | None = None) -> str:
-  """The name of the implementation ``matmul`` would run for ``w`` on this machine."""
-  return resolve(w, implementation)[0]
+def implementation_name(w: Any, implementation: str | None = None, *, m: int = 1) -> str:
+  """The name of the implementation ``matmul`` would run for ``w`` and ``m`` rows of x
+  on this machine."""
+  name, _ = resolve(w, implementation)
+  if implementation is None and name != "xla":
+    backend = next(b for b in kernels_for(w) if b.name == name)
+    if backend.auto_max_m is not None and m > backend.auto_max_m:
+      return "xla"
+  return name
