@@ -33,6 +33,10 @@ from qjax._src.gguf_formats import embedding_rows as embedding_rows
 from qjax._src.gguf_io import GGUFFile as GGUFFile
 from qjax._src.gguf_io import describe_gguf as describe_gguf
 from qjax._src.gguf_io import load_gguf as load_gguf
+from qjax._src import checkpoint_layouts as _checkpoint_layouts  # registers formats
+from qjax._src.checkpoint_layouts import AWQWeight as AWQWeight
+from qjax._src.checkpoint_layouts import CompressedTensorsWeight as CompressedTensorsWeight
+from qjax._src.checkpoint_layouts import GPTQWeight as GPTQWeight
 
 from qjax._src import int4 as _int4
 
