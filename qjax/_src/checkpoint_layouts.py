@@ -336,9 +336,27 @@ class GPTQWeight(formats.QuantizedWeight):
 # ---------------------------------------------------------------------------------- AWQ
 
 
+class _ContiguousGroups:
+  """``dequantize`` and ``to_int4`` of layouts whose group of row k is ``k // G``
+  (no act-order): ``unpack()`` gives codes, scales and zero points (None: z = 8)."""
+
+  def dequantize(self) -> jax.Array:
+    """``[K, N]`` float32: ``(q - z) * s``."""
+    codes, scales, zeros, _ = self.unpack()
+    return _dequant(codes, scales, zeros, _contiguous_groups(self.shape[0], self.group_size))
+
+  def to_int4(self, tile_k: int = packing.NATIVE_TILE_K) -> int4.Int4Weight:
+    """Lossless :class:`Int4Weight` (bit-identical ``dequantize``; symmetric iff there is
+    no zero point); jittable."""
+    codes, scales, zeros, _ = self.unpack()
+    return int4.Int4Weight(codes=packing.pack_codes(codes, tile_k), scales=scales,
+                           zeros=zeros, shape=self.shape, group_size=self.group_size,
+                           tile_k=tile_k)
+
+
 @formats.register_format
 @dataclasses.dataclass(frozen=True)
-class AWQWeight(formats.QuantizedWeight):
+class AWQWeight(_ContiguousGroups, formats.QuantizedWeight):
   """AutoAWQ GEMM 4-bit weight of logical shape ``[K, N]``, as stored.
 
   ``W[k, n] = (q[k, n] - z[k // G, n]) * scales[k // G, n]``.
@@ -395,18 +413,6 @@ class AWQWeight(formats.QuantizedWeight):
     return (self._unpack_awq(self.qweight), self.scales, self._unpack_awq(self.qzeros),
             None)
 
-  def dequantize(self) -> jax.Array:
-    """``[K, N]`` float32: ``(q - z) * s``."""
-    codes, scales, zeros, _ = self.unpack()
-    return _dequant(codes, scales, zeros, _contiguous_groups(self.shape[0], self.group_size))
-
-  def to_int4(self, tile_k: int = packing.NATIVE_TILE_K) -> int4.Int4Weight:
-    """Lossless asymmetric :class:`Int4Weight` (bit-identical ``dequantize``); jittable."""
-    codes, scales, zeros, _ = self.unpack()
-    return int4.Int4Weight(codes=packing.pack_codes(codes, tile_k), scales=scales,
-                           zeros=zeros, shape=self.shape, group_size=self.group_size,
-                           tile_k=tile_k)
-
   @classmethod
   def from_int4(cls, w: int4.Int4Weight) -> "AWQWeight":
     """Packs an :class:`Int4Weight` as AWQ (a symmetric one gets stored zeros of 8)."""
@@ -424,7 +430,7 @@ class AWQWeight(formats.QuantizedWeight):
 
 @formats.register_format
 @dataclasses.dataclass(frozen=True)
-class CompressedTensorsWeight(formats.QuantizedWeight):
+class CompressedTensorsWeight(_ContiguousGroups, formats.QuantizedWeight):
   """compressed-tensors ``pack-quantized`` int4 weight of logical shape ``[K, N]``.
 
   Stored like the torch ``Linear.weight`` ``[N, K]``. Values are signed int4 ``v`` in
@@ -488,18 +494,6 @@ class CompressedTensorsWeight(formats.QuantizedWeight):
     if self.weight_zero_point is not None:
       zeros = (self.weight_zero_point.astype(jnp.int32) + 8).astype(jnp.uint8).T
     return codes, self.weight_scale.T, zeros, None
-
-  def dequantize(self) -> jax.Array:
-    """``[K, N]`` float32: ``(v - zp) * scale``, transposed to the logical layout."""
-    codes, scales, zeros, _ = self.unpack()
-    return _dequant(codes, scales, zeros, _contiguous_groups(self.shape[0], self.group_size))
-
-  def to_int4(self, tile_k: int = packing.NATIVE_TILE_K) -> int4.Int4Weight:
-    """Lossless :class:`Int4Weight` (symmetric iff there is no zero point); jittable."""
-    codes, scales, zeros, _ = self.unpack()
-    return int4.Int4Weight(codes=packing.pack_codes(codes, tile_k), scales=scales,
-                           zeros=zeros, shape=self.shape, group_size=self.group_size,
-                           tile_k=tile_k)
 
   @classmethod
   def from_int4(cls, w: int4.Int4Weight) -> "CompressedTensorsWeight":
