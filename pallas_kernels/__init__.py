@@ -7,7 +7,10 @@ the formats it serves (qjax finds it through the ``qjax.backends`` entry point).
 import jax
 
 import qjax
+from pallas_kernels import gguf_matmul as gguf_matmul
 from pallas_kernels import int4_matmul as int4_matmul
+from qjax._src import gguf_formats as _gguf_formats
+from qjax._src import gguf_tiled as _gguf_tiled
 
 
 def triton_supported(device: jax.Device) -> bool:
@@ -30,3 +33,18 @@ qjax.register_kernel(
                  # H100 sweeps: the kernel beats XLA up to M = 64 (40.7 vs ~112 us at
                  # 4096x14336) and loses from M = 256 (133 vs ~121 us).
                  auto_max_m=64))
+
+# GGUF: Q4_0 / Q4_1 run the INT4 kernel after their lossless to_int4; Q8_0 / Q4_K / Q5_K /
+# Q6_K run the plane kernel on GGUFTiledWeight. Block weights given as they are loaded are
+# converted per call (exact, but an extra pass over the weight): convert once at load with
+# qjax._src.gguf_tiled.kernel_layout, as `qjax generate` does.
+for _cls in (_gguf_formats.GGUFQ4_0, _gguf_formats.GGUFQ4_1):
+  qjax.register_kernel(_cls, qjax.Backend(
+      name="pallas_triton", fn=gguf_matmul.int4_via_layout, supported_on=triton_supported,
+      auto_max_m=64))
+for _cls in (_gguf_tiled.GGUFTiledWeight, _gguf_formats.GGUFQ8_0, _gguf_formats.GGUFQ4_K,
+             _gguf_formats.GGUFQ5_K, _gguf_formats.GGUFQ6_K):
+  qjax.register_kernel(_cls, qjax.Backend(
+      name="pallas_triton", fn=gguf_matmul.gguf_matmul, supported_on=triton_supported,
+      auto_max_m=64))
+del _cls

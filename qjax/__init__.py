@@ -30,6 +30,7 @@ from qjax._src.gguf_formats import GGUFQ5_K as GGUFQ5_K
 from qjax._src.gguf_formats import GGUFQ6_K as GGUFQ6_K
 from qjax._src.gguf_formats import GGUFQ8_0 as GGUFQ8_0
 from qjax._src.gguf_formats import embedding_rows as embedding_rows
+from qjax._src.gguf_tiled import GGUFTiledWeight as GGUFTiledWeight
 from qjax._src.gguf_io import GGUFFile as GGUFFile
 from qjax._src.gguf_io import describe_gguf as describe_gguf
 from qjax._src.gguf_io import load_gguf as load_gguf

@@ -53,10 +53,12 @@ def _live_bytes() -> int:
   return sum(a.nbytes for a in jax.live_arrays())
 
 
-def _maybe_to_int4(implementation: str | None):
-  """A ``convert`` for params_from_gguf: GGUF weights with ``to_int4`` become Int4Weight
-  when the chosen implementation would run the Int4Weight kernel."""
+def _kernel_layouts(implementation: str | None):
+  """A ``convert(name, w)`` that gives each GGUF weight the layout its Pallas kernel reads
+  (``gguf_tiled.kernel_layout``: lossless, done once at load instead of per call), or None
+  when no kernel will run (``--implementation xla``, or auto on a device without one)."""
   from qjax._src import dispatch  # pylint: disable=g-import-not-at-top
+  from qjax._src import gguf_tiled  # pylint: disable=g-import-not-at-top
   from qjax._src import int4  # pylint: disable=g-import-not-at-top
 
   if implementation == "xla":
@@ -66,14 +68,7 @@ def _maybe_to_int4(implementation: str | None):
     return None
   if implementation is None and not kernels[0].supported_on(dispatch.default_device()):
     return None
-
-  def convert(name, w):
-    del name
-    if hasattr(w, "to_int4") and not dispatch.kernels_for(w):
-      return w.to_int4()
-    return w
-
-  return convert
+  return lambda name, w: gguf_tiled.kernel_layout(w)
 
 
 def _run_generate(args) -> int:
@@ -101,7 +96,7 @@ def _run_generate(args) -> int:
   cfg = llama.LlamaConfig.from_metadata(gfile.metadata, dtype=dtype,
                                         implementation=implementation)
   tok = tokenizer_lib.tokenizer_from_gguf(gfile.metadata)
-  convert = _maybe_to_int4(implementation)
+  convert = _kernel_layouts(implementation)
   q_name = "blk.0.attn_q.weight"
   q_weight = gfile.tensors.get(q_name)
   if q_weight is None:
@@ -117,6 +112,10 @@ def _run_generate(args) -> int:
   cfg = dataclasses.replace(cfg, scan_layers=scan_layers)
   params = llama.params_from_gguf(gfile, convert=convert, consume=True,
                                   scan_layers=scan_layers)
+  if convert is not None:  # the embedding (also the head when tied) and an untied head
+    for name in ("embed", "lm_head"):
+      if name in params["params"]:
+        params["params"][name] = convert(name, params["params"][name])
   del gfile
   weight_bytes = _live_bytes()
 

@@ -320,11 +320,20 @@ class GGUFQ4_K(GGUFBlockWeight):
   shape: tuple[int, int] = formats.static_field()
 
   @staticmethod
+  def _codes(qs):
+    """``[..., nb, 256]`` uint8 codes in ``[0, 15]``."""
+    return _nibbles(qs, 4).reshape(*qs.shape[:-1], QK_K)
+
+  def codes(self) -> jax.Array:
+    """``[N, K // 256, 256]`` uint8 codes in ``[0, 15]`` (storage order)."""
+    return self._codes(self.qs)
+
+  @staticmethod
   def _rows_f32(d, dmin, scales, qs):
     sc, mn = _q4k_scale_min(scales)
     dl = (_f32(d)[..., None] * _f32(sc))[..., None]  # [..., 8, 1]
     ml = (_f32(dmin)[..., None] * _f32(mn))[..., None]
-    q = _f32(_nibbles(qs, 4).reshape(*qs.shape[:-1], 8, 32))
+    q = _f32(GGUFQ4_K._codes(qs).reshape(*qs.shape[:-1], 8, 32))
     return (dl * q - ml).reshape(*qs.shape[:-1], QK_K)
 
 
@@ -360,14 +369,24 @@ class GGUFQ5_K(GGUFBlockWeight):
   shape: tuple[int, int] = formats.static_field()
 
   @staticmethod
+  def _codes(qh, qs):
+    """``[..., nb, 256]`` uint8 codes in ``[0, 31]``."""
+    lead = qs.shape[:-1]
+    ql = _nibbles(qs, 4).reshape(*lead, 8, 32)
+    hi = (qh[..., None, :] >> jnp.arange(8, dtype=jnp.uint8)[:, None]) & jnp.uint8(1)
+    return (ql | (hi << jnp.uint8(4))).reshape(*lead, QK_K)
+
+  def codes(self) -> jax.Array:
+    """``[N, K // 256, 256]`` uint8 codes in ``[0, 31]`` (storage order)."""
+    return self._codes(self.qh, self.qs)
+
+  @staticmethod
   def _rows_f32(d, dmin, scales, qh, qs):
     lead = qs.shape[:-1]
     sc, mn = _q4k_scale_min(scales)
     dl = (_f32(d)[..., None] * _f32(sc))[..., None]
     ml = (_f32(dmin)[..., None] * _f32(mn))[..., None]
-    ql = _nibbles(qs, 4).reshape(*lead, 8, 32)
-    hi = (qh[..., None, :] >> jnp.arange(8, dtype=jnp.uint8)[:, None]) & jnp.uint8(1)
-    q = _f32(ql | (hi << jnp.uint8(4)))
+    q = _f32(GGUFQ5_K._codes(qh, qs).reshape(*lead, 8, 32))
     return (dl * q - ml).reshape(*lead, QK_K)
 
 
@@ -401,13 +420,23 @@ class GGUFQ6_K(GGUFBlockWeight):
   shape: tuple[int, int] = formats.static_field()
 
   @staticmethod
-  def _rows_f32(ql, qh, scales, d):
+  def _codes(ql, qh):
+    """``[..., nb, 256]`` uint8 codes in ``[0, 63]`` (``w = d * sc * (q - 32)``)."""
     lead = ql.shape[:-1]
-    dd = (_f32(d)[..., None] * _f32(scales))[..., None]  # [..., 16, 1]
     lo = _nibbles(ql, 2).reshape(*lead, 8, 32)
     h = qh.reshape(*lead, 2, 1, 32) >> jnp.array([0, 2, 4, 6], jnp.uint8).reshape(4, 1)
     h = (h & jnp.uint8(3)).reshape(*lead, 8, 32)
-    q = (lo | (h << jnp.uint8(4))).astype(jnp.int8) - jnp.int8(32)
+    return (lo | (h << jnp.uint8(4))).reshape(*lead, QK_K)
+
+  def codes(self) -> jax.Array:
+    """``[N, K // 256, 256]`` uint8 codes in ``[0, 63]`` (storage order)."""
+    return self._codes(self.ql, self.qh)
+
+  @staticmethod
+  def _rows_f32(ql, qh, scales, d):
+    lead = ql.shape[:-1]
+    dd = (_f32(d)[..., None] * _f32(scales))[..., None]  # [..., 16, 1]
+    q = GGUFQ6_K._codes(ql, qh).astype(jnp.int8) - jnp.int8(32)
     q = _f32(q.reshape(*lead, 16, 16))
     return (dd * q).reshape(*lead, QK_K)
 
