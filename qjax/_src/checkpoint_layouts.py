@@ -518,8 +518,20 @@ def matmul_xla(x: jax.Array, w: Any) -> jax.Array:
   return y.astype(x.dtype)
 
 
+def repack_for_int4_kernel(x: jax.Array, w: Any) -> tuple[jax.Array, int4.Int4Weight]:
+  """``(x [M, K], w) -> (x', w4)`` with ``x' @ w4 == x @ W``: the lossless
+  :class:`Int4Weight` of ``w`` and, under GPTQ act-order, x's columns permuted by
+  ``perm`` (see :meth:`GPTQWeight.to_int4`). Lets the int4 kernels serve these layouts."""
+  out = w.to_int4()
+  if isinstance(out, tuple):
+    w4, perm = out
+    return jnp.take(x, perm, axis=-1), w4
+  return x, out
+
+
 LAYOUT_FORMATS = (GPTQWeight, AWQWeight, CompressedTensorsWeight)
 
 for _cls in LAYOUT_FORMATS:
   dispatch.register_xla(_cls, matmul_xla)
+  dispatch.register_repack(_cls, int4.Int4Weight, repack_for_int4_kernel)
 del _cls
