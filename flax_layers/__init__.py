@@ -3,6 +3,10 @@
 from flax_layers.dense import Int4Dense as Int4Dense
 from flax_layers.dense import Int4Linear as Int4Linear
 from flax_layers.dense import quantize_dense_params as quantize_dense_params
+from flax_layers.quantize_model import QuantizationReport as QuantizationReport
+from flax_layers.quantize_model import QuantRule as QuantRule
+from flax_layers.quantize_model import quantize_model as quantize_model
+from flax_layers.quantize_model import quantize_nnx_model as quantize_nnx_model
 from flax_layers.llama import Llama as Llama
 from flax_layers.llama import LlamaConfig as LlamaConfig
 from flax_layers.llama import QuantizedDense as QuantizedDense

@@ -9,6 +9,7 @@ from qjax._src.dispatch import Backend as Backend
 from qjax._src.dispatch import implementation_name as implementation_name
 from qjax._src.dispatch import matmul as matmul
 from qjax._src.dispatch import register_kernel as register_kernel
+from qjax._src.dispatch import register_repack as register_repack
 from qjax._src.dispatch import register_xla as register_xla
 from qjax._src.formats import QuantizedWeight as QuantizedWeight
 from qjax._src.formats import is_quantized as is_quantized
@@ -38,6 +39,8 @@ from qjax._src import checkpoint_layouts as _checkpoint_layouts  # registers for
 from qjax._src.checkpoint_layouts import AWQWeight as AWQWeight
 from qjax._src.checkpoint_layouts import CompressedTensorsWeight as CompressedTensorsWeight
 from qjax._src.checkpoint_layouts import GPTQWeight as GPTQWeight
+from qjax._src import marlin_layout as _marlin_layout  # registers the format
+from qjax._src.marlin_layout import MarlinWeight as MarlinWeight
 
 from qjax._src import int4 as _int4
 

@@ -75,6 +75,28 @@ def ref_awq(qweight, qzeros, scales, group_size):
   return (q - z[g]) * np.asarray(scales, np.float64)[g]
 
 
+def ref_ct_unpack_zero_point(packed, n):
+  """compressed-tensors ``unpack_from_int32(zp, 4, (N, K // G), packed_dim=0)``
+  (compressors/quantized_compressors/pack_quantized.py): ``[ceil(N / 8), K // G]`` int32
+  -> ``[N, K // G]`` signed zero points."""
+  p = _u32(packed)
+  out = np.zeros((p.shape[0] * 8, p.shape[1]), np.int64)
+  for i in range(8):
+    out[i::8, :] = (p >> (4 * i)) & 0xF
+  return out[:n] - 8
+
+
+def ref_ct_pack_zero_point(zp):
+  """compressed-tensors ``pack_to_int32(zp, 4, packed_dim=0)``: ``[N, K // G]`` int8 in
+  [-8, 7] -> offset binary, transposed, padded to 8 columns, 8 per int32 low nibble
+  first, transposed back: ``[ceil(N / 8), K // G]`` int32."""
+  v = (zp.astype(np.int64) + 8).T
+  v = np.pad(v, ((0, 0), (0, -v.shape[1] % 8)))
+  rows, cols = v.shape
+  words = (v.reshape(rows, cols // 8, 8) << (4 * np.arange(8))).sum(-1)
+  return words.astype(np.uint32).view(np.int32).T
+
+
 def ref_ct(weight_packed, weight_scale, weight_zero_point, group_size):
   wp = _u32(weight_packed)
   n, kw = wp.shape
@@ -83,6 +105,8 @@ def ref_ct(weight_packed, weight_scale, weight_zero_point, group_size):
     for i in range(8):
       v[:, 8 * j + i] = ((wp[:, j] >> (4 * i)) & 0xF) - 8
   g = np.arange(kw * 8) // group_size
+  if weight_zero_point is not None and np.asarray(weight_zero_point).dtype == np.int32:
+    weight_zero_point = ref_ct_unpack_zero_point(weight_zero_point, n)
   zp = 0 if weight_zero_point is None else np.asarray(weight_zero_point, np.int64)[:, g]
   w_nk = (v - zp) * np.asarray(weight_scale, np.float64)[:, g]
   return w_nk.T
@@ -108,7 +132,8 @@ def test_round_trips_match_reference(rng, k, n, g, symmetric):
   base = _bits(w.dequantize())
   layouts = [cl.GPTQWeight.from_int4(w, zero_point_version=1),
              cl.GPTQWeight.from_int4(w, zero_point_version=2),
-             cl.AWQWeight.from_int4(w), cl.CompressedTensorsWeight.from_int4(w)]
+             cl.AWQWeight.from_int4(w), cl.CompressedTensorsWeight.from_int4(w),
+             cl.CompressedTensorsWeight.from_int4(w, pack_zero_point=False)]
   for lay in layouts:
     if isinstance(lay, cl.GPTQWeight):
       ref = ref_gptq(lay.qweight, lay.qzeros, lay.scales, None, g, lay.zero_point_version)
@@ -138,6 +163,13 @@ def test_stored_conventions(rng):
   # Symmetric GPTQ stores 8 (v2) / 7 (v1) in every nibble.
   assert (_u32(cl.GPTQWeight.from_int4(w, zero_point_version=2).qzeros) == 0x88888888).all()
   assert (_u32(cl.GPTQWeight.from_int4(w, zero_point_version=1).qzeros) == 0x77777777).all()
+  # Asymmetric v1 = v2 minus 0x11111111 per word, as GPTQModel converts
+  # (gptqmodel/utils/model.py convert_gptq_v2_to_v1_format_module; AutoGPTQ
+  # auto_gptq/modeling/_utils.py convert_gptq_v2_to_v1_format), exact for zeros >= 1.
+  wa, *_ = _random_int4(rng, k, n, g, symmetric=False)  # zeros in [1, 15]
+  v1 = _u32(cl.GPTQWeight.from_int4(wa, zero_point_version=1).qzeros)
+  v2 = _u32(cl.GPTQWeight.from_int4(wa, zero_point_version=2).qzeros)
+  np.testing.assert_array_equal(v1, (v2 - 0x11111111) & 0xFFFFFFFF)
   # AWQ: columns 0..7 = 0..7 land in nibbles in the order 0, 2, 4, 6, 1, 3, 5, 7.
   c = np.tile(np.arange(8, dtype=np.uint8), (k, n // 8))
   wc = int4.Int4Weight(codes=packing.pack_codes(jnp.asarray(c), 128), scales=w.scales,
@@ -151,6 +183,39 @@ def test_stored_conventions(rng):
   assert ct.weight_packed.shape == (n, k // 8) and (_u32(ct.weight_packed) == 0x76543210).all()
   np.testing.assert_array_equal(np.asarray(ct.dequantize())[:8, 0],
                                 (np.arange(8) - 8) * scales[0, 0].astype(np.float32))
+
+
+@pytest.mark.parametrize("n", [64, 36])
+def test_compressed_tensors_packed_zero_point(rng, n):
+  """Asymmetric zero points as compressed-tensors (>= April 2025) writes them: int32
+  packed along N, ``[ceil(N / 8), K // G]``."""
+  k, g = 256, 32
+  codes = rng.integers(0, 16, (k, n)).astype(np.uint8)
+  scales = (rng.standard_normal((k // g, n)) * 0.05).astype(np.float16)
+  zp = rng.integers(-8, 8, (n, k // g)).astype(np.int8)  # signed, [N, K // G]
+  packed_zp = ref_ct_pack_zero_point(zp)
+  assert packed_zp.shape == (-(-n // 8), k // g) and packed_zp.dtype == np.int32
+  np.testing.assert_array_equal(ref_ct_unpack_zero_point(packed_zp, n), zp)
+  weight_packed = np.asarray(cl._pack_last(jnp.asarray(codes.T.reshape(n, k // 8, 8))))
+  ct = cl.CompressedTensorsWeight(weight_packed=jnp.asarray(weight_packed),
+                                  weight_scale=jnp.asarray(scales.T),
+                                  weight_zero_point=jnp.asarray(packed_zp),
+                                  weight_shape=(n, k), group_size=g)
+  assert ct.zero_point_packed and not ct.symmetric
+  want = ref_ct(weight_packed, scales.T, packed_zp, g)
+  np.testing.assert_array_equal(np.asarray(ct.dequantize(), np.float64), want)
+  _, _, zeros, _ = ct.unpack()
+  np.testing.assert_array_equal(np.asarray(zeros), (zp.astype(np.int64) + 8).T)
+  w4 = jax.jit(lambda c: c.to_int4())(ct)
+  np.testing.assert_array_equal(_bits(w4.dequantize()), _bits(want))
+  back = cl.CompressedTensorsWeight.from_int4(w4)
+  np.testing.assert_array_equal(np.asarray(back.weight_zero_point), packed_zp)
+  unpacked = cl.CompressedTensorsWeight.from_int4(w4, pack_zero_point=False)
+  np.testing.assert_array_equal(np.asarray(unpacked.weight_zero_point), zp)
+  with pytest.raises(ValueError, match=r"weight_zero_point must be \(%d, 8\)" % -(-n // 8)):
+    cl.CompressedTensorsWeight(weight_packed=ct.weight_packed, weight_scale=ct.weight_scale,
+                               weight_zero_point=jnp.asarray(packed_zp[:1]),
+                               weight_shape=(n, k), group_size=g)
 
 
 @pytest.mark.parametrize("k,n", SHAPES)

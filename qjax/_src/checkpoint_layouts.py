@@ -29,7 +29,13 @@ Conventions implemented (per the reference packers):
 * compressed-tensors ``pack-quantized`` (int4): ``weight_packed [N, K // 8]`` int32,
   nibble ``i`` of word ``j`` holds ``k = 8j + i``; values are signed int4 ``v`` in
   ``[-8, 7]`` stored in offset binary ``v + 8``. ``W = (v - zp) * scale`` with
-  ``zp = 0`` when there is no ``weight_zero_point``.
+  ``zp = 0`` when there is no ``weight_zero_point``. Asymmetric zero points, as
+  compressed-tensors writes them since its zero-point packing (PR #296, April 2025;
+  ``pack_to_int32(zero_point, num_bits, packed_dim=0)`` in
+  ``compressors/quantized_compressors/pack_quantized.py``), are int32
+  ``[ceil(N / 8), K // G]`` packed along the *output* axis: nibble ``i`` of word
+  ``[r, g]`` holds ``zp[8r + i, g] + 8``, padding nibbles 0. The unpacked int8
+  ``[N, K // G]`` form (earlier versions, in-memory) is accepted too.
 """
 
 from __future__ import annotations
@@ -442,8 +448,9 @@ class CompressedTensorsWeight(_ContiguousGroups, formats.QuantizedWeight):
   Attributes:
     weight_packed: ``[N, K // 8]`` int32; nibble ``i`` of word ``j`` holds ``k = 8j + i``.
     weight_scale: ``[N, K // G]`` float (bf16, f16 or f32).
-    weight_zero_point: ``[N, K // G]`` int8 signed zero points in ``[-8, 7]`` (unpacked),
-      or None (symmetric).
+    weight_zero_point: ``[ceil(N / 8), K // G]`` int32, signed zero points ``zp`` in
+      ``[-8, 7]`` packed along N in offset binary (what compressed-tensors writes); or
+      ``[N, K // G]`` int8 ``zp`` unpacked; or None (symmetric).
     weight_shape: the stored ``(N, K)``.
     group_size: ``G`` (K for per-channel).
   """
@@ -469,11 +476,16 @@ class CompressedTensorsWeight(_ContiguousGroups, formats.QuantizedWeight):
                  (n, k // 8), (jnp.int32,), ctx)
     _check_array("CompressedTensorsWeight", "weight_scale", self.weight_scale,
                  (n, k // gs), int4.SCALE_DTYPES, ctx)
-    if self.weight_zero_point is not None:
-      _check_array("CompressedTensorsWeight", "weight_zero_point", self.weight_zero_point,
-                   (n, k // gs), (jnp.int8,), ctx)
-      _check_zero_range(self.weight_zero_point, -8, 7,
-                        "CompressedTensorsWeight.weight_zero_point (signed int4)")
+    zp = self.weight_zero_point
+    if zp is not None:
+      if jnp.dtype(zp.dtype) == jnp.dtype(jnp.int32):  # packed along N
+        _check_array("CompressedTensorsWeight", "weight_zero_point", zp,
+                     (-(-n // 8), k // gs), (jnp.int32,), ctx + "; packed along N")
+      else:
+        _check_array("CompressedTensorsWeight", "weight_zero_point", zp, (n, k // gs),
+                     (jnp.int8, jnp.int32), ctx + "; int32 when packed along N as "
+                     f"({-(-n // 8)}, {k // gs}), int8 unpacked")
+        _check_zero_range(zp, -8, 7, "CompressedTensorsWeight.weight_zero_point (signed int4)")
 
   @property
   def shape(self) -> tuple[int, int]:
@@ -485,24 +497,46 @@ class CompressedTensorsWeight(_ContiguousGroups, formats.QuantizedWeight):
   def symmetric(self) -> bool:
     return self.weight_zero_point is None
 
+  @property
+  def zero_point_packed(self) -> bool:
+    """Whether ``weight_zero_point`` is int32 packed along N (the library's format)."""
+    zp = self.weight_zero_point
+    return zp is not None and jnp.dtype(zp.dtype) == jnp.dtype(jnp.int32)
+
   def unpack(self):
     """``(codes [K, N] uint8 = v + 8, scales [K // G, N], zeros [K // G, N] uint8 = zp + 8
     or None, None)``."""
     n, k = self.weight_shape
     codes = _nibbles_last(self.weight_packed).reshape(n, k).T
     zeros = None
-    if self.weight_zero_point is not None:
-      zeros = (self.weight_zero_point.astype(jnp.int32) + 8).astype(jnp.uint8).T
+    zp = self.weight_zero_point
+    if zp is not None and self.zero_point_packed:
+      zeros = _unpack_cols(zp.T)[:, :n]  # [K // G, N] nibbles = zp + 8
+    elif zp is not None:
+      zeros = (zp.astype(jnp.int32) + 8).astype(jnp.uint8).T
     return codes, self.weight_scale.T, zeros, None
 
   @classmethod
-  def from_int4(cls, w: int4.Int4Weight) -> "CompressedTensorsWeight":
+  def from_int4(cls, w: int4.Int4Weight, *, pack_zero_point: bool = True
+                ) -> "CompressedTensorsWeight":
     """Packs an :class:`Int4Weight` (codes ``q`` stored as ``v = q - 8``, zeros as
-    ``zp = z - 8``)."""
+    ``zp = z - 8``).
+
+    Args:
+      w: the weight (no biases).
+      pack_zero_point: store zero points as compressed-tensors writes them (int32
+        ``[ceil(N / 8), K // G]`` packed along N); False: int8 ``[N, K // G]``.
+    """
     codes, scales, zeros = _int4_parts(w, "CompressedTensorsWeight.from_int4")
     k, n = w.shape
     packed = _pack_last(codes.T.reshape(n, k // 8, 8))
-    zp = None if zeros is None else (zeros.astype(jnp.int32) - 8).astype(jnp.int8).T
+    if zeros is None:
+      zp = None
+    elif pack_zero_point:  # nibble i of word [r, g] = z[g, 8r + i] = zp + 8
+      padded = jnp.pad(zeros, ((0, 0), (0, -n % 8)))
+      zp = _pack_cols(padded).T
+    else:
+      zp = (zeros.astype(jnp.int32) - 8).astype(jnp.int8).T
     return cls(weight_packed=packed, weight_scale=scales.T, weight_zero_point=zp,
                weight_shape=(n, k), group_size=w.group_size)
 
@@ -518,8 +552,20 @@ def matmul_xla(x: jax.Array, w: Any) -> jax.Array:
   return y.astype(x.dtype)
 
 
+def repack_for_int4_kernel(x: jax.Array, w: Any) -> tuple[jax.Array, int4.Int4Weight]:
+  """``(x [M, K], w) -> (x', w4)`` with ``x' @ w4 == x @ W``: the lossless
+  :class:`Int4Weight` of ``w`` and, under GPTQ act-order, x's columns permuted by
+  ``perm`` (see :meth:`GPTQWeight.to_int4`). Lets the int4 kernels serve these layouts."""
+  out = w.to_int4()
+  if isinstance(out, tuple):
+    w4, perm = out
+    return jnp.take(x, perm, axis=-1), w4
+  return x, out
+
+
 LAYOUT_FORMATS = (GPTQWeight, AWQWeight, CompressedTensorsWeight)
 
 for _cls in LAYOUT_FORMATS:
   dispatch.register_xla(_cls, matmul_xla)
+  dispatch.register_repack(_cls, int4.Int4Weight, repack_for_int4_kernel)
 del _cls

@@ -63,6 +63,7 @@ class Backend:
 
 _XLA: dict[type, Callable[[jax.Array, Any], jax.Array]] = {}
 _KERNELS: dict[type, list[Backend]] = {}
+_REPACKS: dict[type, tuple[type, Callable[[jax.Array, Any], tuple[jax.Array, Any]]]] = {}
 _plugins_loaded = False
 _plugins_lock = threading.Lock()
 
@@ -77,6 +78,26 @@ def register_kernel(format_cls: type, backend: Backend) -> None:
   backends = [b for b in _KERNELS.get(format_cls, []) if b.name != backend.name]
   backends.append(backend)
   _KERNELS[format_cls] = backends
+
+
+def register_repack(format_cls: type, target_cls: type,
+                    repack: Callable[[jax.Array, Any], tuple[jax.Array, Any]]) -> None:
+  """Routes a format without kernels of its own to the kernels of ``target_cls``.
+
+  ``repack(x2d [M, K], w) -> (x2d', w')`` converts the weight losslessly to
+  ``target_cls`` inside the traced call (and permutes x's columns where the conversion
+  permutes K, e.g. GPTQ act-order), so that ``kernel(x2d', w') == x2d @ W``. The repack
+  runs on every call: convert once at load (``w.to_int4()``) where speed matters.
+  Kernels registered directly for ``format_cls`` take precedence.
+  """
+  _REPACKS[format_cls] = (target_cls, repack)
+
+
+def _via_repack(backend: Backend, repack: Callable[..., tuple[jax.Array, Any]]) -> Backend:
+  def fn(x2, w, *, interpret, config=None):
+    x2, w = repack(x2, w)
+    return backend.fn(x2, w, interpret=interpret, config=config)
+  return dataclasses.replace(backend, fn=fn)
 
 
 def load_plugins() -> None:
@@ -100,7 +121,11 @@ def load_plugins() -> None:
 def kernels_for_format(format_cls: type) -> list[Backend]:
   """The kernels registered for a format class (plugins loaded first)."""
   load_plugins()
-  return list(_KERNELS.get(format_cls, []))
+  direct = _KERNELS.get(format_cls, [])
+  if direct or format_cls not in _REPACKS:
+    return list(direct)
+  target_cls, repack = _REPACKS[format_cls]
+  return [_via_repack(b, repack) for b in kernels_for_format(target_cls)]
 
 
 def kernels_for(w: Any) -> list[Backend]:
