@@ -355,6 +355,25 @@ def test_export_int4_round_trip(tmp_path, rng, layout, version, symmetric):
   np.testing.assert_array_equal(_logits(cfg, back), _logits(cfg, params))
 
 
+@pytest.mark.parametrize("layout,version", [("gptq", 1), ("gptq", 2),
+                                            ("compressed-tensors", None)])
+def test_export_awq_layout_round_trip(tmp_path, rng, layout, version):
+  """AWQ projections (another layout, packed along N) export to GPTQ / compressed-tensors
+  and load back with identical dequantized weights."""
+  qdir, _, _ = _write_case(tmp_path, rng, "awq")
+  cfg, params = hf.load_hf_llama(qdir, progress=False, scan_layers=False)
+  out = tmp_path / "export"
+  hf.save_hf_llama(out, params, cfg, layout=layout, zero_point_version=version or 1)
+  _, back = hf.load_hf_llama(out, progress=True, scan_layers=False)
+  for i in range(LAYERS):
+    for a, b in [("attn", "q"), ("attn", "k"), ("mlp", "gate"), ("mlp", "down")]:
+      w0 = params["params"][f"layers_{i}"][a][b]["kernel"]
+      w1 = back["params"][f"layers_{i}"][a][b]["kernel"]
+      assert not isinstance(w1, cl.AWQWeight)
+      np.testing.assert_array_equal(np.asarray(w1.dequantize()), np.asarray(w0.dequantize()))
+  np.testing.assert_array_equal(_logits(cfg, back), _logits(cfg, params))
+
+
 # --------------------------------------------------------------------------- errors
 
 
