@@ -31,6 +31,7 @@ from qjax._src import dispatch
 from qjax._src.gguf_formats import embedding_rows
 
 SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_HF_MODEL_TYPES = ("llama", "mistral")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +110,58 @@ class LlamaConfig:
         rope_dim=int(get("rope.dimension_count", head_dim)),
         rms_eps=float(get("attention.layer_norm_rms_epsilon")),
         context_length=int(get("context_length", 2048)), **options)
+
+
+  @classmethod
+  def from_hf_config(cls, config: dict[str, Any], **options: Any) -> "LlamaConfig":
+    """The config of a Hugging Face ``config.json`` (a dict) of a Llama-family model;
+    ``options`` sets dtype / implementation / scan_layers.
+
+    Reads hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
+    head_dim, intermediate_size, rope_theta (or rope_parameters.rope_theta),
+    rms_norm_eps, vocab_size and max_position_embeddings. RoPE rotates the whole head
+    (HF Llama has no partial rotary). Raises ValueError, naming the key, for what the
+    model cannot run: another model_type, rope scaling, attention or MLP biases, an
+    activation other than SiLU, a sliding window.
+    """
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_HF_MODEL_TYPES:
+      raise ValueError(f"config.json model_type={model_type!r} is not supported; qjax runs "
+                       f"{SUPPORTED_HF_MODEL_TYPES}")
+
+    def get(key, default=None):
+      v = config.get(key, default)
+      if v is None:
+        raise ValueError(f"config.json lacks {key!r}, which a {model_type} model needs")
+      return v
+
+    rope = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or {}
+    rope_type = scaling.get("rope_type", scaling.get("type")) or rope.get("rope_type")
+    if rope_type not in (None, "default"):
+      raise ValueError(f"config.json rope scaling {rope_type!r} is not supported (only "
+                       "unscaled RoPE)")
+    for key in ("attention_bias", "mlp_bias"):
+      if config.get(key):
+        raise ValueError(f"config.json {key}=true is not supported (projections without "
+                         "bias only)")
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+      raise ValueError(f"config.json hidden_act={act!r} is not supported (only 'silu')")
+    if config.get("sliding_window") is not None and config.get("use_sliding_window", True):
+      raise ValueError(f"config.json sliding_window={config['sliding_window']} is not "
+                       "supported (full attention only)")
+    hidden = int(get("hidden_size"))
+    heads = int(get("num_attention_heads"))
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
+    return cls(
+        vocab_size=int(get("vocab_size")), hidden_size=hidden,
+        num_layers=int(get("num_hidden_layers")), num_heads=heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or heads), head_dim=head_dim,
+        ffn_size=int(get("intermediate_size")), rope_base=float(theta), rope_dim=head_dim,
+        rms_eps=float(config.get("rms_norm_eps", 1e-6)),
+        context_length=int(config.get("max_position_embeddings", 2048)), **options)
 
 
 def matmul(x: jax.Array, w: Any, implementation: str | None) -> jax.Array:
