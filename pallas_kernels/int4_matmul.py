@@ -141,16 +141,30 @@ def _next_pow2(v: int) -> int:
   return 1 << max(0, (v - 1).bit_length())
 
 
+# Programs a small-M launch aims for: about two per SM of an H100 (132 SMs).
+_TARGET_PROGRAMS = 256
+
+
 def heuristic_config(m: int, k: int, n: int) -> KernelConfig:
-  """A config for shapes missing from the tuning table (best of the H100 sweeps)."""
-  del k
+  """A config for shapes missing from the tuning table.
+
+  Large M: the best tile of the H100 sweeps. Small M (memory-bound): enough programs to
+  keep every SM reading, from narrower column blocks and split-K when N is small (a
+  576 x 576 projection gets 18 column blocks x 5 K splits instead of 9 programs);
+  reproduces the tuned configs of the 4096-class shapes.
+  """
   if m > 64:
     return KernelConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)
-  if n <= 8192:
-    return KernelConfig(block_m=max(16, _next_pow2(m)), block_n=64, block_k=256, split_k=2,
-                        num_warps=4, num_stages=4)
-  return KernelConfig(block_m=max(16, _next_pow2(m)), block_n=128, block_k=256, split_k=2,
-                      num_warps=4, num_stages=3)
+  tiles = -(-k // packing.NATIVE_TILE_K)
+  if n > 8192:
+    block_n, stages = 128, 3
+  else:
+    block_n, stages = (64 if n >= 2048 else 32), 4
+  cols = -(-n // block_n)
+  split_k = max(1, min(-(-_TARGET_PROGRAMS // cols), tiles))
+  block_k = 256 if tiles // split_k >= 2 else 128
+  return KernelConfig(block_m=max(16, _next_pow2(m)), block_n=block_n, block_k=block_k,
+                      split_k=split_k, num_warps=4, num_stages=stages)
 
 
 def legalize(config: KernelConfig, k: int, tile_k: int) -> KernelConfig:

@@ -127,7 +127,8 @@ def _contiguous_groups(k: int, group_size: int) -> jax.Array:
 def _check_array(cls_name: str, name: str, a: Any, shape: tuple[int, ...], dtypes,
                  context: str) -> None:
   dts = [jnp.dtype(d) for d in dtypes]
-  if tuple(a.shape) != tuple(shape) or jnp.dtype(a.dtype) not in dts:
+  # Trailing dims only: layers stacked along leading axes (nn.scan) keep their shapes.
+  if tuple(a.shape[a.ndim - len(shape):]) != tuple(shape) or jnp.dtype(a.dtype) not in dts:
     raise ValueError(
         f"{cls_name}.{name} must be {tuple(shape)} of dtype {[d.name for d in dts]}, got "
         f"{tuple(a.shape)} {jnp.dtype(a.dtype).name} ({context})")
