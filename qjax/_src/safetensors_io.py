@@ -399,7 +399,10 @@ def permute_output(w: Any, perm: np.ndarray) -> Any:
                                qzeros=_pack_awq(_unpack_awq(a(w.qzeros))[:, perm]),
                                scales=a(w.scales)[:, perm])
   if isinstance(w, layouts.CompressedTensorsWeight):
-    zp = None if w.weight_zero_point is None else a(w.weight_zero_point)[perm]
+    zp = w.weight_zero_point
+    if zp is not None and w.zero_point_packed:  # to int8 [N, K // G] zp, then gather
+      zp = (a(w.unpack()[2]).T.astype(np.int16) - 8).astype(np.int8)
+    zp = None if zp is None else a(zp)[perm]
     return dataclasses.replace(w, weight_packed=a(w.weight_packed)[perm],
                                weight_scale=a(w.weight_scale)[perm], weight_zero_point=zp)
   raise TypeError(f"permute_output: unsupported weight type {type(w).__name__}")
