@@ -7,6 +7,7 @@ the formats it serves (qjax finds it through the ``qjax.backends`` entry point).
 import jax
 
 import qjax
+from pallas_kernels import fp4_matmul as fp4_matmul
 from pallas_kernels import int4_matmul as int4_matmul
 
 
@@ -30,3 +31,13 @@ qjax.register_kernel(
                  # H100 sweeps: the kernel beats XLA up to M = 64 (40.7 vs ~112 us at
                  # 4096x14336) and loses from M = 256 (133 vs ~121 us).
                  auto_max_m=64))
+
+for _fp4_format in (qjax.MXFP4Weight, qjax.NVFP4Weight):
+  qjax.register_kernel(
+      _fp4_format,
+      qjax.Backend(name="pallas_triton", fn=fp4_matmul.fp4_matmul,
+                   supported_on=triton_supported,
+                   candidate_configs=fp4_matmul.candidate_configs,
+                   # Same bound as INT4 until the FP4 kernel has its own H100 sweeps.
+                   auto_max_m=64))
+del _fp4_format
