@@ -116,14 +116,14 @@ class _FP4Weight(formats.QuantizedWeight):
     kp = packing.padded_rows(k, self.tile_k)
     want = {"codes": ((kp // 8, n), jnp.uint32),
             "scales": ((k // self.block_size, n), self.scale_dtype), **extra}
+    batch = tuple(self.codes.shape[:-2])  # leading (expert) axes, shared by every array
     for field, (shape, dtype) in want.items():
       a = getattr(self, field)
-      if tuple(a.shape[len(a.shape) - len(shape):]) != shape or (
-          jnp.dtype(a.dtype) != jnp.dtype(dtype)):
+      if tuple(a.shape) != batch + shape or jnp.dtype(a.dtype) != jnp.dtype(dtype):
         raise ValueError(
-            f"{name}.{field} must be {shape} (after any leading batch axes) of dtype "
-            f"{jnp.dtype(dtype).name}, got {tuple(a.shape)} {jnp.dtype(a.dtype).name} "
-            f"(shape={self.shape}, tile_k={self.tile_k})")
+            f"{name}.{field} must be {batch + shape} of dtype {jnp.dtype(dtype).name}, got "
+            f"{tuple(a.shape)} {jnp.dtype(a.dtype).name} (shape={self.shape}, "
+            f"tile_k={self.tile_k}, leading axes {batch})")
 
   @property
   def num_blocks(self) -> int:
