@@ -331,6 +331,15 @@ class TestXla(MatmulSuite):
     self.check(request.node.nodeid, case)
 
 
+  @pytest.mark.parametrize("quantize", [qjax.quantize_mxfp4, qjax.quantize_nvfp4])
+  def test_vmap_over_experts(self, rng, quantize):
+    w = quantize(jnp.asarray(rng.standard_normal((3, 128, 24)), jnp.float32))
+    x = jnp.asarray(rng.standard_normal((3, 2, 128)), jnp.float32)
+    y = jax.jit(jax.vmap(lambda a, b: qjax.matmul(a, b, implementation="xla")))(x, w)
+    ref = np.einsum("ebk,ekn->ebn", np.asarray(x, np.float64), np_dequantize(w))
+    assert y.shape == (3, 2, 24) and rel_err(y, ref) < 1e-5
+
+
 class TestInterpret(MatmulSuite):
   """Interpret mode compiles once per case on the CPU: a few configs, all dtypes."""
 
