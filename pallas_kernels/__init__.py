@@ -8,6 +8,7 @@ import jax
 
 import qjax
 from pallas_kernels import gguf_matmul as gguf_matmul
+from pallas_kernels import fp4_matmul as fp4_matmul
 from pallas_kernels import int4_matmul as int4_matmul
 from qjax._src import gguf_formats as _gguf_formats
 from qjax._src import gguf_tiled as _gguf_tiled
@@ -48,3 +49,13 @@ for _cls in (_gguf_tiled.GGUFTiledWeight, _gguf_formats.GGUFQ8_0, _gguf_formats.
       name="pallas_triton", fn=gguf_matmul.gguf_matmul, supported_on=triton_supported,
       auto_max_m=64))
 del _cls
+
+for _fp4_format in (qjax.MXFP4Weight, qjax.NVFP4Weight):
+  qjax.register_kernel(
+      _fp4_format,
+      qjax.Backend(name="pallas_triton", fn=fp4_matmul.fp4_matmul,
+                   supported_on=triton_supported,
+                   candidate_configs=fp4_matmul.candidate_configs,
+                   # Same bound as INT4 until the FP4 kernel has its own H100 sweeps.
+                   auto_max_m=64))
+del _fp4_format

@@ -41,10 +41,20 @@ from qjax._src.checkpoint_layouts import CompressedTensorsWeight as CompressedTe
 from qjax._src.checkpoint_layouts import GPTQWeight as GPTQWeight
 from qjax._src import marlin_layout as _marlin_layout  # registers the format
 from qjax._src.marlin_layout import MarlinWeight as MarlinWeight
+# FP4
+from qjax._src.fp4 import MXFP4Weight as MXFP4Weight
+from qjax._src.fp4 import NVFP4Weight as NVFP4Weight
+from qjax._src.fp4 import quantize_mxfp4 as quantize_mxfp4
+from qjax._src.fp4 import quantize_nvfp4 as quantize_nvfp4
+from qjax._src.gpt_oss_layout import GptOssMXFP4Weight as GptOssMXFP4Weight
+from qjax._src.gpt_oss_layout import read_gpt_oss_mxfp4 as read_gpt_oss_mxfp4
 
+from qjax._src import fp4 as _fp4
 from qjax._src import int4 as _int4
 
 register_xla(Int4Weight, _int4.matmul_xla)
-del _int4
+register_xla(MXFP4Weight, _fp4.matmul_xla)
+register_xla(NVFP4Weight, _fp4.matmul_xla)
+del _int4, _fp4
 
 __version__ = "0.1.0"

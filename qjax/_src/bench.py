@@ -21,12 +21,15 @@ import jax.numpy as jnp
 from qjax._src import devtime
 from qjax._src import dispatch
 from qjax._src import tuning
+from qjax._src.fp4 import MXFP4Weight
+from qjax._src.fp4 import NVFP4Weight
 from qjax._src.int4 import Int4Weight
 
 GPU_M = (1, 16, 64, 256, 2048)
 GPU_SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672))
 CPU_M = (1, 16)
 CPU_SHAPES = ((512, 512), (1024, 768))
+BENCH_FORMATS = ("int4", "mxfp4", "nvfp4")
 L2_BYTES = 50 * 2**20  # H100; rotation targets several times this
 
 
@@ -61,7 +64,18 @@ def random_weight(fmt: str, k: int, n: int, key: jax.Array) -> Any:
     scales = (jax.random.uniform(ks, (k // group, n), jnp.float32, 0.5, 1.5) / 64).astype(
         jnp.bfloat16)
     return Int4Weight(codes=codes, scales=scales, zeros=None, shape=(k, n), group_size=group)
-  raise ValueError(f"unknown bench format {fmt!r}; known: int4")
+  if fmt in ("mxfp4", "nvfp4"):
+    kc, ks = jax.random.split(key)
+    codes = jax.random.bits(kc, (-(-k // 128) * 16, n), jnp.uint32)
+    if fmt == "mxfp4":
+      # E8M0 exponents 2**-7 .. 2**-5: weights of about the size of a trained layer's.
+      scales = jax.random.randint(ks, (k // 32, n), 120, 123).astype(jnp.uint8)
+      return MXFP4Weight(codes=codes, scales=scales, shape=(k, n))
+    scales = jax.random.uniform(ks, (k // 16, n), jnp.float32, 1.0, 448.0).astype(
+        jnp.float8_e4m3fn)
+    return NVFP4Weight(codes=codes, scales=scales, global_scale=jnp.float32(1 / 2688),
+                       shape=(k, n))
+  raise ValueError(f"unknown bench format {fmt!r}; known: {', '.join(BENCH_FORMATS)}")
 
 
 def measure_copy_bandwidth(nbytes: int = 2**30) -> float:
@@ -248,6 +262,10 @@ def run(args) -> int:
   else:
     shapes = list(GPU_SHAPES if on_gpu else CPU_SHAPES)
   fmts = args.format.split(",")
+  unknown = [f for f in fmts if f not in BENCH_FORMATS]
+  if unknown:
+    raise ValueError(f"--format {args.format!r}: unknown {unknown}; known formats: "
+                     f"{','.join(BENCH_FORMATS)}")
   impls = args.impl.split(",") if args.impl else _timed_impls(on_gpu)
   print(f"# qjax bench on {env['device']} ({env['platform']}), jax {env['jax']}, {env['date']}")
   if not on_gpu:

@@ -69,8 +69,8 @@ def _add_bench(sub) -> None:
   p.add_argument("--m", help="comma-separated M values (default GPU: 1,16,64,256,2048; CPU: 1,16)")
   p.add_argument("--shapes", help="comma-separated KxN, e.g. 4096x4096,4096x14336 "
                  "(default GPU: the four Llama shapes; CPU: 512x512,1024x768)")
-  p.add_argument("--format", default="int4", help="comma-separated formats (default int4, "
-                 "group 128, symmetric)")
+  p.add_argument("--format", default="int4", help="comma-separated formats: int4 (group "
+                 "128, symmetric; the default), mxfp4, nvfp4")
   p.add_argument("--impl", help="comma-separated implementations to time (default GPU: "
                  "pallas,xla; CPU: xla,interpret)")
   p.add_argument("--calls", type=int, default=40, help="timed calls per measurement")

@@ -37,7 +37,8 @@ _NATIVE = {np.dtype(t) for t in (np.bool_, np.uint8, np.int8, np.uint16, np.int1
 
 
 def _to_numpy(a: Any) -> np.ndarray:
-  return np.ascontiguousarray(np.asarray(jax.device_get(a)))
+  a = np.asarray(jax.device_get(a))
+  return np.ascontiguousarray(a).reshape(a.shape)  # ascontiguousarray makes 0-d arrays 1-d
 
 
 def _storable(a: np.ndarray) -> tuple[np.ndarray, str | None]:

@@ -1,0 +1,328 @@
+"""FP4 (E2M1) weights with block scales: MXFP4 and NVFP4, their quantizers and decoders.
+
+An E2M1 code is 4 bits ``s e1 e0 m``: sign, two exponent bits (bias 1), one mantissa
+bit. Its magnitudes, by the low three bits, are ``0, 0.5, 1, 1.5, 2, 3, 4, 6`` (``e = 0``
+is subnormal: ``m * 0.5``). Codes are packed 8 per uint32 word along K in the same tile
+orders as INT4 codes (:mod:`qjax._src.packing`), so the GPU kernel reads both alike.
+
+* MXFP4 (OCP Microscaling): one E8M0 scale per 32 rows of K, stored as its biased
+  exponent byte ``e`` (uint8): ``scale = 2 ** (e - 127)``, ``e = 255`` is NaN.
+  ``W[k, n] = e2m1(q[k, n]) * 2 ** (e[k // 32, n] - 127)``.
+* NVFP4: one float8_e4m3fn scale per 16 rows of K and one float32 scale per tensor:
+  ``W[k, n] = (e2m1(q[k, n]) * f32(s[k // 16, n])) * global_scale`` (the inner product is
+  exact in float32, so the weight is the correctly rounded product).
+
+Subnormal float32 results (MXFP4 scale bytes 0 and 1, or NVFP4 products below 2**-126)
+are flushed to zero by XLA on the CPU; every other value decodes exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qjax._src import formats
+from qjax._src import packing
+
+E2M1_MAX = 6.0        # largest E2M1 magnitude
+E2M1_EMAX = 2         # exponent of E2M1_MAX: 6 = 1.5 * 2**2
+E4M3_MAX = 448.0      # largest float8_e4m3fn magnitude
+E8M0_BIAS = 127
+E8M0_NAN = 255
+MXFP4_BLOCK = 32
+NVFP4_BLOCK = 16
+
+
+# ------------------------------------------------------------------------------ codecs
+
+
+def decode_e2m1(codes: jax.Array) -> jax.Array:
+  """E2M1 codes (any integer dtype, values in ``[0, 15]``) -> float32 values, exactly."""
+  q = jnp.asarray(codes).astype(jnp.int32)
+  e = (q >> 1) & 3
+  m = (q & 1).astype(jnp.float32)
+  # e = 0: m * 0.5 (subnormal); e > 0: 2 ** (e - 1) * (1 + m / 2).
+  magnitude = jnp.where(e == 0, 0.5 * m,
+                        jnp.exp2((e - 1).astype(jnp.float32)) * (1.0 + 0.5 * m))
+  return jnp.where((q & 8) != 0, -magnitude, magnitude)
+
+
+def encode_e2m1(v: jax.Array) -> jax.Array:
+  """float32 values (already divided by their scale) -> uint8 E2M1 codes.
+
+  Rounds to the nearest E2M1 value, ties to even (the even code), and saturates
+  magnitudes above 6 to 6. The sign bit follows the sign of ``v`` (so small negatives
+  give -0, code 8).
+  """
+  v = jnp.asarray(v, jnp.float32)
+  a = jnp.abs(v)
+  # Spacing of the E2M1 grid around a: 0.5 below 2, 1 in [2, 4), 2 from 4 on. The grid
+  # index a / step has the parity of the code, so jnp.round (half to even) ties to the
+  # even code.
+  step = jnp.where(a < 2.0, 0.5, jnp.where(a < 4.0, 1.0, 2.0))
+  r = jnp.minimum(jnp.round(a / step) * step, E2M1_MAX)
+  index = jnp.where(r < 2.0, 2.0 * r, jnp.where(r < 4.0, r + 2.0, 0.5 * r + 4.0))
+  sign = jnp.signbit(v).astype(jnp.uint8) << 3
+  return index.astype(jnp.uint8) | sign
+
+
+def decode_e8m0(e: jax.Array) -> jax.Array:
+  """E8M0 biased exponents (uint8) -> float32 ``2 ** (e - 127)``, exactly; 255 -> NaN.
+
+  Built from the float32 bit pattern: ``e << 23`` for ``e >= 1``; ``e = 0`` is the
+  subnormal ``2 ** -127`` (bits ``0x00400000``).
+  """
+  e = jnp.asarray(e).astype(jnp.uint32)
+  bits = jnp.where(e == 0, jnp.uint32(0x00400000), e << 23)
+  bits = jnp.where(e == E8M0_NAN, jnp.uint32(0x7FC00000), bits)
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _pow2(n: jax.Array) -> jax.Array:
+  """float32 ``2 ** n`` for integer ``n`` in ``[-126, 127]``, built from its bits."""
+  return jax.lax.bitcast_convert_type((n.astype(jnp.int32) + 127) << 23, jnp.float32)
+
+
+# ----------------------------------------------------------------------------- pytrees
+
+
+class _FP4Weight(formats.QuantizedWeight):
+  """What MXFP4 and NVFP4 share: packed E2M1 codes and one scale row per block."""
+
+  block_size: ClassVar[int]
+  scale_dtype: ClassVar[np.dtype]
+  codes: jax.Array
+  scales: jax.Array
+  shape: tuple[int, int]
+  tile_k: int
+
+  def _validate(self, extra: dict) -> None:
+    object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+    packing.check_tile_k(self.tile_k)
+    k, n = self.shape
+    name = type(self).__name__
+    if k <= 0 or n <= 0:
+      raise ValueError(f"{name}: shape (K={k}, N={n}) must be positive")
+    if k % self.block_size:
+      raise ValueError(
+          f"{name}: K={k} must be a multiple of the block size {self.block_size}; pad K "
+          "with zero rows")
+    if not self._leaves_concrete_2d():
+      return
+    kp = packing.padded_rows(k, self.tile_k)
+    want = {"codes": ((kp // 8, n), jnp.uint32),
+            "scales": ((k // self.block_size, n), self.scale_dtype), **extra}
+    batch = tuple(self.codes.shape[:-2])  # leading (expert) axes, shared by every array
+    for field, (shape, dtype) in want.items():
+      a = getattr(self, field)
+      if tuple(a.shape) != batch + shape or jnp.dtype(a.dtype) != jnp.dtype(dtype):
+        raise ValueError(
+            f"{name}.{field} must be {batch + shape} of dtype {jnp.dtype(dtype).name}, got "
+            f"{tuple(a.shape)} {jnp.dtype(a.dtype).name} (shape={self.shape}, "
+            f"tile_k={self.tile_k}, leading axes {batch})")
+
+  @property
+  def num_blocks(self) -> int:
+    return self.shape[0] // self.block_size
+
+  def unpacked_codes(self) -> jax.Array:
+    """``[..., K, N]`` uint8 E2M1 codes in ``[0, 15]``."""
+    return packing.unpack_codes(self.codes, self.shape[0], self.tile_k)
+
+  def repack(self, tile_k: int):
+    """The same weight with codes in another tile order (lossless, jittable)."""
+    words = packing.repack_codes(self.codes, self.shape[0], self.tile_k, tile_k)
+    return dataclasses.replace(self, codes=words, tile_k=tile_k)
+
+  def block_scales(self) -> jax.Array:  # pragma: no cover - abstract
+    """``[..., K // B, N]`` float32 multiplier of each block's E2M1 values."""
+    raise NotImplementedError
+
+  def dequantize(self, dtype=jnp.float32) -> jax.Array:
+    """``[..., K, N]``: ``e2m1(q) * block scale``, computed in float32."""
+    values = decode_e2m1(self.unpacked_codes())
+    scales = jnp.repeat(self.block_scales(), self.block_size, axis=-2)
+    return self._finish(values * scales).astype(dtype)
+
+  def _finish(self, w: jax.Array) -> jax.Array:
+    return w
+
+
+@formats.register_format
+@dataclasses.dataclass(frozen=True)
+class MXFP4Weight(_FP4Weight):
+  """MXFP4 weight of logical shape ``[K, N]`` (``y = x @ W``): E2M1 codes, E8M0 scale
+  per 32 rows of K.
+
+  ``W[k, n] = e2m1(q[k, n]) * 2 ** (scales[k // 32, n] - 127)``.
+
+  Attributes:
+    codes: ``[Kp // 8, N]`` uint32, 8 E2M1 codes per word along K in tile order
+      ``tile_k`` (see :mod:`qjax._src.packing`); ``Kp`` is K rounded up to ``tile_k``,
+      padding codes are 0 (+0.0).
+    scales: ``[K // 32, N]`` uint8 E8M0 biased exponents (255 is NaN).
+    shape: the logical ``(K, N)``; K a multiple of 32.
+    tile_k: packing order of ``codes`` (128, the default: kernel-native).
+
+  Leading batch axes (experts) may precede the last two axes of both arrays.
+  """
+
+  format_name = "mxfp4"
+  block_size = MXFP4_BLOCK
+  scale_dtype = np.dtype(np.uint8)
+
+  codes: jax.Array
+  scales: jax.Array
+  shape: tuple[int, int] = formats.static_field()
+  tile_k: int = formats.static_field(default=packing.NATIVE_TILE_K)
+
+  def __post_init__(self):
+    self._validate({})
+
+  def block_scales(self) -> jax.Array:
+    return decode_e8m0(self.scales)
+
+
+@formats.register_format
+@dataclasses.dataclass(frozen=True)
+class NVFP4Weight(_FP4Weight):
+  """NVFP4 weight of logical shape ``[K, N]`` (``y = x @ W``): E2M1 codes, float8_e4m3fn
+  scale per 16 rows of K, float32 scale per tensor.
+
+  ``W[k, n] = (e2m1(q[k, n]) * f32(scales[k // 16, n])) * global_scale``.
+
+  Attributes:
+    codes: ``[Kp // 8, N]`` uint32 in tile order ``tile_k`` (as :class:`MXFP4Weight`).
+    scales: ``[K // 16, N]`` float8_e4m3fn block scales.
+    global_scale: ``[]`` float32 tensor scale (``[E]`` with a leading expert axis).
+    shape: the logical ``(K, N)``; K a multiple of 16.
+    tile_k: packing order of ``codes``.
+  """
+
+  format_name = "nvfp4"
+  block_size = NVFP4_BLOCK
+  scale_dtype = np.dtype(jnp.float8_e4m3fn)
+
+  codes: jax.Array
+  scales: jax.Array
+  global_scale: jax.Array
+  shape: tuple[int, int] = formats.static_field()
+  tile_k: int = formats.static_field(default=packing.NATIVE_TILE_K)
+
+  def __post_init__(self):
+    self._validate({"global_scale": ((), jnp.float32)})
+
+  def block_scales(self) -> jax.Array:
+    return self.scales.astype(jnp.float32)
+
+  def _finish(self, w: jax.Array) -> jax.Array:
+    g = jnp.asarray(self.global_scale, jnp.float32)
+    return w * g[..., None, None]
+
+
+# -------------------------------------------------------------------------- quantizers
+
+
+def _check_weight(w, block: int, name: str) -> tuple[int, int]:
+  if getattr(w, "ndim", 0) < 2:
+    raise ValueError(
+        f"{name} must be a [..., K, N] matrix, got shape {getattr(w, 'shape', None)}")
+  if not jnp.issubdtype(w.dtype, jnp.floating):
+    raise ValueError(f"{name} must be floating point, got dtype {w.dtype}")
+  k, n = w.shape[-2:]
+  if k % block:
+    raise ValueError(
+        f"K={k} of {name} must be a multiple of the block size {block}; pad K with zero rows")
+  if not isinstance(w, jax.core.Tracer):
+    a = np.asarray(w)
+    bad = ~np.isfinite(a)
+    if bad.any():
+      idx = tuple(int(i) for i in np.argwhere(bad)[0])
+      raise ValueError(
+          f"{name} has {int(bad.sum())} non-finite values (first at index {idx}: {a[idx]}); "
+          "quantization needs finite weights")
+  return k, n
+
+
+def _blocks(w: jax.Array, block: int) -> jax.Array:
+  """``[..., K, N]`` -> ``[..., K // B, B, N]`` float32."""
+  *batch, k, n = w.shape
+  return jnp.asarray(w, jnp.float32).reshape(*batch, k // block, block, n)
+
+
+def quantize_mxfp4(w: jax.Array, *, tile_k: int = packing.NATIVE_TILE_K,
+                   name: str = "w") -> MXFP4Weight:
+  """MXFP4 quantization of a ``[..., K, N]`` weight with the OCP MX scale rule.
+
+  Per block of 32 rows: shared exponent ``floor(log2(amax)) - 2`` (2 is the exponent of
+  E2M1's largest value 6), clamped to E8M0's ``[-127, 127]`` (all-zero blocks get
+  -127); elements ``w / 2**shared`` rounded to the nearest E2M1 value, ties to even,
+  saturating at +-6.
+
+  >>> import jax, qjax
+  >>> qw = qjax.quantize_mxfp4(jax.random.normal(jax.random.key(0), (256, 64)))
+  >>> qw.codes.shape, qw.scales.shape, qw.scales.dtype
+  ((32, 64), (8, 64), dtype('uint8'))
+  """
+  k, n = _check_weight(w, MXFP4_BLOCK, name)
+  wb = _blocks(w, MXFP4_BLOCK)
+  amax = jnp.max(jnp.abs(wb), axis=-2)                      # [..., K // 32, N]
+  _, exponent = jnp.frexp(amax)                             # amax = f * 2**exponent, f in [.5, 1)
+  shared = jnp.where(amax > 0, exponent - 1 - E2M1_EMAX, -E8M0_BIAS)
+  shared = jnp.clip(shared, -E8M0_BIAS, E8M0_BIAS - 1)      # 2**-shared stays a normal float
+  codes = encode_e2m1(wb * _pow2(-shared)[..., None, :])
+  *batch, _, _ = w.shape
+  return MXFP4Weight(
+      codes=packing.pack_codes(codes.reshape(*batch, k, n), tile_k),
+      scales=(shared + E8M0_BIAS).astype(jnp.uint8),
+      shape=(k, n), tile_k=tile_k)
+
+
+def quantize_nvfp4(w: jax.Array, *, tile_k: int = packing.NATIVE_TILE_K,
+                   name: str = "w") -> NVFP4Weight:
+  """NVFP4 quantization of a ``[..., K, N]`` weight with the two-level scale.
+
+  ``global_scale = amax(w) / (6 * 448)`` per matrix (1 for an all-zero matrix); block
+  scale ``s = e4m3(amax_block / 6 / global_scale)`` (round to nearest even); elements
+  ``w / (f32(s) * global_scale)`` rounded to the nearest E2M1 value, ties to even,
+  saturating at +-6 (blocks whose scale rounds to 0 get code 0).
+
+  >>> import jax, qjax
+  >>> qw = qjax.quantize_nvfp4(jax.random.normal(jax.random.key(0), (256, 64)))
+  >>> qw.scales.shape, qw.scales.dtype, qw.global_scale.shape
+  ((16, 64), dtype(float8_e4m3fn), ())
+  """
+  k, n = _check_weight(w, NVFP4_BLOCK, name)
+  wb = _blocks(w, NVFP4_BLOCK)
+  amax = jnp.max(jnp.abs(wb), axis=(-3, -2, -1))            # [...]
+  global_scale = jnp.where(amax > 0, amax / (E2M1_MAX * E4M3_MAX), 1.0).astype(jnp.float32)
+  g = global_scale[..., None, None]
+  block_amax = jnp.max(jnp.abs(wb), axis=-2)                # [..., K // 16, N]
+  scales = (block_amax / E2M1_MAX / g).astype(jnp.float8_e4m3fn)
+  step = scales.astype(jnp.float32) * g
+  safe = jnp.where(step > 0, step, 1.0)
+  v = jnp.where((step > 0)[..., None, :], wb / safe[..., None, :], 0.0)
+  *batch, _, _ = w.shape
+  return NVFP4Weight(
+      codes=packing.pack_codes(encode_e2m1(v).reshape(*batch, k, n), tile_k),
+      scales=scales, global_scale=global_scale, shape=(k, n), tile_k=tile_k)
+
+
+# --------------------------------------------------------------------------------- XLA
+
+
+def matmul_xla(x: jax.Array, w: _FP4Weight) -> jax.Array:
+  """Reference ``x [M, K] @ W [K, N] -> [M, N]``: W dequantized in x's dtype, f32
+  accumulation, output in x's dtype."""
+  if w.codes.ndim != 2:
+    raise NotImplementedError(
+        f"codes of shape {w.codes.shape}: matmul takes one [K, N] weight; vmap over "
+        "leading axes")
+  wd = w.dequantize(x.dtype)
+  precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+  y = jnp.dot(x, wd, preferred_element_type=jnp.float32, precision=precision)
+  return y.astype(x.dtype)
