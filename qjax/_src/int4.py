@@ -256,7 +256,16 @@ def dequantize(w) -> jax.Array:
 
 def matmul_xla(x: jax.Array, w: Int4Weight) -> jax.Array:
   """Reference ``x [M, K] @ dequantize(w) [K, N] -> [M, N]`` in x's dtype, f32 accumulation."""
-  wd = dequantize_int4(w, dtype=x.dtype)
+  if w.biases is None and jnp.dtype(w.scales.dtype) == jnp.dtype(x.dtype) != jnp.float32:
+    # (q - z) is a small integer, exact in bf16 / f16, and (q - z) * s rounds once either
+    # way: dequantizing in the activation dtype gives the same W as via float32 with half
+    # the bytes in XLA's materialized copy.
+    codes = w.unpacked_codes().astype(x.dtype)
+    zeros = (jnp.asarray(8, x.dtype) if w.zeros is None
+             else _expand_groups(w.zeros.astype(x.dtype), w.group_size))
+    wd = (codes - zeros) * _expand_groups(w.scales, w.group_size)
+  else:
+    wd = dequantize_int4(w, dtype=x.dtype)
   precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
   y = jnp.dot(x, wd, preferred_element_type=jnp.float32, precision=precision)
   return y.astype(x.dtype)
