@@ -38,20 +38,16 @@ from qjax import KernelConfig
 from qjax import MXFP4Weight
 from qjax import NVFP4Weight
 from qjax._src import packing
+from pallas_kernels import common
 from pallas_kernels import int4_matmul
+
+_load = common.load
 
 E2M1_TO_F16_SCALE = 2.0 ** 14    # the f16 built from E2M1 bits is value * 2**-14
 E4M3_TO_F16_SCALE = 2.0 ** 8     # the f16 built from e4m3 bits is value * 2**-8
 
 heuristic_config = int4_matmul.heuristic_config
 candidate_configs = int4_matmul.candidate_configs
-
-
-def _load(ref, mask=None, other=0):
-  """Masked load where a mask is given, plain (vectorizable) load otherwise."""
-  if mask is None:
-    return plgpu.load(ref)
-  return plgpu.load(ref, mask=mask, other=other)
 
 
 def _e2m1_slab(words: jax.Array, j: int, dtype) -> jax.Array:
@@ -141,16 +137,8 @@ def _fp4_kernel(x_ref, w_ref, s_ref, g_ref, o_ref, *, m, k, scale_format, block_
 
   acc = lax.fori_loop(0, steps_per_split, step, jnp.zeros((block_m, block_n), jnp.float32))
   out_mask = m_mask[:, None] & n_mask[None, :] if (m_ragged or n_ragged) else None
-  if split_k == 1:
-    plgpu.store(o_ref.at[pl.ds(m0, block_m), pl.ds(n0, block_n)], acc.astype(o_ref.dtype),
-                mask=out_mask)
-  else:
-    plgpu.store(o_ref.at[pid_k, pl.ds(m0, block_m), pl.ds(n0, block_n)], acc, mask=out_mask)
-
-
-def _drop_aliased_input(kernel, *refs):
-  """Calls ``kernel`` without the poisoned buffer's input ref (it is the output ref)."""
-  return kernel(*refs[:-2], refs[-1])
+  common.store_tile(o_ref, acc, m0=m0, n0=n0, block_m=block_m, block_n=block_n, pid_k=pid_k,
+                    split_k=split_k, mask=out_mask)
 
 
 def fp4_matmul(x: jax.Array, w: MXFP4Weight | NVFP4Weight, *, interpret: bool = False,
@@ -192,30 +180,9 @@ def fp4_matmul(x: jax.Array, w: MXFP4Weight | NVFP4Weight, *, interpret: bool = 
       _fp4_kernel, m=m, k=k, scale_format=scale_format, block_size=w.block_size,
       tile_k=w.tile_k, block_m=config.block_m, block_n=config.block_n,
       block_k=config.block_k, steps_per_split=steps // split_k, split_k=split_k)
-  if split_k == 1:
-    out_shape = jax.ShapeDtypeStruct((m, n), x.dtype)
-  else:
-    out_shape = jax.ShapeDtypeStruct((split_k, m, n), jnp.float32)
-  args = [x, w.codes, scales, global_scale]
-  aliases = {}
-  if poison:
-    num_inputs = sum(a is not None for a in args)
-    args.append(jnp.full(out_shape.shape, jnp.nan, out_shape.dtype))
-    aliases = {num_inputs: 0}
-    kernel = functools.partial(_drop_aliased_input, kernel)
-  out = pl.pallas_call(
-      kernel,
-      out_shape=out_shape,
-      grid=(pl.cdiv(n, config.block_n), pl.cdiv(m, config.block_m), split_k),
-      input_output_aliases=aliases,
-      interpret=interpret,
-      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
-                                           num_stages=config.num_stages),
-      name=f"qjax_{w.format_name}_matmul",
-  )(*args)
-  if split_k > 1:
-    out = out.sum(axis=0).astype(x.dtype)
-  return out
+  return common.launch(kernel, [x, w.codes, scales, global_scale], m=m, n=n, dtype=x.dtype,
+                       config=config, interpret=interpret, poison=poison,
+                       name=f"qjax_{w.format_name}_matmul")
 
 
 def _lookup_config(fmt: str, m: int, k: int, n: int) -> KernelConfig | None:

@@ -25,12 +25,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import common
 from pallas_kernels import int4_matmul
 from qjax import KernelConfig
 from qjax._src import gguf_formats
 from qjax._src import gguf_tiled
 
-_load = int4_matmul._load  # pylint: disable=protected-access
+_load = common.load
 _codes_to_float = int4_matmul._codes_to_float  # pylint: disable=protected-access
 
 
@@ -124,24 +125,11 @@ def _gguf_kernel(x_ref, low_ref, high_ref, q8_ref, d_ref, dmin_ref, sc_ref, mn_r
 
   acc = lax.fori_loop(0, steps_per_split, step, jnp.zeros((block_m, block_n), jnp.float32))
   out_mask = m_mask[:, None] & n_mask[None, :] if (m_ragged or n_ragged) else None
-  if split_k == 1:
-    plgpu.store(o_ref.at[pl.ds(m0, block_m), pl.ds(n0, block_n)], acc.astype(o_ref.dtype),
-                mask=out_mask)
-  else:
-    plgpu.store(o_ref.at[pid_k, pl.ds(m0, block_m), pl.ds(n0, block_n)], acc, mask=out_mask)
+  common.store_tile(o_ref, acc, m0=m0, n0=n0, block_m=block_m, block_n=block_n, pid_k=pid_k,
+                    split_k=split_k, mask=out_mask)
 
 
 _FIELDS = ("low", "high", "q8", "d", "dmin", "sc", "mn")
-
-
-def _bind_refs(kernel, present, *refs):
-  """Calls ``kernel`` with one ref per field (None for absent fields).
-
-  ``refs`` are x, the present fields, [the poisoned output's input alias], the output.
-  """
-  it = iter(refs[1:])
-  fields = [next(it) if p else None for p in present]
-  return kernel(refs[0], *fields, refs[-1])
 
 
 def gguf_matmul(x: jax.Array, w, *, interpret: bool = False,
@@ -168,34 +156,13 @@ def gguf_matmul(x: jax.Array, w, *, interpret: bool = False,
   config = int4_matmul.legalize(config, k, gguf_tiled.TILE_K)
   steps = w.padded_k // config.block_k
   split_k = config.split_k
-  fields = [getattr(w, f) for f in _FIELDS]
-  present = tuple(a is not None for a in fields)
   kernel = functools.partial(
       _gguf_kernel, ggml_type=w.ggml_type, m=m, k=k, block_m=config.block_m,
       block_n=config.block_n, block_k=config.block_k, steps_per_split=steps // split_k,
       split_k=split_k)
-  if split_k == 1:
-    out_shape = jax.ShapeDtypeStruct((m, n), x.dtype)
-  else:
-    out_shape = jax.ShapeDtypeStruct((split_k, m, n), jnp.float32)
-  args = [x] + [a for a in fields if a is not None]
-  aliases = {}
-  if poison:
-    args.append(jnp.full(out_shape.shape, jnp.nan, out_shape.dtype))
-    aliases = {len(args) - 1: 0}
-  out = pl.pallas_call(
-      functools.partial(_bind_refs, kernel, present),
-      out_shape=out_shape,
-      grid=(pl.cdiv(n, config.block_n), pl.cdiv(m, config.block_m), split_k),
-      input_output_aliases=aliases,
-      interpret=interpret,
-      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
-                                           num_stages=config.num_stages),
-      name=f"qjax_gguf_{w.ggml_type.lower()}_matmul",
-  )(*args)
-  if split_k > 1:
-    out = out.sum(axis=0).astype(x.dtype)
-  return out
+  return common.launch(kernel, [x] + [getattr(w, f) for f in _FIELDS], m=m, n=n,
+                       dtype=x.dtype, config=config, interpret=interpret, poison=poison,
+                       name=f"qjax_gguf_{w.ggml_type.lower()}_matmul")
 
 
 def int4_via_layout(x: jax.Array, w, *, interpret: bool = False,

@@ -33,13 +33,9 @@ from jax.experimental.pallas import triton as plgpu
 from qjax import Int4Weight
 from qjax import KernelConfig
 from qjax._src import packing
+from pallas_kernels import common
 
-
-def _load(ref, mask=None, other=0):
-  """Masked load where a mask is given, plain (vectorizable) load otherwise."""
-  if mask is None:
-    return plgpu.load(ref)
-  return plgpu.load(ref, mask=mask, other=other)
+_load = common.load
 
 
 # bf16 / f16 bit patterns whose low mantissa bits take a 4-bit code: value = C + code.
@@ -125,16 +121,8 @@ def _int4_kernel(x_ref, w_ref, s_ref, z_ref, b_ref, o_ref, *, m, k, group_size, 
 
   acc = lax.fori_loop(0, steps_per_split, step, jnp.zeros((block_m, block_n), jnp.float32))
   out_mask = m_mask[:, None] & n_mask[None, :] if (m_ragged or n_ragged) else None
-  if split_k == 1:
-    plgpu.store(o_ref.at[pl.ds(m0, block_m), pl.ds(n0, block_n)], acc.astype(o_ref.dtype),
-                mask=out_mask)
-  else:
-    plgpu.store(o_ref.at[pid_k, pl.ds(m0, block_m), pl.ds(n0, block_n)], acc, mask=out_mask)
-
-
-def _drop_aliased_input(kernel, *refs):
-  """Calls ``kernel`` without the poisoned buffer's input ref (it is the output ref)."""
-  return kernel(*refs[:-2], refs[-1])
+  common.store_tile(o_ref, acc, m0=m0, n0=n0, block_m=block_m, block_n=block_n, pid_k=pid_k,
+                    split_k=split_k, mask=out_mask)
 
 
 def _next_pow2(v: int) -> int:
@@ -216,30 +204,9 @@ def int4_matmul(x: jax.Array, w: Int4Weight, *, interpret: bool = False,
       _int4_kernel, m=m, k=k, group_size=w.group_size, tile_k=w.tile_k,
       block_m=config.block_m, block_n=config.block_n, block_k=config.block_k,
       steps_per_split=steps // split_k, split_k=split_k)
-  if split_k == 1:
-    out_shape = jax.ShapeDtypeStruct((m, n), x.dtype)
-  else:
-    out_shape = jax.ShapeDtypeStruct((split_k, m, n), jnp.float32)
-  args = [x, w.codes, w.scales, w.zeros, w.biases]
-  aliases = {}
-  if poison:
-    num_inputs = sum(a is not None for a in args)
-    args.append(jnp.full(out_shape.shape, jnp.nan, out_shape.dtype))
-    aliases = {num_inputs: 0}
-    kernel = functools.partial(_drop_aliased_input, kernel)
-  out = pl.pallas_call(
-      kernel,
-      out_shape=out_shape,
-      grid=(pl.cdiv(n, config.block_n), pl.cdiv(m, config.block_m), split_k),
-      input_output_aliases=aliases,
-      interpret=interpret,
-      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
-                                           num_stages=config.num_stages),
-      name="qjax_int4_matmul",
-  )(*args)
-  if split_k > 1:
-    out = out.sum(axis=0).astype(x.dtype)
-  return out
+  return common.launch(kernel, [x, w.codes, w.scales, w.zeros, w.biases], m=m, n=n,
+                       dtype=x.dtype, config=config, interpret=interpret, poison=poison,
+                       name="qjax_int4_matmul")
 
 
 def _lookup_config(m: int, k: int, n: int) -> KernelConfig | None:
