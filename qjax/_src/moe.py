@@ -54,6 +54,7 @@ def moe_kernels_for_format(format_cls: type) -> list[dispatch.Backend]:
 # ---------------------------------------------------------------------------- routing
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ExpertGroups:
   """The (row, expert) pairs sorted by expert, and the row tiles of a grouped GEMM.
