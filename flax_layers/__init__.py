@@ -20,3 +20,5 @@ from flax_layers.llama import prefill as prefill
 from flax_layers.llama import sample as sample
 from flax_layers.hf_checkpoint import load_hf_llama as load_hf_llama
 from flax_layers.hf_checkpoint import save_hf_llama as save_hf_llama
+from flax_layers.moe import MXFP4MoE as MXFP4MoE
+from flax_layers.moe import route as route

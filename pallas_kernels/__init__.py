@@ -9,6 +9,7 @@ import jax
 import qjax
 from pallas_kernels import gguf_matmul as gguf_matmul
 from pallas_kernels import fp4_matmul as fp4_matmul
+from pallas_kernels import fp4_moe as fp4_moe
 from pallas_kernels import int4_matmul as int4_matmul
 from qjax._src import gguf_formats as _gguf_formats
 from qjax._src import gguf_tiled as _gguf_tiled
@@ -59,3 +60,9 @@ for _fp4_format in (qjax.MXFP4Weight, qjax.NVFP4Weight):
                    # Same bound as INT4 until the FP4 kernel has its own H100 sweeps.
                    auto_max_m=64))
 del _fp4_format
+
+# Mixture of experts: the grouped MXFP4 kernel serves qjax.moe_matmul.
+qjax.register_moe_kernel(
+    qjax.MXFP4Weight,
+    qjax.Backend(name="pallas_triton", fn=fp4_moe.mxfp4_moe_matmul,
+                 supported_on=triton_supported))

@@ -83,6 +83,54 @@ def _e4m3_to_f32_times_2_pow_minus_8(b: jax.Array) -> jax.Array:
   return jnp.where((b & 0x7F) == 0x7F, jnp.nan, v)
 
 
+def scale_decoder(scale_format: str, global_scale=None):
+  """``(decode, factor)`` for a scale format: ``decode(bytes) * factor`` is the f32
+  multiplier of a block's partial product ``x_b @ (e2m1_b * 2**-14)``.
+
+  ``global_scale`` (NVFP4's tensor scale, a loaded ``[1, 1]`` f32 array) is folded into
+  ``factor``; None for MXFP4.
+  """
+  if scale_format == "e8m0":
+    decode, fixed = _e8m0_to_f32, E2M1_TO_F16_SCALE
+  elif scale_format == "e4m3":
+    decode, fixed = _e4m3_to_f32_times_2_pow_minus_8, E2M1_TO_F16_SCALE * E4M3_TO_F16_SCALE
+  else:
+    raise ValueError(f"{scale_format=} must be 'e8m0' (MXFP4) or 'e4m3' (NVFP4)")
+  return decode, (fixed if global_scale is None else global_scale * fixed)
+
+
+def accumulate_k_tile(acc, words, load_x, load_scale, *, k_tile, tile_k, block_size,
+                      dtype, decode, factor):
+  """``acc + x[:, k_tile : k_tile + tile_k] @ W[k_tile : k_tile + tile_k, cols]``.
+
+  The dequantize-in-registers step every FP4 kernel shares: slab ``j`` of the packed
+  words is turned into E2M1 values (times 2**-14) and multiplied against the matching
+  ``[block_m, slab]`` slice of x; the block scale is applied to the f32 partial product
+  of each block, after the dots.
+
+  Args:
+    acc: ``[block_m, block_n]`` float32.
+    words: ``[tile_k // 8, block_n]`` uint32 codes of one K-tile (tile order ``tile_k``).
+    load_x: ``load_x(k0) -> [block_m, tile_k // 8]`` activations of rows ``k0 ..``,
+      loaded from the ref (with the caller's masks).
+    load_scale: ``load_scale(g) -> [1, block_n]`` uint8 scale bytes of block row ``g``.
+    k_tile: first K row of the tile (traced or static).
+    dtype: the activations' dtype (the dots run in it).
+    decode, factor: from :func:`scale_decoder`.
+  """
+  slab = tile_k // 8
+  slabs_per_block = block_size // slab
+  for b in range(tile_k // block_size):
+    part = None
+    for p in range(slabs_per_block):
+      j = b * slabs_per_block + p
+      d = plgpu.dot(load_x(k_tile + j * slab), _e2m1_slab(words, j, dtype))  # f32
+      part = d if part is None else part + d
+    scale = decode(load_scale(k_tile // block_size + b))
+    acc += part * (scale * factor)
+  return acc
+
+
 def _fp4_kernel(x_ref, w_ref, s_ref, g_ref, o_ref, *, m, k, scale_format, block_size,
                 tile_k, block_m, block_n, block_k, steps_per_split, split_k):
   """One ``[block_m, block_n]`` output tile over ``steps_per_split`` K steps.
@@ -104,12 +152,18 @@ def _fp4_kernel(x_ref, w_ref, s_ref, g_ref, o_ref, *, m, k, scale_format, block_
   # Masks along the contiguous axis keep Triton from vectorizing: only where ragged.
   m_ragged, n_ragged, k_ragged = m % block_m != 0, n % block_n != 0, k % tile_k != 0
   slab = tile_k // 8
-  slabs_per_block = block_size // slab
-  if scale_format == "e8m0":
-    decode, fixed = _e8m0_to_f32, E2M1_TO_F16_SCALE
-  else:
-    decode, fixed = _e4m3_to_f32_times_2_pow_minus_8, E2M1_TO_F16_SCALE * E4M3_TO_F16_SCALE
-  factor = fixed if g_ref is None else g_ref[...] * fixed  # Python float or [1, 1] f32
+  decode, factor = scale_decoder(scale_format, None if g_ref is None else g_ref[...])
+
+  def load_x(k0):
+    x_mask = m_mask[:, None] if m_ragged else None
+    if k_ragged:
+      kx = ((k0 + jnp.arange(slab)) < k)[None, :]
+      x_mask = kx if x_mask is None else x_mask & kx
+    return _load(x_ref.at[pl.ds(m0, block_m), pl.ds(k0, slab)], x_mask)
+
+  def load_scale(g):
+    s_mask = n_mask[None, :] & (g < num_blocks) if (n_ragged or k_ragged) else None
+    return _load(s_ref.at[pl.ds(g, 1), pl.ds(n0, block_n)], s_mask)
 
   def step(i, acc):
     k_step = (pid_k * steps_per_split + i) * block_k
@@ -117,22 +171,9 @@ def _fp4_kernel(x_ref, w_ref, s_ref, g_ref, o_ref, *, m, k, scale_format, block_
       k_tile = k_step + t * tile_k
       words = _load(w_ref.at[pl.ds(k_tile // 8, slab), pl.ds(n0, block_n)],
                     mask=n_mask[None, :] if n_ragged else None)
-      for b in range(tile_k // block_size):
-        part = None
-        for p in range(slabs_per_block):
-          j = b * slabs_per_block + p
-          k0 = k_tile + j * slab
-          x_mask = m_mask[:, None] if m_ragged else None
-          if k_ragged:
-            kx = ((k0 + jnp.arange(slab)) < k)[None, :]
-            x_mask = kx if x_mask is None else x_mask & kx
-          xs = _load(x_ref.at[pl.ds(m0, block_m), pl.ds(k0, slab)], x_mask)
-          d = plgpu.dot(xs, _e2m1_slab(words, j, x_ref.dtype))  # f32
-          part = d if part is None else part + d
-        g = k_tile // block_size + b
-        s_mask = n_mask[None, :] & (g < num_blocks) if (n_ragged or k_ragged) else None
-        scale = decode(_load(s_ref.at[pl.ds(g, 1), pl.ds(n0, block_n)], s_mask))
-        acc += part * (scale * factor)
+      acc = accumulate_k_tile(acc, words, load_x, load_scale, k_tile=k_tile, tile_k=tile_k,
+                              block_size=block_size, dtype=x_ref.dtype, decode=decode,
+                              factor=factor)
     return acc
 
   acc = lax.fori_loop(0, steps_per_split, step, jnp.zeros((block_m, block_n), jnp.float32))

@@ -48,13 +48,20 @@ from qjax._src.fp4 import quantize_mxfp4 as quantize_mxfp4
 from qjax._src.fp4 import quantize_nvfp4 as quantize_nvfp4
 from qjax._src.gpt_oss_layout import GptOssMXFP4Weight as GptOssMXFP4Weight
 from qjax._src.gpt_oss_layout import read_gpt_oss_mxfp4 as read_gpt_oss_mxfp4
+# Mixture of experts
+from qjax._src.moe import moe_implementation_name as moe_implementation_name
+from qjax._src.moe import moe_matmul as moe_matmul
+from qjax._src.moe import register_moe_kernel as register_moe_kernel
+from qjax._src.moe import register_moe_xla as register_moe_xla
 
 from qjax._src import fp4 as _fp4
 from qjax._src import int4 as _int4
+from qjax._src import moe as _moe
 
 register_xla(Int4Weight, _int4.matmul_xla)
 register_xla(MXFP4Weight, _fp4.matmul_xla)
 register_xla(NVFP4Weight, _fp4.matmul_xla)
-del _int4, _fp4
+_moe.register_moe_xla(MXFP4Weight, _moe.moe_matmul_xla)
+del _int4, _fp4, _moe
 
 __version__ = "0.1.0"

@@ -246,6 +246,132 @@ def llama_stack_tokens_per_s(*, layers: int, hidden: int, inter: int, kv: int, c
   return out
 
 
+# ---------------------------------------------------------------------------- --moe
+
+GPU_MOE = dict(experts=128, k=2880, n=2880, top_k=4, tokens=(1, 4, 16, 64))
+CPU_MOE = dict(experts=8, k=256, n=256, top_k=2, tokens=(1, 8))
+MOE_IMPLS = ("fused", "xla", "dequant_all")
+
+
+@dataclasses.dataclass
+class MoERow:
+  """One token count of ``qjax bench --moe``: device time per implementation and the
+  floor of the bytes of the selected experts only."""
+  tokens: int
+  experts: int
+  k: int
+  n: int
+  top_k: int
+  times_us: dict[str, float]
+  floor_us: float
+  floor_bytes: float  # averaged over the rotated routings
+  selected_experts: float  # distinct experts per call, averaged
+  source: str
+
+  def over_floor(self, impl: str) -> float:
+    t = self.times_us.get(impl)
+    return t / self.floor_us if t else float("nan")
+
+
+def _distinct_ids(key: jax.Array, tokens: int, experts: int, top_k: int) -> jax.Array:
+  """``[T, top_k]`` int32, distinct experts per token (as a router's top-k gives)."""
+  scores = jax.random.uniform(key, (tokens, experts))
+  return jax.lax.top_k(scores, top_k)[1].astype(jnp.int32)
+
+
+def bench_moe(tokens: int, *, experts: int, k: int, n: int, top_k: int, bandwidth: float,
+              on_gpu: bool, calls: int, seed: int = 0) -> MoERow:
+  """Times ``y[t, j] = x[t] @ W[ids[t, j]]`` over ``experts`` MXFP4 experts of ``[k, n]``.
+
+  * fused: ``qjax.moe_matmul`` with the Pallas kernel (interpret mode on a CPU), routing
+    and gathers included.
+  * xla: its XLA reference (gathered experts, or every expert and ragged_dot).
+  * dequant_all: every expert dequantized to bf16 first, then the selected ones' dense
+    matmuls.
+
+  The floor counts the packed codes and scales of the distinct selected experts, x and
+  the output, over the copy bandwidth. Routings rotate (a new random one per call) so
+  that one call's experts are mostly not in L2 from the last.
+  """
+  key = jax.random.key(seed)
+  kx, kw, ki = jax.random.split(key, 3)
+  x = jax.random.normal(kx, (tokens, k), jnp.float32).astype(jnp.bfloat16)
+  w0 = random_weight("mxfp4", k, n, kw)
+  w = jax.tree.map(lambda a: jnp.broadcast_to(a, (experts, *a.shape)) + 0, w0)
+  w = dataclasses.replace(w, codes=w.codes ^ jax.random.bits(kw, w.codes.shape, jnp.uint32))
+  per_expert = w0.nbytes
+  del w0
+  reps = _rotation(per_expert * tokens * top_k)
+  id_sets = [_distinct_ids(jax.random.fold_in(ki, i), tokens, experts, top_k)
+             for i in range(reps)]
+  distinct = sum(len(set(map(int, ids.reshape(-1)))) for ids in id_sets) / reps
+  fns = {
+      "fused": lambda x_, w_, i_: dispatch_moe(x_, w_, i_, "pallas" if on_gpu else "interpret"),
+      "xla": lambda x_, w_, i_: dispatch_moe(x_, w_, i_, "xla"),
+      "dequant_all": lambda x_, w_, i_: jnp.einsum(
+          "tk,tjkn->tjn", x_, w_.dequantize(x_.dtype)[i_],
+          preferred_element_type=jnp.float32).astype(x_.dtype),
+  }
+  times, source = {}, "trace"
+  for name, fn in fns.items():
+    t = devtime.device_time(jax.jit(fn), [(x, w, ids) for ids in id_sets], calls=calls)
+    times[name], source = t.us, t.source
+  floor_bytes = distinct * per_expert + x.nbytes + tokens * top_k * n * 2
+  return MoERow(tokens=tokens, experts=experts, k=k, n=n, top_k=top_k, times_us=times,
+                floor_us=floor_bytes / bandwidth * 1e6, floor_bytes=floor_bytes,
+                selected_experts=distinct, source=source)
+
+
+def dispatch_moe(x, w, ids, implementation):
+  from qjax._src import moe  # pylint: disable=g-import-not-at-top
+  return moe.moe_matmul(x, w, ids, implementation=implementation)
+
+
+def format_moe_table(rows: Sequence[MoERow]) -> str:
+  head = (f"{'T':>4} {'E':>4} {'K':>5} {'N':>5} {'top':>3} {'sel':>5} |"
+          + "".join(f" {i:>11}" for i in MOE_IMPLS) + f" {'floor':>8} |"
+          + f" {'fused/floor':>11} {'dq_all/fused':>12}")
+  lines = [head, "-" * len(head)]
+  for r in rows:
+    s = f"{r.tokens:>4} {r.experts:>4} {r.k:>5} {r.n:>5} {r.top_k:>3} {r.selected_experts:>5.1f} |"
+    s += "".join(f" {r.times_us[i]:>11.1f}" for i in MOE_IMPLS) + f" {r.floor_us:>8.1f} |"
+    s += f" {r.over_floor('fused'):>10.2f}x"
+    s += f" {r.times_us['dequant_all'] / r.times_us['fused']:>11.1f}x"
+    lines.append(s)
+  return "\n".join(lines)
+
+
+def run_moe(args, env: dict[str, str], on_gpu: bool) -> int:
+  """``qjax bench --moe``: the MoE matmul of GPT-OSS-like experts, per token count."""
+  cfg = dict(GPU_MOE if on_gpu else CPU_MOE)
+  if args.shapes:
+    cfg["k"], cfg["n"] = (int(v) for v in args.shapes.split(",")[0].lower().split("x"))
+  if args.m:
+    cfg["tokens"] = tuple(int(v) for v in args.m.split(","))
+  if args.moe_experts:
+    cfg["experts"] = args.moe_experts
+  if args.moe_top_k:
+    cfg["top_k"] = args.moe_top_k
+  bandwidth = measure_copy_bandwidth(2**30 if on_gpu else 2**26)
+  print(f"# measured copy bandwidth: {bandwidth / 1e12:.3f} TB/s (read + write)")
+  print(f"# MoE: {cfg['experts']} MXFP4 experts of {cfg['k']}x{cfg['n']}, top-{cfg['top_k']}; "
+        "times in us of device time per call; sel = distinct experts per call; floor = "
+        "their packed bytes + x + output at the copy bandwidth")
+  rows = []
+  for t in cfg["tokens"]:
+    rows.append(bench_moe(t, experts=cfg["experts"], k=cfg["k"], n=cfg["n"],
+                          top_k=cfg["top_k"], bandwidth=bandwidth, on_gpu=on_gpu,
+                          calls=args.calls))
+    print(format_moe_table(rows[-1:]).splitlines()[-1], flush=True)
+  print()
+  print(format_moe_table(rows))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"environment": env, "bandwidth_bytes_per_s": bandwidth,
+                 "moe_rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
+  return 0
+
+
 def environment() -> dict[str, str]:
   d = jax.devices()[0]
   return {"device": d.device_kind, "platform": d.platform, "jax": jax.__version__,
@@ -266,11 +392,13 @@ def run(args) -> int:
   if unknown:
     raise ValueError(f"--format {args.format!r}: unknown {unknown}; known formats: "
                      f"{','.join(BENCH_FORMATS)}")
-  impls = args.impl.split(",") if args.impl else _timed_impls(on_gpu)
   print(f"# qjax bench on {env['device']} ({env['platform']}), jax {env['jax']}, {env['date']}")
   if not on_gpu:
     print("# CPU run: XLA and Pallas interpret mode only, wall-clock medians, small shapes. "
           "Not kernel figures.")
+  if getattr(args, "moe", False):
+    return run_moe(args, env, on_gpu)
+  impls = args.impl.split(",") if args.impl else _timed_impls(on_gpu)
   if args.tune:
     if not on_gpu:
       print("--tune needs a GPU; nothing tuned")

@@ -1,0 +1,180 @@
+"""Fused MXFP4 mixture-of-experts matmul: one grouped-GEMM launch over all selected experts.
+
+Contract (qjax's ``moe_matmul_xla`` is the reference): pair ``p`` multiplies row
+``pair_rows[p]`` of the activations by expert ``pair_experts[p]``'s MXFP4 weight, float32
+accumulation, output in the activations' dtype.
+
+How: the pairs are sorted by expert in XLA (:func:`qjax._src.moe.group_by_expert`) and
+their activation rows gathered into that order; one ``pallas_call`` then runs a grid of
+``(column block, row tile, K split)`` programs. Row tile ``i`` reads its expert, first
+and end sorted row from three int32 tables (loaded as scalars by program id); its rows
+past the group's end are masked on load and store, and empty tiles (the table has a static
+length) return at once. Each program reads only its expert's codes and scales and
+dequantizes them in registers exactly as the dense FP4 kernel does
+(:func:`pallas_kernels.fp4_matmul.accumulate_k_tile`), so unselected experts' weights are
+never read and no dequantized expert is written to memory. The products, in sorted order,
+are put back in pair order by XLA.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from qjax import KernelConfig
+from qjax import MXFP4Weight
+from qjax._src import moe
+from qjax._src import packing
+from pallas_kernels import fp4_matmul
+from pallas_kernels import int4_matmul
+
+# Programs a launch aims for (about two per SM of an H100), as the dense heuristic.
+_TARGET_PROGRAMS = 256
+
+
+def _moe_kernel(tile_expert_ref, tile_start_ref, tile_end_ref, x_ref, w_ref, s_ref, o_ref,
+                *, k, tile_k, block_m, block_n, block_k, steps_per_split, split_k):
+  """One ``[block_m, block_n]`` tile of one expert's rows over ``steps_per_split`` K steps.
+
+  Refs (whole arrays):
+    tile_expert_ref, tile_start_ref, tile_end_ref: ``[num_tiles]`` int32 tile table.
+    x_ref: ``[R + block_m, K]`` activation rows in expert order (``block_m`` padding rows).
+    w_ref: ``[E, Kp // 8, N]`` uint32 E2M1 codes in tile order ``tile_k``.
+    s_ref: ``[E, K // 32, N]`` uint8 E8M0 scale bytes.
+    o_ref: ``[R + block_m, N]`` in x's dtype (split_k == 1) or ``[split_k, R + block_m, N]``
+      float32.
+  """
+  pid_n, pid_t, pid_k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  expert = tile_expert_ref[pid_t]
+  row0 = tile_start_ref[pid_t]
+  row_end = tile_end_ref[pid_t]
+  n = w_ref.shape[2]
+  num_blocks = s_ref.shape[1]
+  n0 = pid_n * block_n
+  m_mask = (row0 + jnp.arange(block_m)) < row_end
+  n_mask = (n0 + jnp.arange(block_n)) < n
+  n_ragged, k_ragged = n % block_n != 0, k % tile_k != 0
+  slab = tile_k // 8
+  block_size = MXFP4Weight.block_size
+  decode, factor = fp4_matmul.scale_decoder("e8m0")
+
+  def load_x(k0):
+    x_mask = m_mask[:, None]
+    if k_ragged:
+      x_mask = x_mask & ((k0 + jnp.arange(slab)) < k)[None, :]
+    return plgpu.load(x_ref.at[pl.ds(row0, block_m), pl.ds(k0, slab)], mask=x_mask, other=0)
+
+  def load_scale(g):
+    s_mask = n_mask[None, :] & (g < num_blocks) if (n_ragged or k_ragged) else None
+    return fp4_matmul._load(s_ref.at[expert, pl.ds(g, 1), pl.ds(n0, block_n)], s_mask)
+
+  def step(i, acc):
+    k_step = (pid_k * steps_per_split + i) * block_k
+    for t in range(block_k // tile_k):
+      k_tile = k_step + t * tile_k
+      words = fp4_matmul._load(
+          w_ref.at[expert, pl.ds(k_tile // 8, slab), pl.ds(n0, block_n)],
+          mask=n_mask[None, :] if n_ragged else None)
+      acc = fp4_matmul.accumulate_k_tile(
+          acc, words, load_x, load_scale, k_tile=k_tile, tile_k=tile_k,
+          block_size=block_size, dtype=x_ref.dtype, decode=decode, factor=factor)
+    return acc
+
+  @pl.when(row_end > row0)
+  def _():
+    acc = lax.fori_loop(0, steps_per_split, step, jnp.zeros((block_m, block_n), jnp.float32))
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if split_k == 1:
+      plgpu.store(o_ref.at[pl.ds(row0, block_m), pl.ds(n0, block_n)],
+                  acc.astype(o_ref.dtype), mask=out_mask)
+    else:
+      plgpu.store(o_ref.at[pid_k, pl.ds(row0, block_m), pl.ds(n0, block_n)], acc,
+                  mask=out_mask)
+
+
+def heuristic_config(num_pairs: int, num_experts: int, k: int, n: int) -> KernelConfig:
+  """Tiling for ``num_pairs`` rows spread over up to ``num_experts`` experts.
+
+  Row blocks fit the expected group size (16 for decode, up to 64 for prefill); narrow
+  column blocks and split-K give small launches enough programs to keep the GPU busy.
+  """
+  active = min(num_experts, num_pairs)
+  per_expert = -(-num_pairs // active)
+  block_m = min(64, max(16, int4_matmul._next_pow2(per_expert)))
+  block_n = 64 if n >= 2048 else 32
+  cols = -(-n // block_n)
+  tiles = moe.max_row_tiles(num_pairs, num_experts, block_m)
+  k_tiles = -(-k // packing.NATIVE_TILE_K)
+  split_k = max(1, min(-(-_TARGET_PROGRAMS // (cols * tiles)), k_tiles))
+  block_k = 256 if k_tiles // split_k >= 2 else 128
+  return KernelConfig(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k,
+                      num_warps=4, num_stages=4 if block_m <= 16 else 3)
+
+
+def _drop_aliased_input(kernel, *refs):
+  """Calls ``kernel`` without the poisoned buffer's input ref (it is the output ref)."""
+  return kernel(*refs[:-2], refs[-1])
+
+
+def mxfp4_moe_matmul(rows: jax.Array, w: MXFP4Weight, pair_rows: jax.Array,
+                     pair_experts: jax.Array, *, interpret: bool = False,
+                     config: KernelConfig | None = None, poison: bool = False) -> jax.Array:
+  """``y[p] = rows[pair_rows[p]] @ W[pair_experts[p]]`` -> ``[P, N]`` in rows' dtype.
+
+  Args:
+    rows: ``[R, K]`` bf16 / f16 / f32 activations.
+    w: MXFP4 experts: codes ``[E, Kp // 8, N]``, scales ``[E, K // 32, N]``.
+    pair_rows, pair_experts: ``[P]`` int32; experts in ``[0, E)``.
+    config: tiling (``block_m`` rows per tile); None: :func:`heuristic_config`.
+    poison: for tests: the output buffer starts as NaN (aliased into the kernel), so a
+      row the kernel fails to write shows up as NaN.
+  """
+  if not isinstance(w, MXFP4Weight) or w.codes.ndim != 3:
+    raise NotImplementedError(
+        f"the MoE kernel takes an MXFP4Weight with one leading expert axis, got "
+        f"{type(w).__name__} with codes of shape {tuple(w.codes.shape)}")
+  if w.tile_k != packing.NATIVE_TILE_K:
+    w = w.repack(packing.NATIVE_TILE_K)
+  num_experts, k, n = w.codes.shape[0], w.shape[0], w.shape[1]
+  p = pair_experts.shape[0]
+  if config is None:
+    config = heuristic_config(p, num_experts, k, n)
+  config = int4_matmul.legalize(config, k, w.tile_k)
+  block_m, split_k = config.block_m, config.split_k
+  steps = w.codes.shape[1] * 8 // config.block_k
+  groups = moe.group_by_expert(pair_experts, num_experts, block_m)
+  # Rows in expert order, plus block_m zero rows so every tile's block stays in bounds.
+  x = jnp.pad(rows[pair_rows[groups.order]], ((0, block_m), (0, 0)))
+  padded = p + block_m
+  kernel = functools.partial(
+      _moe_kernel, k=k, tile_k=w.tile_k, block_m=block_m, block_n=config.block_n,
+      block_k=config.block_k, steps_per_split=steps // split_k, split_k=split_k)
+  if split_k == 1:
+    out_shape = jax.ShapeDtypeStruct((padded, n), rows.dtype)
+  else:
+    out_shape = jax.ShapeDtypeStruct((split_k, padded, n), jnp.float32)
+  num_tiles = groups.tile_experts.shape[0]
+  args = [groups.tile_experts, groups.tile_starts, groups.tile_ends, x, w.codes, w.scales]
+  aliases = {}
+  if poison:
+    args.append(jnp.full(out_shape.shape, jnp.nan, out_shape.dtype))
+    aliases = {len(args) - 1: 0}
+    kernel = functools.partial(_drop_aliased_input, kernel)
+  out = pl.pallas_call(
+      kernel,
+      out_shape=out_shape,
+      grid=(pl.cdiv(n, config.block_n), num_tiles, split_k),
+      input_output_aliases=aliases,
+      interpret=interpret,
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                           num_stages=config.num_stages),
+      name="qjax_mxfp4_moe_matmul",
+  )(*args)
+  if split_k > 1:
+    out = out.sum(axis=0)
+  return out[moe.inverse_permutation(groups.order)].astype(rows.dtype)

@@ -1,0 +1,251 @@
+"""``qjax.moe_matmul``: every (token, selected expert) product of a mixture of experts.
+
+Contract: ``x`` holds T tokens, ``w`` E experts of logical shape ``[K, N]`` (a quantized
+pytree with a leading expert axis), ``expert_ids [T, top_k]`` the experts each token is
+routed to; ``y[t, j] = x[t] @ W[expert_ids[t, j]]`` (``x[t, j]`` when x carries one row per
+selected expert, as the down projection of an MoE MLP does), float32 accumulation, output
+in x's dtype.
+
+Implementations share the canonical form ``fn(rows [R, K], w, pair_rows [P], pair_experts
+[P]) -> [P, N]``: pair ``p`` multiplies row ``pair_rows[p]`` of ``rows`` by expert
+``pair_experts[p]``. The XLA reference lives here; the fused Pallas kernel (grouped GEMM over
+the pairs sorted by expert, reading only the selected experts' weights) registers itself
+from ``pallas_kernels`` with :func:`register_moe_kernel`. Implementation names are those of
+:func:`qjax.matmul`: None (best available), "xla", "pallas", "interpret".
+
+:func:`group_by_expert` is the routing metadata both share: the pairs sorted by expert, each
+expert's group of rows, and a table of row tiles that a grouped-GEMM grid walks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qjax._src import dispatch
+from qjax._src import fp4
+
+_MOE_XLA: dict[type, Callable[..., jax.Array]] = {}
+_MOE_KERNELS: dict[type, list[dispatch.Backend]] = {}
+
+
+def register_moe_xla(format_cls: type, fn: Callable[..., jax.Array]) -> None:
+  """Registers the reference ``fn(rows [R, K], w, pair_rows [P], pair_experts [P]) ->
+  [P, N]`` of a format."""
+  _MOE_XLA[format_cls] = fn
+
+
+def register_moe_kernel(format_cls: type, backend: dispatch.Backend) -> None:
+  """Registers a kernel whose ``backend.fn(rows, w, pair_rows, pair_experts, *, interpret,
+  config=None)`` follows the canonical form; later registrations of one name replace it."""
+  backends = [b for b in _MOE_KERNELS.get(format_cls, []) if b.name != backend.name]
+  _MOE_KERNELS[format_cls] = backends + [backend]
+
+
+def moe_kernels_for_format(format_cls: type) -> list[dispatch.Backend]:
+  dispatch.load_plugins()
+  return list(_MOE_KERNELS.get(format_cls, []))
+
+
+# ---------------------------------------------------------------------------- routing
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ExpertGroups:
+  """The (row, expert) pairs sorted by expert, and the row tiles of a grouped GEMM.
+
+  Sorted position ``r`` holds pair ``order[r]``; expert ``e``'s pairs occupy sorted
+  positions ``[group_starts[e], group_starts[e] + group_sizes[e])``. A grouped GEMM with
+  row blocks of ``block_m`` covers each non-empty group with ``ceil(size / block_m)``
+  tiles; tile ``i`` multiplies sorted positions ``[tile_starts[i], tile_ends[i])`` (at most
+  ``block_m`` of them, all of one expert) by expert ``tile_experts[i]``. The table has a
+  static length (:func:`max_row_tiles`); tiles past the active ones are empty
+  (``tile_ends == tile_starts``) and name an expert that some pair selected, so a kernel
+  that skipped the emptiness check would still read no unselected expert.
+
+  Attributes:
+    order: ``[P]`` int32, pair index of each sorted position.
+    group_sizes: ``[E]`` int32 pairs per expert.
+    group_starts: ``[E]`` int32 first sorted position of each expert's group.
+    tile_experts, tile_starts, tile_ends: ``[num_tiles]`` int32.
+  """
+  order: jax.Array
+  group_sizes: jax.Array
+  group_starts: jax.Array
+  tile_experts: jax.Array
+  tile_starts: jax.Array
+  tile_ends: jax.Array
+
+
+def max_row_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
+  """Row tiles a grouped GEMM needs at most: ``sum_e ceil(g_e / block_m)`` over groups
+  ``g_e`` summing to P, at most ``min(E, P)`` of them non-empty."""
+  active = min(num_experts, num_pairs)
+  return max(1, (num_pairs + active * (block_m - 1)) // block_m)
+
+
+def group_by_expert(pair_experts: jax.Array, num_experts: int, block_m: int) -> ExpertGroups:
+  """Routing metadata of ``pair_experts [P]`` (ints in ``[0, E)``); jittable, static
+  shapes."""
+  p = pair_experts.shape[0]
+  pair_experts = pair_experts.astype(jnp.int32)
+  order = jnp.argsort(pair_experts, stable=True).astype(jnp.int32)
+  sizes = jnp.zeros((num_experts,), jnp.int32).at[pair_experts].add(1)
+  starts = jnp.cumsum(sizes) - sizes
+  tiles_per_expert = (sizes + block_m - 1) // block_m
+  tiles_end = jnp.cumsum(tiles_per_expert)                     # [E] inclusive
+  num_tiles = max_row_tiles(p, num_experts, block_m)
+  tile = jnp.arange(num_tiles, dtype=jnp.int32)
+  expert = jnp.searchsorted(tiles_end, tile, side="right").astype(jnp.int32)
+  active = expert < num_experts
+  # Empty tiles name the expert of the last sorted pair (a selected one).
+  expert = jnp.where(active, expert, pair_experts[order[p - 1]])
+  local = tile - (tiles_end[expert] - tiles_per_expert[expert])
+  tile_starts = starts[expert] + local * block_m
+  group_end = starts[expert] + sizes[expert]
+  tile_starts = jnp.where(active, tile_starts, group_end)
+  tile_ends = jnp.where(active, jnp.minimum(tile_starts + block_m, group_end), group_end)
+  return ExpertGroups(order=order, group_sizes=sizes, group_starts=starts,
+                      tile_experts=expert, tile_starts=tile_starts.astype(jnp.int32),
+                      tile_ends=tile_ends.astype(jnp.int32))
+
+
+def inverse_permutation(order: jax.Array) -> jax.Array:
+  """``inv`` with ``inv[order[r]] == r``."""
+  return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+
+
+# -------------------------------------------------------------------------------- XLA
+
+
+def moe_matmul_xla(rows: jax.Array, w: Any, pair_rows: jax.Array, pair_experts: jax.Array
+                   ) -> jax.Array:
+  """Reference of the canonical form: weights dequantized in the rows' dtype, f32
+  accumulation.
+
+  Fewer pairs than experts (decode): the selected experts' weights are gathered and
+  dequantized (``[P, K, N]``). Otherwise every expert is dequantized once and the pairs,
+  sorted by expert, go through ``jax.lax.ragged_dot``. Both compute the same products.
+  """
+  num_experts = w.codes.shape[0]
+  x = rows[pair_rows]                                           # [P, K]
+  precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+  if pair_experts.shape[0] < num_experts:
+    selected = jax.tree.map(lambda a: a[pair_experts], w)
+    wd = selected.dequantize(x.dtype)                           # [P, K, N]
+    y = jnp.einsum("pk,pkn->pn", x, wd, preferred_element_type=jnp.float32,
+                   precision=precision)
+    return y.astype(x.dtype)
+  groups = group_by_expert(pair_experts, num_experts, 1)
+  wd = w.dequantize(x.dtype)                                    # [E, K, N]
+  y = jax.lax.ragged_dot(x[groups.order], wd, groups.group_sizes, precision=precision,
+                         preferred_element_type=jnp.float32)
+  return y[inverse_permutation(groups.order)].astype(x.dtype)
+
+
+# -------------------------------------------------------------------------- the front
+
+
+def _check(x: jax.Array, w: Any, expert_ids: jax.Array) -> None:
+  if not isinstance(w, fp4.MXFP4Weight):
+    raise NotImplementedError(
+        f"moe_matmul takes an MXFP4Weight with a leading expert axis, got "
+        f"{type(w).__name__}; convert GPT-OSS checkpoints with .to_mxfp4()")
+  if w.codes.ndim != 3:
+    raise ValueError(
+        f"w.codes has shape {tuple(w.codes.shape)}: moe_matmul needs exactly one leading "
+        "expert axis ([E, Kp // 8, N]); stack the experts' weights")
+  if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in dispatch.ACTIVATION_DTYPES]:
+    raise ValueError(f"x.dtype={jnp.dtype(x.dtype).name} must be bfloat16, float16 or float32")
+  if expert_ids.ndim != 2 or not jnp.issubdtype(expert_ids.dtype, jnp.integer):
+    raise ValueError(f"expert_ids must be [T, top_k] integers, got shape "
+                     f"{tuple(expert_ids.shape)} dtype {jnp.dtype(expert_ids.dtype).name}")
+  t, top_k = expert_ids.shape
+  if t < 1 or top_k < 1:
+    raise ValueError(f"expert_ids of shape {(t, top_k)}: needs at least one token and one "
+                     "selected expert per token")
+  k = w.shape[0]
+  if x.shape not in ((t, k), (t, top_k, k)):
+    raise ValueError(
+        f"x.shape={tuple(x.shape)} must be [T, K] = {(t, k)} or [T, top_k, K] = "
+        f"{(t, top_k, k)} for expert_ids of shape {(t, top_k)} and weights of K={k}")
+  if not isinstance(expert_ids, jax.core.Tracer):
+    ids = np.asarray(expert_ids)
+    e = w.codes.shape[0]
+    if ids.size and (ids.min() < 0 or ids.max() >= e):
+      raise ValueError(f"expert_ids range over [{ids.min()}, {ids.max()}]; they must lie in "
+                       f"[0, {e}) for weights of {e} experts")
+
+
+def resolve_moe(w: Any, implementation: str | None) -> tuple[str, Callable[..., jax.Array]]:
+  """The implementation name and canonical ``fn(rows, w, pair_rows, pair_experts)``."""
+  if implementation not in (None, *dispatch.IMPLEMENTATIONS):
+    raise ValueError(f"{implementation=} must be None or one of {dispatch.IMPLEMENTATIONS}")
+  fmt = type(w)
+  xla = _MOE_XLA.get(fmt)
+  kernels = moe_kernels_for_format(fmt) if implementation != "xla" else []
+  if implementation in ("pallas", "interpret"):
+    if not kernels:
+      raise NotImplementedError(
+          f"no Pallas MoE kernel is registered for {fmt.__name__}; use implementation='xla' "
+          "(is the pallas_kernels package installed?)")
+    backend = kernels[0]
+    interpret = implementation == "interpret"
+    if not interpret and not backend.supported_on(dispatch.default_device()):
+      raise NotImplementedError(
+          f"the {backend.name} MoE kernel does not run on "
+          f"{dispatch.default_device().device_kind!r}; use implementation='interpret' or 'xla'")
+    return f"{backend.name}{'-interpret' if interpret else ''}", (
+        lambda *a: backend.fn(*a, interpret=interpret))
+  if implementation is None:
+    for backend in kernels:
+      if backend.supported_on(dispatch.default_device()):
+        return backend.name, lambda *a, b=backend: b.fn(*a, interpret=False)
+  if xla is None:
+    raise NotImplementedError(f"no XLA MoE implementation is registered for {fmt.__name__}")
+  return "xla", xla
+
+
+def moe_matmul(x: jax.Array, w: Any, expert_ids: jax.Array, *,
+               implementation: str | None = None) -> jax.Array:
+  """``y[t, j] = x[t] @ W[expert_ids[t, j]]`` for every token and selected expert.
+
+  Args:
+    x: ``[T, K]`` (every selected expert of a token multiplies the same row) or
+      ``[T, top_k, K]`` (one row per selected expert), bfloat16, float16 or float32.
+    w: :class:`qjax.MXFP4Weight` of E experts: codes ``[E, Kp // 8, N]``, scales
+      ``[E, K // 32, N]``, logical shape ``(K, N)``.
+    expert_ids: ``[T, top_k]`` integers in ``[0, E)``; an expert may appear for any
+      number of tokens, or none.
+    implementation: None (best available), "xla", "pallas" or "interpret".
+
+  Returns:
+    ``[T, top_k, N]`` in x's dtype, accumulated in float32.
+
+  >>> import jax, jax.numpy as jnp, qjax
+  >>> w = qjax.quantize_mxfp4(jax.random.normal(jax.random.key(0), (4, 64, 32)))
+  >>> x = jnp.ones((3, 64), jnp.bfloat16)
+  >>> ids = jnp.array([[0, 2], [2, 3], [1, 0]])
+  >>> qjax.moe_matmul(x, w, ids, implementation="xla").shape
+  (3, 2, 32)
+  """
+  _check(x, w, expert_ids)
+  _, fn = resolve_moe(w, implementation)
+  t, top_k = expert_ids.shape
+  pair_experts = expert_ids.reshape(-1).astype(jnp.int32)
+  if x.ndim == 2:
+    rows, pair_rows = x, jnp.arange(t * top_k, dtype=jnp.int32) // top_k
+  else:
+    rows, pair_rows = x.reshape(t * top_k, -1), jnp.arange(t * top_k, dtype=jnp.int32)
+  y = fn(rows, w, pair_rows, pair_experts)
+  return y.reshape(t, top_k, w.shape[1])
+
+
+def moe_implementation_name(w: Any, implementation: str | None = None) -> str:
+  """The implementation ``moe_matmul`` would run for ``w`` on this machine."""
+  return resolve_moe(w, implementation)[0]
