@@ -45,7 +45,7 @@ def _drop_aliased_input(kernel, *refs):
 
 def launch(kernel: Callable[..., None], args: Sequence[Any], *, m: int, n: int,
            dtype: Any, config: KernelConfig, interpret: bool, poison: bool,
-           name: str) -> jax.Array:
+           name: str, grid_m: int | None = None) -> jax.Array:
   """Runs ``kernel(*arg_refs, o_ref)`` over the grid and returns ``[M, N]`` in ``dtype``.
 
   Args:
@@ -54,6 +54,8 @@ def launch(kernel: Callable[..., None], args: Sequence[Any], *, m: int, n: int,
     config: block shapes, split_k (already legalized), warps and stages.
     poison: for tests: the output buffer starts as NaN (aliased into the kernel), so an
       element the kernel fails to write shows up as NaN.
+    grid_m: programs along M when they do not map to ``cdiv(M, block_m)`` row blocks
+      (the grouped MoE kernel's table of row tiles).
   """
   split_k = config.split_k
   if split_k == 1:
@@ -70,7 +72,8 @@ def launch(kernel: Callable[..., None], args: Sequence[Any], *, m: int, n: int,
   out = pl.pallas_call(
       kernel,
       out_shape=out_shape,
-      grid=(pl.cdiv(n, config.block_n), pl.cdiv(m, config.block_m), split_k),
+      grid=(pl.cdiv(n, config.block_n),
+            pl.cdiv(m, config.block_m) if grid_m is None else grid_m, split_k),
       input_output_aliases=aliases,
       interpret=interpret,
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,

@@ -30,6 +30,7 @@ from qjax import KernelConfig
 from qjax import MXFP4Weight
 from qjax._src import moe
 from qjax._src import packing
+from pallas_kernels import common
 from pallas_kernels import fp4_matmul
 from pallas_kernels import int4_matmul
 
@@ -71,13 +72,13 @@ def _moe_kernel(tile_expert_ref, tile_start_ref, tile_end_ref, x_ref, w_ref, s_r
 
   def load_scale(g):
     s_mask = n_mask[None, :] & (g < num_blocks) if (n_ragged or k_ragged) else None
-    return fp4_matmul._load(s_ref.at[expert, pl.ds(g, 1), pl.ds(n0, block_n)], s_mask)
+    return common.load(s_ref.at[expert, pl.ds(g, 1), pl.ds(n0, block_n)], s_mask)
 
   def step(i, acc):
     k_step = (pid_k * steps_per_split + i) * block_k
     for t in range(block_k // tile_k):
       k_tile = k_step + t * tile_k
-      words = fp4_matmul._load(
+      words = common.load(
           w_ref.at[expert, pl.ds(k_tile // 8, slab), pl.ds(n0, block_n)],
           mask=n_mask[None, :] if n_ragged else None)
       acc = fp4_matmul.accumulate_k_tile(
@@ -88,13 +89,8 @@ def _moe_kernel(tile_expert_ref, tile_start_ref, tile_end_ref, x_ref, w_ref, s_r
   @pl.when(row_end > row0)
   def _():
     acc = lax.fori_loop(0, steps_per_split, step, jnp.zeros((block_m, block_n), jnp.float32))
-    out_mask = m_mask[:, None] & n_mask[None, :]
-    if split_k == 1:
-      plgpu.store(o_ref.at[pl.ds(row0, block_m), pl.ds(n0, block_n)],
-                  acc.astype(o_ref.dtype), mask=out_mask)
-    else:
-      plgpu.store(o_ref.at[pid_k, pl.ds(row0, block_m), pl.ds(n0, block_n)], acc,
-                  mask=out_mask)
+    common.store_tile(o_ref, acc, m0=row0, n0=n0, block_m=block_m, block_n=block_n,
+                      pid_k=pid_k, split_k=split_k, mask=m_mask[:, None] & n_mask[None, :])
 
 
 def heuristic_config(num_pairs: int, num_experts: int, k: int, n: int) -> KernelConfig:
@@ -114,11 +110,6 @@ def heuristic_config(num_pairs: int, num_experts: int, k: int, n: int) -> Kernel
   block_k = 256 if k_tiles // split_k >= 2 else 128
   return KernelConfig(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k,
                       num_warps=4, num_stages=4 if block_m <= 16 else 3)
-
-
-def _drop_aliased_input(kernel, *refs):
-  """Calls ``kernel`` without the poisoned buffer's input ref (it is the output ref)."""
-  return kernel(*refs[:-2], refs[-1])
 
 
 def mxfp4_moe_matmul(rows: jax.Array, w: MXFP4Weight, pair_rows: jax.Array,
@@ -154,27 +145,8 @@ def mxfp4_moe_matmul(rows: jax.Array, w: MXFP4Weight, pair_rows: jax.Array,
   kernel = functools.partial(
       _moe_kernel, k=k, tile_k=w.tile_k, block_m=block_m, block_n=config.block_n,
       block_k=config.block_k, steps_per_split=steps // split_k, split_k=split_k)
-  if split_k == 1:
-    out_shape = jax.ShapeDtypeStruct((padded, n), rows.dtype)
-  else:
-    out_shape = jax.ShapeDtypeStruct((split_k, padded, n), jnp.float32)
-  num_tiles = groups.tile_experts.shape[0]
   args = [groups.tile_experts, groups.tile_starts, groups.tile_ends, x, w.codes, w.scales]
-  aliases = {}
-  if poison:
-    args.append(jnp.full(out_shape.shape, jnp.nan, out_shape.dtype))
-    aliases = {len(args) - 1: 0}
-    kernel = functools.partial(_drop_aliased_input, kernel)
-  out = pl.pallas_call(
-      kernel,
-      out_shape=out_shape,
-      grid=(pl.cdiv(n, config.block_n), num_tiles, split_k),
-      input_output_aliases=aliases,
-      interpret=interpret,
-      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
-                                           num_stages=config.num_stages),
-      name="qjax_mxfp4_moe_matmul",
-  )(*args)
-  if split_k > 1:
-    out = out.sum(axis=0)
-  return out[moe.inverse_permutation(groups.order)].astype(rows.dtype)
+  out = common.launch(kernel, args, m=padded, n=n, dtype=rows.dtype, config=config,
+                      interpret=interpret, poison=poison, name="qjax_mxfp4_moe_matmul",
+                      grid_m=groups.tile_experts.shape[0])
+  return out[moe.inverse_permutation(groups.order)]
