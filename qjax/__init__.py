@@ -49,12 +49,22 @@ from qjax._src.fp4 import quantize_nvfp4 as quantize_nvfp4
 from qjax._src.gpt_oss_layout import GptOssMXFP4Weight as GptOssMXFP4Weight
 from qjax._src.gpt_oss_layout import read_gpt_oss_mxfp4 as read_gpt_oss_mxfp4
 
+# Codebook (rotated, two-pass residual, host offload of pass 2)
+from qjax._src.codebook import CodebookWeight as CodebookWeight
+from qjax._src.codebook import quantize_codebook as quantize_codebook
+from qjax._src.offload import LayerStack as LayerStack
+from qjax._src.offload import make_stacked_forward as make_stacked_forward
+from qjax._src.offload import place_pass2 as place_pass2
+from qjax._src.offload import stack_layers as stack_layers
+
+from qjax._src import codebook as _codebook
 from qjax._src import fp4 as _fp4
 from qjax._src import int4 as _int4
 
 register_xla(Int4Weight, _int4.matmul_xla)
 register_xla(MXFP4Weight, _fp4.matmul_xla)
 register_xla(NVFP4Weight, _fp4.matmul_xla)
-del _int4, _fp4
+register_xla(CodebookWeight, _codebook.matmul_xla)
+del _int4, _fp4, _codebook
 
 __version__ = "0.1.0"
