@@ -7,6 +7,7 @@ the formats it serves (qjax finds it through the ``qjax.backends`` entry point).
 import jax
 
 import qjax
+from pallas_kernels import codebook_matmul as codebook_matmul
 from pallas_kernels import gguf_matmul as gguf_matmul
 from pallas_kernels import fp4_matmul as fp4_matmul
 from pallas_kernels import int4_matmul as int4_matmul
@@ -59,3 +60,10 @@ for _fp4_format in (qjax.MXFP4Weight, qjax.NVFP4Weight):
                    # Same bound as INT4 until the FP4 kernel has its own H100 sweeps.
                    auto_max_m=64))
 del _fp4_format
+
+qjax.register_kernel(
+    qjax.CodebookWeight,
+    qjax.Backend(name="pallas_triton", fn=codebook_matmul.codebook_matmul,
+                 supported_on=triton_supported,
+                 # Same bound as INT4 until the codebook kernel has its own H100 sweeps.
+                 auto_max_m=64))
