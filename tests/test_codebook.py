@@ -289,3 +289,29 @@ def test_stack_layers_rejects_one_pass_and_mixed_seeds(request):
         for s in (1, 2)]
   with pytest.raises(ValueError, match="same seed"):
     qjax.stack_layers(w2)
+
+
+# ----------------------------------------------------------------------- flax layers
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_linen_and_nnx_layers_agree(request, offload):
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from flax_layers import CodebookDense, CodebookLinear  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(seed_from(request.node.nodeid))
+  x = jnp.asarray(rng.standard_normal((3, 256)), jnp.float32)
+  dense = CodebookDense(32, passes=2, group=64, offload_pass2=offload)
+  params = dense.init(jax.random.key(0), x)["params"]
+  kernel = params["kernel"]
+  assert isinstance(kernel, qjax.CodebookWeight) and kernel.passes == 2
+  assert kernel.codes2.sharding.memory_kind == ("pinned_host" if offload else "device")
+  bias = jnp.asarray(rng.standard_normal(32), jnp.float32)
+  params = {"kernel": kernel, "bias": bias}
+  y_linen = dense.apply({"params": params}, x)  # eager, like the NNX call below
+  linear = CodebookLinear(256, 32, kernel=kernel, offload_pass2=offload)
+  linear.bias = nnx.Param(bias)
+  y_nnx = linear(x)
+  np.testing.assert_array_equal(np.asarray(y_linen), np.asarray(y_nnx))
+  assert rel_err(y_linen, reference(x, kernel) + np.asarray(bias, np.float64)) < 1e-5
+  fresh = CodebookLinear(256, 32, passes=1, codebook="nf4", rngs=nnx.Rngs(1))
+  assert fresh.kernel.codes2 is None and fresh(x).shape == (3, 32)
