@@ -315,3 +315,13 @@ def test_linen_and_nnx_layers_agree(request, offload):
   assert rel_err(y_linen, reference(x, kernel) + np.asarray(bias, np.float64)) < 1e-5
   fresh = CodebookLinear(256, 32, passes=1, codebook="nf4", rngs=nnx.Rngs(1))
   assert fresh.kernel.codes2 is None and fresh(x).shape == (3, 32)
+
+
+def test_save_load_round_trip_with_load_time_offload(request, tmp_path):
+  _, w = _case(request.node.nodeid, 1, 256, 24, 64, 2, jnp.float32)
+  qjax.save(tmp_path / "w.safetensors", {"proj": w})
+  back = qjax.load(tmp_path / "w.safetensors")["proj"]
+  np.testing.assert_array_equal(np.asarray(back.dequantize()), np.asarray(w.dequantize()))
+  assert (back.seed, back.rotation, back.group_size) == (w.seed, w.rotation, w.group_size)
+  host = qjax.load(tmp_path / "w.safetensors", offload_pass2=True)["proj"]
+  assert host.codes2.sharding.memory_kind == "pinned_host"
