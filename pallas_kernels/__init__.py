@@ -7,6 +7,7 @@ the formats it serves (qjax finds it through the ``qjax.backends`` entry point).
 import jax
 
 import qjax
+from pallas_kernels import codebook_matmul as codebook_matmul
 from pallas_kernels import gguf_matmul as gguf_matmul
 from pallas_kernels import fp4_matmul as fp4_matmul
 from pallas_kernels import fp4_moe as fp4_moe
@@ -66,3 +67,9 @@ qjax.register_moe_kernel(
     qjax.MXFP4Weight,
     qjax.Backend(name="pallas_triton", fn=fp4_moe.mxfp4_moe_matmul,
                  supported_on=triton_supported))
+qjax.register_kernel(
+    qjax.CodebookWeight,
+    qjax.Backend(name="pallas_triton", fn=codebook_matmul.codebook_matmul,
+                 supported_on=triton_supported,
+                 # Same bound as INT4 until the codebook kernel has its own H100 sweeps.
+                 auto_max_m=64))

@@ -54,6 +54,15 @@ from qjax._src.moe import moe_matmul as moe_matmul
 from qjax._src.moe import register_moe_kernel as register_moe_kernel
 from qjax._src.moe import register_moe_xla as register_moe_xla
 
+# Codebook (rotated, two-pass residual, host offload of pass 2)
+from qjax._src.codebook import CodebookWeight as CodebookWeight
+from qjax._src.codebook import quantize_codebook as quantize_codebook
+from qjax._src.offload import LayerStack as LayerStack
+from qjax._src.offload import make_stacked_forward as make_stacked_forward
+from qjax._src.offload import place_pass2 as place_pass2
+from qjax._src.offload import stack_layers as stack_layers
+
+from qjax._src import codebook as _codebook
 from qjax._src import fp4 as _fp4
 from qjax._src import int4 as _int4
 from qjax._src import moe as _moe
@@ -62,6 +71,7 @@ register_xla(Int4Weight, _int4.matmul_xla)
 register_xla(MXFP4Weight, _fp4.matmul_xla)
 register_xla(NVFP4Weight, _fp4.matmul_xla)
 _moe.register_moe_xla(MXFP4Weight, _moe.moe_matmul_xla)
-del _int4, _fp4, _moe
+register_xla(CodebookWeight, _codebook.matmul_xla)
+del _int4, _fp4, _moe, _codebook
 
 __version__ = "0.1.0"

@@ -88,8 +88,16 @@ def _add_bench(sub) -> None:
   p.add_argument("--moe-experts", type=int, help="experts for --moe (default GPU 128, CPU 8)")
   p.add_argument("--moe-top-k", type=int, help="experts per token for --moe (default GPU 4, "
                  "CPU 2)")
+  p.add_argument("--offload", action="store_true", help="instead: 32 layers of 4096x4096 "
+                 "two-pass codebook weights, device time with pass 2 on the device and in "
+                 "pinned host memory (prefetched one layer ahead), the copy term and the "
+                 "overlap achieved (--m default 1,256,4096; GPU)")
 
   def run(args):
+    if args.offload:
+      from qjax._src import offload_bench  # pylint: disable=g-import-not-at-top
+      offload_bench.enable_latency_hiding_scheduler()  # before the backend starts
+      return offload_bench.run(args)
     from qjax._src import bench  # pylint: disable=g-import-not-at-top
     return bench.run(args)
 

@@ -128,8 +128,12 @@ def save(path: str | os.PathLike, tensors: Mapping[str, Any]) -> None:
     os.close(dir_fd)
 
 
-def load(path: str | os.PathLike) -> dict[str, Any]:
+def load(path: str | os.PathLike, *, offload_pass2: bool = False) -> dict[str, Any]:
   """Loads what :func:`save` wrote: ``{name: QuantizedWeight | np.ndarray}``.
+
+  Args:
+    offload_pass2: place pass 2 of two-pass codebook weights in pinned host memory
+      (``qjax.place_pass2``); the other arrays load as usual.
 
   Raises:
     ValueError: the file is not a qjax file, its digest does not match, or an array
@@ -169,4 +173,7 @@ def load(path: str | os.PathLike) -> dict[str, Any]:
         v = entry["static"][f.name]
         static[f.name] = tuple(v) if isinstance(v, list) else v
     out[name] = cls(**kwargs, **static)
+  if offload_pass2:
+    from qjax._src import offload  # pylint: disable=g-import-not-at-top
+    out = offload.place_pass2(out, "pinned_host")
   return out

@@ -1,0 +1,299 @@
+"""Codebook weights with per-group rotation and an optional residual second pass.
+
+Each group of ``d`` rows of K (64 or 128) is rotated by a seeded orthogonal matrix
+``Pi_g`` (:mod:`qjax._src.rotation`), which makes its coordinates nearly Gaussian; every
+rotated column group is then coded as 16-level codebook indices times one scale per
+(group, column). A second, optional pass codes the residual ``W - dequantize(pass 1)``
+the same way with the rotation seed ``seed + 1``. At inference the activations are rotated
+instead of the weight::
+
+  y = sum_g ((x_g @ Pi_g^T) @ codebook[idx_g]) * norms_g / sqrt(d)  (+ the same for pass 2)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qjax._src import codebook_tables
+from qjax._src import formats
+from qjax._src import packing
+from qjax._src import rotation as rotation_lib
+
+NORM_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+SEED_BITS = 32  # a pass's rotation is rebuilt from one stored int32 seed
+_REFINE_STEPS = 4  # alternations of index assignment and least-squares scale
+
+
+@formats.register_format
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CodebookWeight(formats.QuantizedWeight):
+  """Rotated codebook weight of logical shape ``[K, N]``, used as ``y = x @ W``.
+
+  Invariant, with ``d = group_size``, ``g = k // d`` and ``Pi_g`` the rotation of
+  ``(rotation, seed)`` (pass 2: ``seed + 1``)::
+
+    W[g*d:(g+1)*d, n] = Pi_g^T @ (codebook[idx[g*d:(g+1)*d, n]] * norms[g, n] / sqrt(d))
+                        (+ the same with codes2, norms2, codebook2 and seed + 1)
+
+  Attributes:
+    codes: ``[Kp // 8, N]`` uint32, the 4-bit indices of pass 1 packed along K in tile
+      order 128 (:mod:`qjax._src.packing`), as the INT4 kernel reads them.
+    norms: ``[K // d, N]`` bf16 / f16 / f32 per-(group, column) scales (the rotated
+      group's norm, refined by least squares).
+    codebook: ``[16]`` float32 levels, ascending.
+    codes2, norms2, codebook2: the same for the residual pass, or all None.
+    shape: the logical ``(K, N)``.
+    group_size: ``d``, 64 or 128.
+    rotation: "hadamard" or "orthogonal".
+    seed: rotation seed of pass 1.
+    codebook_name: which table the codebooks came from ("lloyd", "nf4", "iq4_nl").
+  Leading batch axes (stacked layers, experts) are allowed on every array.
+  """
+
+  format_name = "codebook"
+
+  codes: jax.Array
+  norms: jax.Array
+  codebook: jax.Array
+  codes2: jax.Array | None = None
+  norms2: jax.Array | None = None
+  codebook2: jax.Array | None = None
+  shape: tuple[int, int] = formats.static_field()
+  group_size: int = formats.static_field(default=128)
+  rotation: str = formats.static_field(default="hadamard")
+  seed: int = formats.static_field(default=0)
+  codebook_name: str = formats.static_field(default="lloyd")
+
+  def __post_init__(self):
+    object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+    k, n = self.shape
+    rotation_lib.check(self.rotation, self.group_size, self.seed)
+    if k % self.group_size:
+      raise ValueError(f"K={k} must be a multiple of group_size={self.group_size}; pad K "
+                       "or choose a group size that divides it")
+    second = (self.codes2, self.norms2, self.codebook2)
+    if any(a is None for a in second) and any(a is not None for a in second):
+      raise ValueError("CodebookWeight takes all of codes2, norms2, codebook2 or none")
+    if not self._leaves_concrete_2d():
+      return
+    want = {"codes": ((packing.padded_rows(k, packing.NATIVE_TILE_K) // 8, n), (jnp.uint32,)),
+            "norms": ((k // self.group_size, n), NORM_DTYPES),
+            "codebook": ((16,), (jnp.float32,))}
+    for name, (shape, dtypes) in list(want.items()):
+      if self.codes2 is not None:
+        want[name + "2"] = (shape, dtypes)
+    for name, (shape, dtypes) in want.items():
+      a = getattr(self, name)
+      if (tuple(a.shape[a.ndim - len(shape):]) != shape
+          or jnp.dtype(a.dtype) not in [jnp.dtype(d) for d in dtypes]):
+        raise ValueError(
+            f"CodebookWeight.{name} must be {shape} of dtype "
+            f"{[jnp.dtype(d).name for d in dtypes]}, got {tuple(a.shape)} "
+            f"{jnp.dtype(a.dtype).name} (shape={self.shape}, group_size={self.group_size})")
+
+  @property
+  def passes(self) -> int:
+    return 1 if self.codes2 is None else 2
+
+  @property
+  def num_groups(self) -> int:
+    return self.shape[0] // self.group_size
+
+  def first_pass(self) -> "CodebookWeight":
+    """Pass 1 alone (a one-pass weight)."""
+    return dataclasses.replace(self, codes2=None, norms2=None, codebook2=None)
+
+  def second_pass(self) -> "CodebookWeight":
+    """Pass 2 alone, as a one-pass weight with its own seed."""
+    if self.codes2 is None:
+      raise ValueError("this CodebookWeight has one pass; quantize with passes=2")
+    return dataclasses.replace(self, codes=self.codes2, norms=self.norms2,
+                               codebook=self.codebook2, codes2=None, norms2=None,
+                               codebook2=None, seed=self.seed + 1)
+
+  def with_second_pass(self, second: "CodebookWeight") -> "CodebookWeight":
+    """Pass 1 of this weight joined with the one-pass weight ``second`` as pass 2."""
+    return dataclasses.replace(self, codes2=second.codes, norms2=second.norms,
+                               codebook2=second.codebook)
+
+  def dequantize(self) -> jax.Array:
+    """``[K, N]`` float32."""
+    if self.codes.ndim != 2:
+      raise NotImplementedError(f"codes of shape {self.codes.shape}: dequantize one "
+                                "[K, N] weight at a time (vmap over leading axes)")
+    w = _dequantize_pass(self.codes, self.norms, self.codebook, self.shape, self.group_size,
+                         self.rotation, self.seed)
+    if self.codes2 is not None:
+      w = w + _dequantize_pass(self.codes2, self.norms2, self.codebook2, self.shape,
+                               self.group_size, self.rotation, self.seed + 1)
+    return w
+
+  def bits_per_weight(self) -> float:
+    """Stored bits per logical weight: packed codes (padding included), norms, the
+    codebooks and one 32-bit rotation seed per pass."""
+    leaves = [a for a in (self.codes, self.norms, self.codebook, self.codes2, self.norms2,
+                          self.codebook2) if a is not None]
+    bits = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize * 8 for a in leaves)
+    batch = int(np.prod(self.codes.shape[:-2]))
+    bits += SEED_BITS * self.passes * batch
+    return bits / (self.shape[0] * self.shape[1] * batch)
+
+
+def _dequantize_pass(codes, norms, codebook, shape, group_size, rotation, seed):
+  k, n = shape
+  idx = packing.unpack_codes(codes, k, packing.NATIVE_TILE_K)
+  scale = norms.astype(jnp.float32) / math.sqrt(group_size)
+  rot = codebook[idx.astype(jnp.int32)].reshape(k // group_size, group_size, n)
+  return rotation_lib.unrotate_weight(rot * scale[:, None, :], rotation, seed)
+
+
+@functools.partial(jax.jit, static_argnames=("codebook", "group_size", "rotation", "seed",
+                                             "norm_dtype"))
+def _fit_pass(w, *, codebook, group_size, rotation, seed, norm_dtype):
+  """One pass: ``w [K, N]`` -> (codes ``[K, N]`` uint8, norms ``[K // d, N]``)."""
+  k, n = w.shape
+  table = jnp.asarray(codebook_tables.table(codebook))
+  mids = (table[1:] + table[:-1]) / 2
+  v = rotation_lib.rotate_weight(w, rotation, group_size, seed)  # [G, d, N]
+  rms = jnp.sqrt(jnp.mean(v * v, axis=1))  # [G, N]
+  scale0 = rms * codebook_tables.initial_scale_factor(codebook_tables.table(codebook))
+
+  def assign(scale):
+    safe = jnp.where(scale != 0, scale, 1.0)
+    idx = jnp.searchsorted(mids, (v / safe[:, None, :]).reshape(-1)).reshape(v.shape)
+    return jnp.clip(idx, 0, 15)
+
+  def sq_err(idx, scale):
+    return jnp.sum((v - table[idx] * scale[:, None, :]) ** 2, axis=1)
+
+  def refine(carry, _):
+    best_idx, best_scale, best_err = carry
+    c = table[best_idx]
+    cc = jnp.sum(c * c, axis=1)
+    scale = jnp.where(cc > 0, jnp.sum(v * c, axis=1) / jnp.where(cc > 0, cc, 1.0), 0.0)
+    idx = assign(scale)
+    err = sq_err(idx, scale)
+    better = err < best_err
+    return (jnp.where(better[:, None, :], idx, best_idx), jnp.where(better, scale, best_scale),
+            jnp.where(better, err, best_err)), None
+
+  idx0 = assign(scale0)
+  init = (idx0, scale0, sq_err(idx0, scale0))
+  (idx, scale, _), _ = jax.lax.scan(refine, init, None, length=_REFINE_STEPS)
+  norms = (scale * math.sqrt(group_size)).astype(norm_dtype)
+  return idx.reshape(k, n).astype(jnp.uint8), norms
+
+
+def _check_weight(w, name):
+  if getattr(w, "ndim", None) != 2:
+    raise ValueError(f"{name} must be a [K, N] matrix, got shape {getattr(w, 'shape', None)}")
+  if not jnp.issubdtype(w.dtype, jnp.floating):
+    raise ValueError(f"{name} must be floating point, got dtype {w.dtype}")
+  if not isinstance(w, jax.core.Tracer):
+    a = np.asarray(w, np.float32)
+    if not np.isfinite(a).all():
+      raise ValueError(f"{name} has {int((~np.isfinite(a)).sum())} non-finite values; "
+                       "quantization needs finite weights")
+
+
+def quantize_codebook(
+    w: jax.Array,
+    *,
+    group: int = 128,
+    passes: int = 1,
+    codebook: str = "lloyd",
+    rotation: str = "hadamard",
+    seed: int = 0,
+    norm_dtype=jnp.bfloat16,
+    offload_pass2: bool = False,
+    name: str = "w",
+) -> CodebookWeight:
+  """Rotated 4-bit codebook quantization of a ``[K, N]`` weight used as ``y = x @ W``.
+
+  Args:
+    w: ``[K, N]`` float weight.
+    group: ``d``, rows of K per rotation group and per norm: 64 or 128.
+    passes: 1, or 2 to also code the residual ``W - dequantize(pass 1)``.
+    codebook: "lloyd" (Lloyd-Max for N(0, 1), the default), "nf4" or "iq4_nl".
+    rotation: "hadamard" (randomized Hadamard, the default) or "orthogonal".
+    seed: rotation seed of pass 1 (pass 2 uses seed + 1), in [0, 2**31 - 2].
+    norm_dtype: dtype of the stored norms (bf16, f16, f32).
+    offload_pass2: place pass 2's arrays in pinned host memory (see
+      :func:`qjax.offload_pass2`); matmul copies them to the device per call.
+    name: the weight's name, for error messages.
+
+  >>> import jax, qjax
+  >>> w = jax.random.normal(jax.random.key(0), (256, 64))
+  >>> qw = qjax.quantize_codebook(w, group=128, passes=2)
+  >>> qw.codes.shape, qw.norms.shape, qw.passes, round(qw.bits_per_weight(), 3)
+  ((32, 64), (2, 64), 2, 8.316)
+  """
+  _check_weight(w, name)
+  rotation_lib.check(rotation, group, seed)
+  if passes not in (1, 2):
+    raise ValueError(f"{passes=} must be 1 or 2")
+  codebook_tables.table(codebook)  # validates the name
+  if jnp.dtype(norm_dtype) not in [jnp.dtype(d) for d in NORM_DTYPES]:
+    raise ValueError(f"{norm_dtype=} must be one of bfloat16, float16, float32")
+  k, n = w.shape
+  if k % group:
+    raise ValueError(f"K={k} must be a multiple of {group=}; pad K or choose a group size "
+                     "that divides it")
+  w32 = jnp.asarray(w, jnp.float32)
+  table = jnp.asarray(codebook_tables.table(codebook))
+  fit = functools.partial(_fit_pass, codebook=codebook, group_size=group, rotation=rotation,
+                          norm_dtype=jnp.dtype(norm_dtype))
+  idx, norms = fit(w32, seed=seed)
+  out = CodebookWeight(codes=packing.pack_codes(idx, packing.NATIVE_TILE_K), norms=norms,
+                       codebook=table, shape=(k, n), group_size=group, rotation=rotation,
+                       seed=seed, codebook_name=codebook)
+  if passes == 2:
+    idx2, norms2 = fit(w32 - out.dequantize(), seed=seed + 1)
+    out = dataclasses.replace(out, codes2=packing.pack_codes(idx2, packing.NATIVE_TILE_K),
+                              norms2=norms2, codebook2=table)
+    if offload_pass2:
+      from qjax._src import offload  # pylint: disable=g-import-not-at-top
+      out = offload.place_pass2(out, "pinned_host")
+  elif offload_pass2:
+    raise ValueError("offload_pass2=True needs passes=2 (there is no pass 2 to offload)")
+  return out
+
+
+def second_pass_on_device(w: CodebookWeight) -> CodebookWeight:
+  """``w`` with pass 2's arrays copied to device memory (a no-op where they are already
+  there; inside jit, XLA schedules the copy from pinned host memory)."""
+  if w.codes2 is None:
+    return w
+  moved = jax.device_put((w.codes2, w.norms2, w.codebook2), jax.memory.Space.Device)
+  return dataclasses.replace(w, codes2=moved[0], norms2=moved[1], codebook2=moved[2])
+
+
+def _pass_matmul(x_rot, codes, norms, codebook, k, n, group_size):
+  """``sum_g (x_rot_g @ codebook[idx_g]) * norms_g / sqrt(d)``: ``[M, N]`` float32."""
+  m = x_rot.shape[0]
+  g = k // group_size
+  idx = packing.unpack_codes(codes, k, packing.NATIVE_TILE_K).astype(jnp.int32)
+  levels = codebook[idx].reshape(g, group_size, n)
+  parts = jnp.einsum("mgd,gdn->mgn", x_rot.reshape(m, g, group_size), levels,
+                     precision=jax.lax.Precision.HIGHEST)
+  scale = norms.astype(jnp.float32) / math.sqrt(group_size)
+  return jnp.sum(parts * scale[None], axis=1)
+
+
+def matmul_xla(x: jax.Array, w: CodebookWeight) -> jax.Array:
+  """Reference ``x [M, K] @ W [K, N] -> [M, N]`` in x's dtype: x rotated per group once
+  per pass, float32 throughout."""
+  w = second_pass_on_device(w)
+  k, n = w.shape
+  x_rot = rotation_lib.rotate_activations(x, w.rotation, w.group_size, w.seed)
+  y = _pass_matmul(x_rot, w.codes, w.norms, w.codebook, k, n, w.group_size)
+  if w.codes2 is not None:
+    x_rot2 = rotation_lib.rotate_activations(x, w.rotation, w.group_size, w.seed + 1)
+    y = y + _pass_matmul(x_rot2, w.codes2, w.norms2, w.codebook2, k, n, w.group_size)
+  return y.astype(x.dtype)
