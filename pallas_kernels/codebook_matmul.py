@@ -16,6 +16,7 @@ slab of ``x_rot`` loaded from the ref, and scales the f32 partial products by
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -111,6 +112,23 @@ def _codebook_kernel(x_ref, w_ref, n_ref, c_ref, x2_ref, w2_ref, n2_ref, c2_ref,
                     split_k=split_k, mask=out_mask)
 
 
+# Shared memory Triton may use for the pipelined loads (the H100 has 227 KiB per block).
+_SHARED_MEMORY_BUDGET = 200 * 1024
+
+
+def _fit_shared_memory(config: KernelConfig, dtype, passes: int) -> KernelConfig:
+  """Lowers num_stages until the loads of all stages fit in shared memory.
+
+  Each stage holds, per pass, the rotated activations ``[block_m, block_k]`` and the
+  packed indices ``[block_k // 8, block_n]`` uint32 (measured on the H100: two passes at
+  block_m = 64, block_k = 256 and 4 stages asked for 306 KiB and failed to launch).
+  """
+  per_stage = passes * (config.block_m * config.block_k * jnp.dtype(dtype).itemsize
+                        + config.block_k // 8 * config.block_n * 4)
+  stages = max(1, min(config.num_stages, _SHARED_MEMORY_BUDGET // per_stage))
+  return dataclasses.replace(config, num_stages=stages)
+
+
 def rotated_activations(x: jax.Array, w: CodebookWeight) -> tuple[jax.Array, jax.Array | None]:
   """``x [M, K]`` -> (x rotated for pass 1, for pass 2 or None), in x's dtype."""
   x1 = rotation_lib.rotate_activations(x, w.rotation, w.group_size, w.seed).astype(x.dtype)
@@ -143,7 +161,8 @@ def codebook_matmul(x: jax.Array, w: CodebookWeight, *, interpret: bool = False,
   n = w.shape[1]
   if config is None:
     config = _lookup_config(m, k, n) or heuristic_config(m, k, n)
-  config = legalize(config, k, packing.NATIVE_TILE_K)
+  config = _fit_shared_memory(legalize(config, k, packing.NATIVE_TILE_K), x.dtype,
+                              passes=1 if w.codes2 is None else 2)
   steps = w.codes.shape[0] * 8 // config.block_k
   split_k = config.split_k
   kernel = functools.partial(
