@@ -146,6 +146,37 @@ def _add_inspect(sub) -> None:
   p.set_defaults(func=run)
 
 
+def _add_check(sub) -> None:
+  p = sub.add_parser(
+      "check", help="every format x implementation x shape against a float64 reference",
+      description="The backend-consistency sweep: every weight format and layout (INT4 "
+      "symmetric / asymmetric / float-bias at several group sizes, GGUF Q4_0 ... Q6_K as "
+      "loaded and in the kernel layout, GPTQ, AWQ, compressed-tensors, Marlin, MXFP4, "
+      "NVFP4, GPT-OSS MXFP4) on every implementation available here (xla, interpret; "
+      "pallas on a GPU), over 56 (M, K, N) shapes (M 1 ... 4096, primes included; K and N "
+      "on and off tile multiples), against float64 x @ dequantize(W). Prints the worst "
+      "relative error per (format, implementation); exit code 1 on any miss (relative "
+      "error >= 1e-2, non-finite output, or an error other than a kernel declining a "
+      "shape). The default is the reduced CPU form (a few minutes); --full runs every "
+      "shape (for the GPU).")
+  p.add_argument("--full", action="store_true", help="every shape on xla and pallas "
+                 "(interpret mode always runs its 3 small shapes)")
+  p.add_argument("--formats", help="comma-separated format names (default: all; see the "
+                 "table's first column)")
+  p.add_argument("--impl", help="comma-separated implementations (default: xla,interpret "
+                 "and pallas where it compiles)")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--json", metavar="FILE", help="also write every case and the table to "
+                 "this JSON file")
+  p.add_argument("--quiet", action="store_true", help="no per-format progress on stderr")
+
+  def run(args):
+    from qjax._src import check  # pylint: disable=g-import-not-at-top
+    return check.main(args)
+
+  p.set_defaults(func=run)
+
+
 def _add_fuzz_readers(sub) -> None:
   p = sub.add_parser(
       "fuzz-readers", help="fuzz the GGUF and safetensors readers with mutated files",
@@ -195,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
   _add_bench(sub)
   _add_generate(sub)
   _add_inspect(sub)
+  _add_check(sub)
   _add_fuzz_readers(sub)
   return parser
 
