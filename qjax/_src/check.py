@@ -242,7 +242,8 @@ def _matmul(implementation: str) -> Callable:
   return _JITTED[implementation]
 
 
-def run_case(fmt: FormatCase, impl: str, w: Any, m: int, dtype, rng) -> CaseResult:
+def run_case(fmt: FormatCase, impl: str, w: Any, m: int, dtype, rng,
+             reference_cache: dict | None = None) -> CaseResult:
   from qjax._src import dispatch  # pylint: disable=g-import-not-at-top
   k, n = w.shape
   res = CaseResult(fmt.name, impl, m, k, n, jnp.dtype(dtype).name)
@@ -258,7 +259,13 @@ def run_case(fmt: FormatCase, impl: str, w: Any, m: int, dtype, rng) -> CaseResu
   except Exception as e:  # pylint: disable=broad-except
     res.status, res.detail = "miss", f"{type(e).__name__}: {e}"[:300]
     return res
-  ref = _reference(x, w)
+  key = (m, k, n, res.dtype)
+  if reference_cache is not None and key in reference_cache:
+    ref = reference_cache[key]
+  else:
+    ref = _reference(x, w)
+    if reference_cache is not None:
+      reference_cache[key] = ref
   if y.shape != ref.shape or not np.isfinite(y).all():
     res.status, res.detail = "miss", f"shape {y.shape} or non-finite outputs"
     return res
@@ -269,9 +276,13 @@ def run_case(fmt: FormatCase, impl: str, w: Any, m: int, dtype, rng) -> CaseResu
 
 
 def run(*, full: bool = False, formats: Iterable[str] | None = None,
-        impls: Iterable[str] | None = None, seed: int = 0,
+        impls: Iterable[str] | None = None, seed: int = 0, shard: tuple[int, int] = (0, 1),
         progress: Callable[[str], None] | None = None) -> list[CaseResult]:
-  """Runs the sweep; returns one result per (format, implementation, shape)."""
+  """Runs the sweep; returns one result per (format, implementation, shape).
+
+  ``shard=(i, n)`` runs every n-th format from the i-th, so n processes can share the
+  sweep (on a GPU the compiles dominate and run on the host's cores).
+  """
   cases = format_cases()
   if formats is not None:
     wanted = set(formats)
@@ -279,18 +290,25 @@ def run(*, full: bool = False, formats: Iterable[str] | None = None,
     if unknown:
       raise ValueError(f"unknown formats {sorted(unknown)}; known: {[c.name for c in cases]}")
     cases = [c for c in cases if c.name in wanted]
+  index_of = {c.name: i for i, c in enumerate(format_cases())}
+  i, n = shard
+  if not 0 <= i < n:
+    raise ValueError(f"shard={shard} must be (i, n) with 0 <= i < n")
+  cases = cases[i::n]
   impls = list(impls) if impls is not None else implementations(full)
   results = []
-  for index, fmt in enumerate(cases):
+  for fmt in cases:
+    index = index_of[fmt.name]  # the shapes a format gets do not depend on the filter
     t0 = time.perf_counter()
     weights: dict[tuple[int, int], Any] = {}
+    references: dict[tuple, np.ndarray] = {}  # the same x (seeded by shape) on every impl
     for impl in impls:
       for i, (m, k, n) in enumerate(shapes_for(fmt, impl, full, offset=index)):
         rng = np.random.default_rng([seed, m, k, n])
         if (k, n) not in weights:
           weights[(k, n)] = fmt.build(np.random.default_rng([seed, k, n]), k, n)
         dtype = ACTIVATION_DTYPES[i % len(ACTIVATION_DTYPES)]
-        results.append(run_case(fmt, impl, weights[(k, n)], m, dtype, rng))
+        results.append(run_case(fmt, impl, weights[(k, n)], m, dtype, rng, references))
     if progress is not None:
       progress(f"{fmt.name}: {time.perf_counter() - t0:.1f} s")
   return results
@@ -334,7 +352,14 @@ def main(args) -> int:
   formats = args.formats.split(",") if args.formats else None
   impls = args.impl.split(",") if args.impl else None
   say = (lambda s: print(s, file=sys.stderr)) if not args.quiet else None
-  results = run(full=args.full, formats=formats, impls=impls, seed=args.seed, progress=say)
+  shard = (0, 1)
+  if args.shard:
+    try:
+      shard = tuple(int(v) for v in args.shard.split("/"))
+    except ValueError:
+      raise SystemExit(f"--shard={args.shard!r} must be I/N, e.g. 0/4") from None
+  results = run(full=args.full, formats=formats, impls=impls, seed=args.seed, shard=shard,
+                progress=say)
   rows = summarize(results)
   misses = [r for r in results if r.status == "miss"]
   print(table(rows))

@@ -168,6 +168,8 @@ def _add_check(sub) -> None:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--json", metavar="FILE", help="also write every case and the table to "
                  "this JSON file")
+  p.add_argument("--shard", metavar="I/N", help="run every N-th format from the I-th "
+                 "(0-based), to spread the sweep over N processes")
   p.add_argument("--quiet", action="store_true", help="no per-format progress on stderr")
 
   def run(args):
