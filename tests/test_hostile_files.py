@@ -284,3 +284,12 @@ def test_fuzz_mutations_are_reproducible():
   a = reader_fuzz.mutate(np.random.default_rng([3, 7]), seeds[0], seeds, "gguf")
   b = reader_fuzz.mutate(np.random.default_rng([3, 7]), seeds[0], seeds, "gguf")
   assert a == b and a != seeds[0]
+
+
+@pytest.mark.parametrize("index", ["[1, 2]", "{nope", '{"weight_map": {"a": 3}}',
+                                   '{"weight_map": {"a": "../../etc/passwd"}}',
+                                   '{"weight_map": []}'])
+def test_hostile_sharded_index(tmp_path, index):
+  (tmp_path / safetensors_io.INDEX_FILE).write_text(index)
+  with pytest.raises(ValueError, match=safetensors_io.INDEX_FILE):
+    safetensors_io.Checkpoint(tmp_path)

@@ -201,9 +201,16 @@ class Checkpoint:
     if path.is_dir():
       index = path / INDEX_FILE
       if index.exists():
-        weight_map = json.loads(index.read_text()).get("weight_map")
-        if not isinstance(weight_map, dict):
-          raise ValueError(f"{index}: no weight_map object (tensor name -> shard file)")
+        try:
+          index_json = json.loads(index.read_text())
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+          raise ValueError(f"{index}: not JSON ({e})") from None
+        weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) and v and "/" not in v and "\\" not in v
+            for v in weight_map.values()):
+          raise ValueError(f"{index}: no weight_map object (tensor name -> shard file name "
+                           "in this folder)")
         self._where = {name: path / shard for name, shard in weight_map.items()}
       elif (path / SINGLE_FILE).exists():
         self._where = None
