@@ -88,14 +88,29 @@ def test_a_declining_kernel_is_skipped_not_missed(monkeypatch):
 
 def test_cli_table_and_exit_0(tmp_path, capsys):
   out = tmp_path / "check.json"
-  rc = cli.main(["check", "--formats", "awq-g128,gguf-Q4_0", "--impl", "xla", "--json",
-                 str(out), "--quiet"])
+  rc = cli.main(["check", "--formats", "awq-g128", "--impl", "xla", "--json", str(out),
+                 "--quiet"])
   text = capsys.readouterr().out
   assert rc == 0, text
-  assert "awq-g128" in text and "gguf-Q4_0" in text and "0 misses" in text
+  assert "awq-g128" in text and "0 misses" in text
   report = json.loads(out.read_text())
-  assert {r["format"] for r in report["summary"]} == {"awq-g128", "gguf-Q4_0"}
+  assert {r["format"] for r in report["summary"]} == {"awq-g128"}
   assert all(c["status"] == "ok" for c in report["cases"])
+
+
+def test_shards_split_the_formats(monkeypatch):
+  names = [f.name for f in check.format_cases()]
+  monkeypatch.setattr(check, "run_case", lambda fmt, impl, *a, **kw: check.CaseResult(
+      fmt.name, impl, 0, 0, 0, "none"))
+  monkeypatch.setattr(check.FormatCase, "fit", lambda self, k, n: (k, n))
+  monkeypatch.setattr(check, "format_cases", lambda: [
+      check.FormatCase(name, lambda rng, k, n: None, 1) for name in names])
+  seen = []
+  for i in range(3):
+    seen += sorted({r.format for r in check.run(impls=["xla"], shard=(i, 3))})
+  assert sorted(seen) == sorted(names)
+  with pytest.raises(ValueError, match="shard"):
+    check.run(impls=["xla"], shard=(3, 3))
 
 
 def test_unknown_format_is_named():
