@@ -293,3 +293,35 @@ def test_hostile_sharded_index(tmp_path, index):
   (tmp_path / safetensors_io.INDEX_FILE).write_text(index)
   with pytest.raises(ValueError, match=safetensors_io.INDEX_FILE):
     safetensors_io.Checkpoint(tmp_path)
+
+
+def test_fuzz_cli_reports_and_exits_0(tmp_path, capsys):
+  from qjax._src import cli
+  out = tmp_path / "fuzz.json"
+  assert cli.main(["fuzz-readers", "--reader", "gguf", "--cases", "20", "--json",
+                   str(out)]) == 0
+  assert "gguf: 20 files" in capsys.readouterr().out
+  (report,) = json.loads(out.read_text())
+  assert report["ok"] and report["cases"] == 20 and report["failures"] == []
+
+
+def test_fuzz_cli_catches_a_reader_that_crashes(tmp_path, monkeypatch, capsys):
+  from qjax._src import cli
+
+  def crash(path):
+    raise TypeError("reader fell over")
+  monkeypatch.setitem(reader_fuzz.READERS, "gguf", (crash,))
+  keep = tmp_path / "failures"
+  assert cli.main(["fuzz-readers", "--reader", "gguf", "--cases", "5", "--keep-failures",
+                   str(keep)]) == 1
+  assert "TypeError: reader fell over" in capsys.readouterr().out
+  assert len(list(keep.iterdir())) == 5
+
+
+def test_fuzz_counts_a_slow_reader_as_a_hang(monkeypatch):
+  def slow(path):
+    time.sleep(5)
+  monkeypatch.setitem(reader_fuzz.READERS, "gguf", (slow,))
+  report = reader_fuzz.run("gguf", 2, case_timeout_s=0.2)
+  assert report.hangs == len(report.failures) == 2 + 2 and not report.ok  # 2 seeds, 2 cases
+  assert all(f["error"].startswith("hang") for f in report.failures)

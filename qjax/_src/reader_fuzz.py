@@ -264,17 +264,19 @@ def run(kind: str, cases: int, *, seed: int = 0, case_timeout_s: float = 10.0,
   with tempfile.TemporaryDirectory(prefix=f"qjax-fuzz-{kind}-") as tmp:
     tmp = pathlib.Path(tmp)
     seeds = seed_files(kind, tmp / "seeds")
-    for data in seeds:  # warm up (imports, jit caches) so the RSS baseline is honest
-      path = tmp / "warm"
-      path.write_bytes(data)
-      for reader in READERS[kind]:
-        try:
-          reader(str(path))
-        except ValueError:  # qjax.load refuses the plain safetensors seed, as it should
-          pass
-    baseline = _rss_mib()
     previous = signal.signal(signal.SIGALRM, _on_alarm)
     try:
+      # Warm up (imports, jit caches) so the RSS baseline is honest. The seed files are
+      # valid: a reader failing on one is reported like any other failure.
+      warm = FuzzReport(kind)
+      for j, data in enumerate(seeds):
+        path = tmp / "warm"
+        path.write_bytes(data)
+        outcome = _run_case(kind, str(path), case_timeout_s, warm)
+        if outcome is not None:
+          report.failures.append({**outcome, "case": f"seed{j}"})
+      report.hangs += warm.hangs
+      baseline = _rss_mib()
       for i in range(cases):
         rng = np.random.default_rng([seed, i])
         data = mutate(rng, seeds[int(rng.integers(len(seeds)))], seeds, kind)
