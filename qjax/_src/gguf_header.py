@@ -47,6 +47,7 @@ class _Cursor:
 
   def __init__(self, buf, path: str, order: str):
     self.buf, self.path, self.order, self.pos = buf, path, order, 0
+    self.integers: list[tuple[int, int]] | None = None  # (offset, size) of each read
 
   def left(self) -> int:
     return len(self.buf) - self.pos
@@ -67,6 +68,8 @@ class _Cursor:
     self.need(size, what)
     fmt = {4: "I", 8: "Q"}[size]
     (v,) = struct.unpack_from(self.order + fmt, self.buf, self.pos)
+    if self.integers is not None:
+      self.integers.append((self.pos, size))
     self.pos += size
     return v
 
@@ -130,7 +133,15 @@ def check_gguf_file(path: str | os.PathLike[str]) -> None:
     _check(buf, path, size)
 
 
-def _check(buf, path: str, size: int) -> None:
+def integer_fields(data: bytes) -> list[tuple[int, int]]:
+  """``(offset, size)`` of every count, length, type, dim and offset in a valid GGUF
+  header (for the fuzzer's structure-aware mutations)."""
+  fields: list[tuple[int, int]] = [(4, 4)]  # the version
+  _check(data, "<bytes>", len(data), fields)
+  return fields
+
+
+def _check(buf, path: str, size: int, integers: list | None = None) -> None:
   if bytes(buf[:4]) != MAGIC:
     raise ValueError(f"{path} is not a GGUF file: magic {bytes(buf[:4])!r}, want {MAGIC!r}")
   (version,) = struct.unpack_from("<I", buf, 4)
@@ -139,6 +150,7 @@ def _check(buf, path: str, size: int) -> None:
     (version,) = struct.unpack_from(">I", buf, 4)
     order = ">"
   cur = _Cursor(buf, path, order)
+  cur.integers = integers
   if version not in SUPPORTED_VERSIONS:
     raise cur.fail(f"version {version}; qjax reads GGUF versions {SUPPORTED_VERSIONS}")
   cur.pos = 8

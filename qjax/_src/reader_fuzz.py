@@ -3,7 +3,8 @@
 Each case takes a small valid file (written here with the ``gguf`` package, ``qjax.save``
 and ``safetensors``), applies one to three mutations (bit flips, interesting integers
 written over 4- or 8-byte fields, truncation, deletion, duplication, splices with
-another valid file, JSON edits of a safetensors header), writes it, and runs every
+another valid file, edits of a GGUF header's counts, lengths, types, dims and offsets,
+JSON edits of a safetensors header), writes it, and runs every
 reader of that kind on it. A reader may return or raise ``ValueError``; anything else
 (another exception type, a case running past its time limit) is a failure, kept with the
 bytes that caused it so it reproduces.
@@ -142,11 +143,31 @@ def _edit_json_header(rng: np.random.Generator, data: bytes) -> bytes:
   return len(text).to_bytes(8, "little") + text + data[8 + n:]
 
 
+def _edit_gguf_integer(rng: np.random.Generator, b: bytearray) -> None:
+  """Overwrites one header integer of a GGUF file (a count, length, value type, dim,
+  GGML type or offset) with an interesting value or a near neighbour of its own."""
+  from qjax._src import gguf_header  # pylint: disable=g-import-not-at-top
+  try:
+    fields = gguf_header.integer_fields(bytes(b))
+  except ValueError:  # already mutated into an invalid file: nothing to aim at
+    return
+  pos, size = fields[int(rng.integers(len(fields)))]
+  old = int.from_bytes(b[pos:pos + size], "little")
+  if rng.random() < 0.5:
+    new = int(rng.choice(INTERESTING_INTS))
+  else:
+    new = old + int(rng.choice([-2, -1, 1, 2, 32, -32]))
+  b[pos:pos + size] = (new % (1 << (8 * size))).to_bytes(size, "little")
+
+
 def mutate(rng: np.random.Generator, data: bytes, others: list[bytes], kind: str) -> bytes:
   """One to three random mutations of ``data``."""
   b = bytearray(data)
   for _ in range(int(rng.integers(1, 4))):
     op = int(rng.integers(9))
+    if op == 8 and kind == "gguf":
+      _edit_gguf_integer(rng, b)
+      continue
     n = len(b)
     if op == 0 and n:  # bit flips
       for _ in range(int(rng.integers(1, 5))):
