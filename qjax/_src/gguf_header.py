@@ -156,11 +156,11 @@ def _check(buf, path: str, size: int, integers: list | None = None) -> None:
   cur.pos = 8
   n_tensors = cur.uint(8, "tensor count")
   n_kv = cur.uint(8, "key-value count")
-  # Smallest entries: a key-value is a key length, one key byte, a type and one byte; a
-  # tensor info is a name length, one byte, n_dims, one dim, a type and an offset.
-  if n_kv * 14 > cur.left():
+  # Smallest entries: a key-value is a key length, a type and a 1-byte value (13 bytes);
+  # a tensor info is a name length, n_dims, one dim, a type and an offset (32 bytes).
+  if n_kv * 13 > cur.left():
     raise cur.fail(f"{n_kv} key-value pairs cannot fit in the {cur.left()} bytes left")
-  if n_tensors * 33 > cur.left():
+  if n_tensors * 32 > cur.left():
     raise cur.fail(f"{n_tensors} tensors cannot fit in the {cur.left()} bytes left")
 
   alignment = DEFAULT_ALIGNMENT
