@@ -325,3 +325,15 @@ def test_fuzz_counts_a_slow_reader_as_a_hang(monkeypatch):
   report = reader_fuzz.run("gguf", 2, case_timeout_s=0.2)
   assert report.hangs == len(report.failures) == 2 + 2 and not report.ok  # 2 seeds, 2 cases
   assert all(f["error"].startswith("hang") for f in report.failures)
+
+
+def test_gguf_integer_fields_of_any_prefix_raise_only_value_error():
+  """The fuzzer's structure-aware mutation reads mutated files too."""
+  from qjax._src import gguf_header
+  data = valid_gguf()
+  assert (8, 8) in gguf_header.integer_fields(data)  # the tensor count
+  for n in range(len(data)):
+    try:
+      gguf_header.integer_fields(data[:n])
+    except ValueError:
+      pass

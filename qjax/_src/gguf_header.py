@@ -127,8 +127,7 @@ def check_gguf_file(path: str | os.PathLike[str]) -> None:
   path = os.fspath(path)
   size = os.path.getsize(path)
   if size < 24:
-    raise ValueError(f"{path} is not a valid GGUF file: {size} bytes is shorter than the "
-                     "24-byte GGUF header")
+    _check(b"", path, size)  # raises its error for a short file (mmap refuses 0 bytes)
   with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
     _check(buf, path, size)
 
@@ -142,6 +141,9 @@ def integer_fields(data: bytes) -> list[tuple[int, int]]:
 
 
 def _check(buf, path: str, size: int, integers: list | None = None) -> None:
+  if size < 24:
+    raise ValueError(f"{path} is not a valid GGUF file: {size} bytes is shorter than the "
+                     "24-byte GGUF header")
   if bytes(buf[:4]) != MAGIC:
     raise ValueError(f"{path} is not a GGUF file: magic {bytes(buf[:4])!r}, want {MAGIC!r}")
   (version,) = struct.unpack_from("<I", buf, 4)

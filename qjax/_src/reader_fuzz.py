@@ -151,6 +151,8 @@ def _edit_gguf_integer(rng: np.random.Generator, b: bytearray) -> None:
     fields = gguf_header.integer_fields(bytes(b))
   except ValueError:  # already mutated into an invalid file: nothing to aim at
     return
+  if not fields:
+    return
   pos, size = fields[int(rng.integers(len(fields)))]
   old = int.from_bytes(b[pos:pos + size], "little")
   if rng.random() < 0.5:
