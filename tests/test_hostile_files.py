@@ -211,6 +211,9 @@ HOSTILE_SAFETENSORS = {  # name -> (bytes -> bytes, message for qjax.load)
     "unknown_dtype": (_set("b", "dtype", "Q4"), "not a readable"),
     "description_not_json": (lambda d: _edit_header(d, lambda h: h["__metadata__"].update(
         qjax="{nope")), "malformed qjax description"),
+    "description_nested_100k_deep": (lambda d: _edit_header(d, lambda h: h[
+        "__metadata__"].update(qjax="[" * 100_000 + "]" * 100_000)),
+        "malformed qjax description"),
     "description_a_list": (lambda d: _edit_header(d, lambda h: h["__metadata__"].update(
         qjax="[1]")), "malformed qjax description"),
     "no_description": (lambda d: _edit_header(d, lambda h: h.pop("__metadata__")),
@@ -286,7 +289,7 @@ def test_fuzz_mutations_are_reproducible():
   assert a == b and a != seeds[0]
 
 
-@pytest.mark.parametrize("index", ["[1, 2]", "{nope", '{"weight_map": {"a": 3}}',
+@pytest.mark.parametrize("index", ["[1, 2]", "{nope", "[" * 100_000, '{"weight_map": {"a": 3}}',
                                    '{"weight_map": {"a": "../../etc/passwd"}}',
                                    '{"weight_map": []}'])
 def test_hostile_sharded_index(tmp_path, index):

@@ -116,10 +116,20 @@ def _edit_json_header(rng: np.random.Generator, data: bytes) -> bytes:
     header = json.loads(data[8:8 + n])
   except ValueError:
     return data
+  if not isinstance(header, dict):
+    return data
   names = [k for k in header if k != "__metadata__"]
   if not names:
     return data
-  entry = header[names[int(rng.integers(len(names)))]]
+  try:
+    _edit_entry(rng, header, header[names[int(rng.integers(len(names)))]])
+  except (KeyError, TypeError, IndexError, ValueError, AttributeError):
+    return data  # an earlier mutation already broke this entry's structure
+  text = json.dumps(header).encode()
+  return len(text).to_bytes(8, "little") + text + data[8 + n:]
+
+
+def _edit_entry(rng: np.random.Generator, header: dict, entry: dict) -> None:
   choice = int(rng.integers(6))
   big = int(rng.choice(INTERESTING_INTS))
   if choice == 0:
@@ -139,8 +149,6 @@ def _edit_json_header(rng: np.random.Generator, data: bytes) -> bytes:
       i = int(rng.integers(0, max(len(desc), 1)))
       meta["qjax"] = desc[:i] + str(rng.choice(["9", "-1", "null", "[]", "{}", '"x"'])) + \
           desc[i + 1:]
-  text = json.dumps(header).encode()
-  return len(text).to_bytes(8, "little") + text + data[8 + n:]
 
 
 def _edit_gguf_integer(rng: np.random.Generator, b: bytearray) -> None:

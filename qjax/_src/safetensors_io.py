@@ -203,7 +203,7 @@ class Checkpoint:
       if index.exists():
         try:
           index_json = json.loads(index.read_text())
-        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        except (ValueError, RecursionError) as e:  # bad JSON, bad UTF-8, deep nesting
           raise ValueError(f"{index}: not JSON ({e})") from None
         weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
         if not isinstance(weight_map, dict) or not all(

@@ -156,7 +156,8 @@ def _description(path, raw: bytes) -> dict[str, Any]:
       raise ValueError(f"{path}: safetensors file without a qjax description; "
                        "use safetensors to read plain files")
     header = json.loads(meta["qjax"])
-  except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, TypeError) as e:
+  except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, TypeError,
+          RecursionError) as e:  # RecursionError: JSON nested beyond Python's stack
     raise _fail(path, f"the header is not the JSON qjax writes ({e})") from None
   if not isinstance(header, dict):
     raise _fail(path, f"a {type(header).__name__}, not an object")
