@@ -15,7 +15,7 @@ def test_help_lists_commands(capsys):
   with pytest.raises(SystemExit):
     cli.main(["--help"])
   out = capsys.readouterr().out
-  for command in ("demo", "bench", "generate", "inspect"):
+  for command in ("demo", "bench", "generate", "inspect", "check", "fuzz-readers"):
     assert command in out
 
 

@@ -263,6 +263,10 @@ def quantize_mxfp4(w: jax.Array, *, tile_k: int = packing.NATIVE_TILE_K,
   -127); elements ``w / 2**shared`` rounded to the nearest E2M1 value, ties to even,
   saturating at +-6.
 
+  A concrete ``w`` holding NaN or Inf raises ValueError naming ``name`` (under
+  ``jax.jit`` values are unknown and nothing is checked). Scales are powers of two from
+  2**-127 to 2**126, so no finite float32 range overflows them.
+
   >>> import jax, qjax
   >>> qw = qjax.quantize_mxfp4(jax.random.normal(jax.random.key(0), (256, 64)))
   >>> qw.codes.shape, qw.scales.shape, qw.scales.dtype
@@ -290,6 +294,11 @@ def quantize_nvfp4(w: jax.Array, *, tile_k: int = packing.NATIVE_TILE_K,
   scale ``s = e4m3(amax_block / 6 / global_scale)`` (round to nearest even); elements
   ``w / (f32(s) * global_scale)`` rounded to the nearest E2M1 value, ties to even,
   saturating at +-6 (blocks whose scale rounds to 0 get code 0).
+
+  A concrete ``w`` holding NaN or Inf raises ValueError naming ``name`` (under
+  ``jax.jit`` values are unknown and nothing is checked). The block scales are relative
+  to the tensor's ``amax``, so they cannot overflow float8_e4m3fn; blocks below
+  ``amax / (448 * 512 * 6)`` round to zero (NVFP4's own range, 2**-9 to 448 per block).
 
   >>> import jax, qjax
   >>> qw = qjax.quantize_nvfp4(jax.random.normal(jax.random.key(0), (256, 64)))

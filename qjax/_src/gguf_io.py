@@ -20,6 +20,7 @@ import ml_dtypes
 import numpy as np
 
 from qjax._src import gguf_formats
+from qjax._src import gguf_header
 from qjax._src.gguf_formats import embedding_rows as embedding_rows  # re-export
 
 _INSTALL_HINT = 'reading GGUF files needs the gguf package: pip install "qjax[gguf]"'
@@ -76,6 +77,7 @@ def _open(path: str | os.PathLike[str]):
   path = os.fspath(path)
   if not os.path.isfile(path):
     raise FileNotFoundError(f"no such GGUF file: {path}")
+  gguf_header.check_gguf_file(path)  # bounded: the gguf reader trusts the counts it reads
   try:
     reader = gguf.GGUFReader(path, "r")
   except Exception as e:  # gguf raises ValueError, KeyError, IndexError, ... on bad input.
@@ -111,8 +113,14 @@ def _field_value(field, gguf) -> Any:
   return np.concatenate(parts).astype(parts[0].dtype.newbyteorder("="))
 
 
-def _metadata(reader, gguf) -> dict[str, Any]:
-  return {name: _field_value(f, gguf) for name, f in reader.fields.items()}
+def _metadata(reader, gguf, path: str) -> dict[str, Any]:
+  out = {}
+  for name, f in reader.fields.items():
+    try:
+      out[name] = _field_value(f, gguf)
+    except Exception as e:  # a value gguf parsed but cannot decode (e.g. ragged nesting)
+      raise ValueError(f"{path}: metadata {name!r} cannot be decoded ({_one_line(e)})") from e
+  return out
 
 
 def _logical_shape(t) -> tuple[int, ...]:
@@ -178,7 +186,7 @@ def load_gguf(path: str | os.PathLike[str], *, progress: bool = True,
   gguf = _import_gguf()
   path = os.fspath(path)
   reader = _open(path)
-  metadata = _metadata(reader, gguf)
+  metadata = _metadata(reader, gguf, path)
   tensors: dict[str, Any] = {}
   types: dict[str, str] = {}
   items = reader.tensors
@@ -195,6 +203,10 @@ def load_gguf(path: str | os.PathLike[str], *, progress: bool = True,
       msg = str(e)
       raise ValueError(msg if msg.startswith(path) else f"{path}: tensor {t.name!r}: {msg}"
                        ) from None
+    except (TypeError, IndexError, KeyError, ArithmeticError, NotImplementedError) as e:
+      # The header passed gguf_header's checks but the data cannot form this tensor.
+      raise ValueError(f"{path}: tensor {t.name!r} ({t.tensor_type.name}, shape "
+                       f"{_logical_shape(t)}) cannot be loaded ({_one_line(e)})") from e
     types[t.name] = t.tensor_type.name
   return GGUFFile(path=path, tensors=tensors, metadata=metadata, tensor_types=types,
                   file_tensor_bytes=sum(int(t.n_bytes) for t in reader.tensors))
@@ -212,4 +224,5 @@ def describe_gguf(path: str | os.PathLike[str]) -> list[tuple[str, str, tuple[in
 
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
   """The file's key-value metadata (as :attr:`GGUFFile.metadata`), without its tensors."""
-  return _metadata(_open(path), _import_gguf())
+  path = os.fspath(path)
+  return _metadata(_open(path), _import_gguf(), path)

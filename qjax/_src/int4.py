@@ -130,6 +130,40 @@ def _check_finite(w, name: str) -> None:
         "quantization needs finite weights")
 
 
+class ScaleRangeWarning(UserWarning):
+  """The requested scale dtype cannot hold a weight's scales; float32 is used instead."""
+
+
+MAX_SCALE_ROUNDING = 0.01  # relative rounding of a scale beyond which float32 is used
+
+
+def _scale_dtype_that_fits(wg, symmetric: bool, scale_dtype, name: str):
+  """``scale_dtype``, or float32 (with a warning) when some min-max scale of ``wg``
+  ``[K // G, G, N]`` overflows it, rounds to zero, or loses over 1% (float16 subnormals):
+  a float16 scale holds 6.1e-5 to 65504 at full precision, so groups with a range beyond
+  about 4.6e5 or below 4e-4 need float32 scales."""
+  if jnp.dtype(scale_dtype) == jnp.dtype(jnp.float32) or isinstance(wg, jax.core.Tracer):
+    return scale_dtype
+  if symmetric:
+    need = jnp.max(jnp.abs(wg), axis=1) / 7.0
+  else:
+    need = (jnp.maximum(jnp.max(wg, axis=1), 0.0) - jnp.minimum(jnp.min(wg, axis=1), 0.0)) / 15.0
+  need = np.asarray(need, np.float64)
+  held = np.asarray(jnp.asarray(need, jnp.float32).astype(scale_dtype), np.float64)
+  with np.errstate(invalid="ignore", divide="ignore"):
+    bad = ~np.isfinite(held) | ((need > 0) & (np.abs(held - need) > MAX_SCALE_ROUNDING * need))
+  if not bad.any():
+    return scale_dtype
+  g, n = (int(i) for i in np.argwhere(bad)[0])
+  import warnings  # pylint: disable=g-import-not-at-top
+  warnings.warn(
+      f"{name}: {int(bad.sum())} group scales do not fit {jnp.dtype(scale_dtype).name} "
+      f"(group {g}, column {n} needs {need[g, n]:.3g}, which it holds as {held[g, n]:.3g}); "
+      "using float32 scales. Pass scale_dtype=jnp.float32 (or bfloat16) to choose it "
+      "yourself, or rescale the weight.", ScaleRangeWarning, stacklevel=3)
+  return jnp.float32
+
+
 def quantize(
     w: jax.Array,
     *,
@@ -152,10 +186,20 @@ def quantize(
     method: "minmax" uses the full range; "mse" also tries 20 shrunken ranges per group
       and keeps the one with the smallest squared reconstruction error.
     tile_k: packing order of the codes (default: the kernel-native order).
-    name: the weight's name, used in error messages.
+    name: the weight's name, used in error and warning messages.
 
   Returns:
     An :class:`Int4Weight`.
+
+  Raises:
+    ValueError: naming ``name``, when ``w`` holds NaN or Inf, or when a scale is not
+      finite even in float32 (a group spanning more than the float32 range).
+
+  Guards: for a concrete ``w`` (not a tracer under ``jax.jit``, where values are
+  unknown), non-finite weights raise, and when the min-max scales overflow
+  ``scale_dtype``, round to zero in it, or lose over 1% (float16 subnormals), float32
+  scales are used with a :class:`ScaleRangeWarning`. Under ``jit`` neither check runs:
+  check the weights before tracing. All-zero groups get zero scales and decode to zeros.
 
   >>> import jax, jax.numpy as jnp, qjax
   >>> w = jax.random.normal(jax.random.key(0), (256, 64))
@@ -186,6 +230,7 @@ def quantize(
   _check_finite(w, name)
 
   wg = jnp.asarray(w, jnp.float32).reshape(k // group_size, group_size, n)
+  scale_dtype = _scale_dtype_that_fits(wg, symmetric, scale_dtype, name)
   if method == "minmax":
     shrink = jnp.ones((1,), jnp.float32)
   else:

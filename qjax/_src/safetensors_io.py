@@ -172,6 +172,20 @@ def _parse_compressed_tensors(qc: Mapping[str, Any]) -> Quantization:
 # ------------------------------------------------------------------------------ reading
 
 
+def _safetensors_call(file: pathlib.Path, what: str, fn):
+  """``fn()``, with the safetensors library's errors on a bad file as one ValueError."""
+  from safetensors import SafetensorError  # pylint: disable=g-import-not-at-top
+  try:
+    return fn()
+  except SafetensorError as e:
+    raise ValueError(f"{file}: cannot {what}: not a valid safetensors file ({e})") from None
+  except (TypeError, KeyError, AttributeError, OverflowError) as e:
+    # safetensors' numpy API maps some dtypes (F8_E4M3, ...) to numpy names that do not
+    # exist: the file is well formed but holds a dtype numpy cannot represent.
+    raise ValueError(f"{file}: cannot {what}: a dtype numpy has no type for, or a "
+                     f"malformed entry ({type(e).__name__}: {e})") from None
+
+
 class Checkpoint:
   """The tensors of a single-file or sharded safetensors checkpoint, read on demand.
 
@@ -187,9 +201,16 @@ class Checkpoint:
     if path.is_dir():
       index = path / INDEX_FILE
       if index.exists():
-        weight_map = json.loads(index.read_text()).get("weight_map")
-        if not isinstance(weight_map, dict):
-          raise ValueError(f"{index}: no weight_map object (tensor name -> shard file)")
+        try:
+          index_json = json.loads(index.read_text())
+        except (ValueError, RecursionError) as e:  # bad JSON, bad UTF-8, deep nesting
+          raise ValueError(f"{index}: not JSON ({e})") from None
+        weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) and v and "/" not in v and "\\" not in v
+            for v in weight_map.values()):
+          raise ValueError(f"{index}: no weight_map object (tensor name -> shard file name "
+                           "in this folder)")
         self._where = {name: path / shard for name, shard in weight_map.items()}
       elif (path / SINGLE_FILE).exists():
         self._where = None
@@ -211,7 +232,10 @@ class Checkpoint:
   def _open(self, file: pathlib.Path):
     if file not in self._handles:
       from safetensors import safe_open  # pylint: disable=g-import-not-at-top
-      self._handles[file] = safe_open(str(file), framework="numpy")
+      # The safetensors library bounds the header (100 MB), checks dtypes, shapes and
+      # that the byte ranges tile the data section; its errors become one ValueError.
+      self._handles[file] = _safetensors_call(file, "open", lambda: safe_open(
+          str(file), framework="numpy"))
     return self._handles[file]
 
   def __contains__(self, name: str) -> bool:
@@ -222,13 +246,17 @@ class Checkpoint:
 
   def shape(self, name: str) -> tuple[int, ...]:
     """The stored shape, without reading the data."""
-    return tuple(self._open(self._where[name]).get_slice(name).get_shape())
+    file = self._where[name]
+    return tuple(_safetensors_call(file, f"read the shape of {name!r}",
+                                   lambda: self._open(file).get_slice(name).get_shape()))
 
   def get(self, name: str) -> np.ndarray:
     """The stored array; ValueError naming ``name`` when it is missing."""
     if name not in self._where:
       raise ValueError(f"{self.folder}: tensor {name!r} is missing from the checkpoint")
-    a = self._open(self._where[name]).get_tensor(name)
+    file = self._where[name]
+    a = _safetensors_call(file, f"read tensor {name!r}",
+                          lambda: self._open(file).get_tensor(name))
     if self.on_read is not None:
       self.on_read(name)
     return a

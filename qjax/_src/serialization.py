@@ -48,13 +48,6 @@ def _storable(a: np.ndarray) -> tuple[np.ndarray, str | None]:
   return a.view(np.dtype(f"uint{8 * a.dtype.itemsize}")), a.dtype.name
 
 
-def _restore(a: np.ndarray, dtype_name: str | None) -> np.ndarray:
-  if dtype_name is None:
-    return a
-  import ml_dtypes  # pylint: disable=g-import-not-at-top
-  return a.view(np.dtype(getattr(ml_dtypes, dtype_name)))
-
-
 def _digest(arrays: Mapping[str, np.ndarray]) -> str:
   h = hashlib.sha256()
   for name in sorted(arrays):
@@ -128,51 +121,143 @@ def save(path: str | os.PathLike, tensors: Mapping[str, Any]) -> None:
     os.close(dir_fd)
 
 
+MAX_HEADER_BYTES = 100 * 2**20  # the safetensors library's own bound on its JSON header
+
+
+def _read_checked(path: pathlib.Path) -> bytes:
+  """The file's bytes, after checking that its header length fits in the file (so a
+  header claiming terabytes is refused before anything is allocated for it)."""
+  size = path.stat().st_size
+  with open(path, "rb") as f:
+    head = f.read(8)
+    if len(head) < 8:
+      raise ValueError(f"{path}: {size} bytes is too short for a safetensors file (8-byte "
+                       "header length first); the file is truncated or not safetensors")
+    header_len = int.from_bytes(head, "little")
+    if header_len > min(MAX_HEADER_BYTES, size - 8):
+      raise ValueError(f"{path}: header length {header_len} exceeds the file "
+                       f"({size} bytes) or the {MAX_HEADER_BYTES}-byte limit; the file is "
+                       "truncated or not safetensors")
+    f.seek(0)
+    return f.read()
+
+
+def _fail(path, what: str) -> ValueError:
+  return ValueError(f"{path}: malformed qjax description: {what}; the file is corrupt or "
+                    "was not written by qjax.save")
+
+
+def _description(path, raw: bytes) -> dict[str, Any]:
+  """The ``qjax`` JSON description in the safetensors header, its structure checked."""
+  header_len = int.from_bytes(raw[:8], "little")
+  try:
+    meta = json.loads(raw[8:8 + header_len]).get("__metadata__") or {}
+    if "qjax" not in meta:
+      raise ValueError(f"{path}: safetensors file without a qjax description; "
+                       "use safetensors to read plain files")
+    header = json.loads(meta["qjax"])
+  except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, TypeError,
+          RecursionError) as e:  # RecursionError: JSON nested beyond Python's stack
+    raise _fail(path, f"the header is not the JSON qjax writes ({e})") from None
+  if not isinstance(header, dict):
+    raise _fail(path, f"a {type(header).__name__}, not an object")
+  if header.get("version") != VERSION:
+    raise ValueError(f"{path}: qjax file version {header.get('version')!r} is not {VERSION}")
+  if not isinstance(header.get("sha256"), str):
+    raise _fail(path, "no sha256 string")
+  if not isinstance(header.get("tensors"), dict):
+    raise _fail(path, "no tensors object")
+  views = header.setdefault("views", {})
+  if not isinstance(views, dict) or not all(isinstance(v, str) for v in views.values()):
+    raise _fail(path, "views must map array names to dtype names")
+  for name, entry in header["tensors"].items():
+    if (not isinstance(entry, dict) or not isinstance(entry.get("format"), str)
+        or not isinstance(entry.get("arrays"), dict)
+        or not isinstance(entry.get("static", {}), dict)):
+      raise _fail(path, f"entry {name!r} needs a format string, an arrays object and a "
+                  "static object")
+  return header
+
+
+def _restore_view(path, key: str, a: np.ndarray, dtype_name: str | None) -> np.ndarray:
+  if dtype_name is None:
+    return a
+  import ml_dtypes  # pylint: disable=g-import-not-at-top
+  dtype = getattr(ml_dtypes, dtype_name, None)
+  if not isinstance(dtype, type) or np.dtype(dtype).itemsize != a.dtype.itemsize:
+    raise _fail(path, f"array {key!r} names the view dtype {dtype_name!r}, which is not an "
+                f"ml_dtypes type of {a.dtype.itemsize} bytes")
+  return a.view(np.dtype(dtype))
+
+
+def _build(path, name: str, entry: Mapping[str, Any], arrays: Mapping[str, np.ndarray]
+           ) -> Any:
+  missing = [k for k in entry["arrays"].values() if not isinstance(k, str) or k not in arrays]
+  if missing:
+    raise _fail(path, f"entry {name!r} names arrays {missing} that the file does not hold")
+  if entry["format"] == "array":
+    if "value" not in entry["arrays"]:
+      raise _fail(path, f"array entry {name!r} has no 'value'")
+    return arrays[entry["arrays"]["value"]]
+  try:
+    cls = formats.format_class(entry["format"])
+  except ValueError as e:  # names the known formats
+    raise ValueError(f"{path}: tensor {name!r}: {e}") from None
+  fields = set(formats.array_field_names(cls))
+  unknown = set(entry["arrays"]) - fields
+  if unknown:
+    raise _fail(path, f"entry {name!r} has arrays {sorted(unknown)} that "
+                f"{cls.__name__} does not have")
+  kwargs = {f: None for f in fields}
+  kwargs.update({f: arrays[key] for f, key in entry["arrays"].items()})
+  static = {}
+  for f in dataclasses.fields(cls):
+    if f.name in entry.get("static", {}):
+      v = entry["static"][f.name]
+      static[f.name] = tuple(v) if isinstance(v, list) else v
+  try:
+    return cls(**kwargs, **static)
+  except ValueError as e:
+    raise ValueError(f"{path}: tensor {name!r}: {e}") from None
+  except (TypeError, KeyError, IndexError, ArithmeticError) as e:
+    raise _fail(path, f"{cls.__name__} cannot be built from entry {name!r} ({e})") from None
+
+
 def load(path: str | os.PathLike, *, offload_pass2: bool = False) -> dict[str, Any]:
   """Loads what :func:`save` wrote: ``{name: QuantizedWeight | np.ndarray}``.
+
+  Nothing is unpickled or executed. The header length is checked against the file size
+  before anything else is read; the safetensors library checks every array's dtype,
+  shape and byte range; the sha256 of the tensor data (names, dtypes, shapes and bytes)
+  must match the one in the description; each quantized weight's class checks its
+  arrays' shapes and dtypes.
 
   Args:
     offload_pass2: place pass 2 of two-pass codebook weights in pinned host memory
       (``qjax.place_pass2``); the other arrays load as usual.
 
   Raises:
-    ValueError: the file is not a qjax file, its digest does not match, or an array
-      does not fit its format's description.
+    ValueError: the file is not a qjax file, is truncated or corrupt, its digest does not
+      match, or an array does not fit its format's description. No other exception type
+      is raised for a bad file (FileNotFoundError for a missing one).
   """
   from safetensors import SafetensorError  # pylint: disable=g-import-not-at-top
   from safetensors.numpy import load as st_load  # pylint: disable=g-import-not-at-top
   path = pathlib.Path(path)
-  raw = path.read_bytes()
+  raw = _read_checked(path)
   try:
     arrays = st_load(raw)
-  except SafetensorError as e:
+  except (SafetensorError, KeyError, TypeError, AttributeError) as e:  # a dtype numpy lacks
     raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
-  header_len = int.from_bytes(raw[:8], "little")
-  meta = json.loads(raw[8:8 + header_len]).get("__metadata__") or {}
-  if "qjax" not in meta:
-    raise ValueError(f"{path}: safetensors file without a qjax description; "
-                     "use safetensors to read plain files")
-  header = json.loads(meta["qjax"])
-  if header.get("version") != VERSION:
-    raise ValueError(f"{path}: qjax file version {header.get('version')} is not {VERSION}")
-  arrays = {k: _restore(a, header.get("views", {}).get(k)) for k, a in arrays.items()}
+  header = _description(path, raw)
+  del raw
+  views = header["views"]
+  arrays = {k: _restore_view(path, k, a, views.get(k)) for k, a in arrays.items()}
   if _digest(arrays) != header["sha256"]:
     raise ValueError(f"{path}: sha256 of the tensor data does not match the header; "
                      "the file is corrupt")
-  out: dict[str, Any] = {}
-  for name, entry in header["tensors"].items():
-    if entry["format"] == "array":
-      out[name] = arrays[entry["arrays"]["value"]]
-      continue
-    cls = formats.format_class(entry["format"])
-    kwargs = {f: None for f in formats.array_field_names(cls)}
-    kwargs.update({f: arrays[key] for f, key in entry["arrays"].items()})
-    static = {}
-    for f in dataclasses.fields(cls):
-      if f.name in entry["static"]:
-        v = entry["static"][f.name]
-        static[f.name] = tuple(v) if isinstance(v, list) else v
-    out[name] = cls(**kwargs, **static)
+  out = {name: _build(path, name, entry, arrays)
+         for name, entry in header["tensors"].items()}
   if offload_pass2:
     from qjax._src import offload  # pylint: disable=g-import-not-at-top
     out = offload.place_pass2(out, "pinned_host")
