@@ -19,6 +19,7 @@ from flax import nnx
 
 import qjax
 from flax_layers.dense import _apply
+from flax_layers.dense import _quantized_dense
 from flax_layers.dense import _value
 from flax_layers.dense import default_kernel_init
 
@@ -78,25 +79,11 @@ class CodebookDense(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
-    k = x.shape[-1]
     options = CodebookOptions(group=self.group, passes=self.passes, codebook=self.codebook,
                               rotation=self.rotation, seed=self.seed,
                               offload_pass2=self.offload_pass2)
-    if self.is_initializing():
-      kernel = self.param("kernel", lambda rng: options.quantize(
-          self.kernel_init(rng, (k, self.features), self.param_dtype)))
-    else:
-      kernel = self.get_variable("params", "kernel")
-      if kernel is None:
-        raise ValueError(f"{self.name or 'CodebookDense'}: params have no 'kernel'; call "
-                         "init or quantize a kernel with qjax.quantize_codebook")
-    if tuple(kernel.shape) != (k, self.features):
-      raise ValueError(f"kernel of logical shape {kernel.shape} does not fit x with "
-                       f"{k} features and features={self.features}")
-    bias = None
-    if self.use_bias:
-      bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
-    return _apply(x, kernel, bias, self.dtype, self.implementation)
+    return _quantized_dense(self, x, options.quantize,
+                            "call init or quantize a kernel with qjax.quantize_codebook")
 
 
 class CodebookLinear(nnx.Module):

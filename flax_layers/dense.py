@@ -42,6 +42,31 @@ def _apply(x: Array, kernel: Any, bias: Array | None, dtype: Any, implementation
   return y
 
 
+def _quantized_dense(module: nn.Module, x: Array, quantize: Callable[[Array], Any],
+                     how_to_quantize: str) -> Array:
+  """The body of the linen quantized Dense layers: the kernel (quantized from
+  ``module.kernel_init`` at init, read as it is otherwise), its shape check, the bias and
+  the matmul. ``how_to_quantize`` ends the error for params without a kernel."""
+  k = x.shape[-1]
+  if module.is_initializing():
+    kernel = module.param("kernel", lambda rng: quantize(
+        module.kernel_init(rng, (k, module.features), module.param_dtype)))
+  else:
+    # Read the existing pytree as it is: its group size or format may differ from this
+    # module's defaults (pre-quantized params), which flax's init-shape check rejects.
+    kernel = module.get_variable("params", "kernel")
+    if kernel is None:
+      raise ValueError(f"{module.name or type(module).__name__}: params have no 'kernel'; "
+                       f"{how_to_quantize}")
+  if tuple(kernel.shape) != (k, module.features):
+    raise ValueError(f"kernel of logical shape {kernel.shape} does not fit x with "
+                     f"{k} features and features={module.features}")
+  bias = None
+  if module.use_bias:
+    bias = module.param("bias", module.bias_init, (module.features,), module.param_dtype)
+  return _apply(x, kernel, bias, module.dtype, module.implementation)
+
+
 def quantize_dense_params(params: dict[str, Any], *, group_size: int | None = 128,
                           symmetric: bool = True, scale_dtype: Any = jnp.bfloat16,
                           method: str = "minmax") -> dict[str, Any]:
@@ -94,29 +119,11 @@ class Int4Dense(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
-    k = x.shape[-1]
-
-    def init_kernel(rng):
-      w = self.kernel_init(rng, (k, self.features), self.param_dtype)
-      return qjax.quantize(w, group_size=self.group_size, symmetric=self.symmetric,
-                           scale_dtype=self.scale_dtype)
-
-    if self.is_initializing():
-      kernel = self.param("kernel", init_kernel)
-    else:
-      # Read the existing pytree as it is: its group size or format may differ from this
-      # module's defaults (pre-quantized params), which flax's init-shape check rejects.
-      kernel = self.get_variable("params", "kernel")
-      if kernel is None:
-        raise ValueError(f"{self.name or 'Int4Dense'}: params have no 'kernel'; quantize an "
-                         "nn.Dense's params with quantize_dense_params or call init")
-    if kernel.shape != (k, self.features):
-      raise ValueError(f"kernel of logical shape {kernel.shape} does not fit x with "
-                       f"{k} features and features={self.features}")
-    bias = None
-    if self.use_bias:
-      bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
-    return _apply(x, kernel, bias, self.dtype, self.implementation)
+    return _quantized_dense(
+        self, x, lambda w: qjax.quantize(w, group_size=self.group_size,
+                                         symmetric=self.symmetric,
+                                         scale_dtype=self.scale_dtype),
+        "quantize an nn.Dense's params with quantize_dense_params or call init")
 
 
 class Int4Linear(nnx.Module):

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qjax._src import formats
+from qjax._src import int4
 from qjax._src import packing
 
 E2M1_MAX = 6.0        # largest E2M1 magnitude
@@ -237,14 +238,7 @@ def _check_weight(w, block: int, name: str) -> tuple[int, int]:
   if k % block:
     raise ValueError(
         f"K={k} of {name} must be a multiple of the block size {block}; pad K with zero rows")
-  if not isinstance(w, jax.core.Tracer):
-    a = np.asarray(w)
-    bad = ~np.isfinite(a)
-    if bad.any():
-      idx = tuple(int(i) for i in np.argwhere(bad)[0])
-      raise ValueError(
-          f"{name} has {int(bad.sum())} non-finite values (first at index {idx}: {a[idx]}); "
-          "quantization needs finite weights")
+  int4.check_finite(w, name)
   return k, n
 
 

@@ -118,7 +118,9 @@ def dequantize_int4(w: Int4Weight, dtype=jnp.float32) -> jax.Array:
   return ((codes - zeros) * scales).astype(dtype)
 
 
-def _check_finite(w, name: str) -> None:
+def check_finite(w, name: str) -> None:
+  """Raises ValueError naming ``name`` if a concrete ``w`` holds NaN or Inf (no check
+  under jit: a tracer has no values)."""
   if isinstance(w, jax.core.Tracer):
     return
   a = np.asarray(w)
@@ -227,7 +229,7 @@ def quantize(
     raise ValueError(f"{scale_dtype=} must be one of bfloat16, float16, float32")
   if method not in ("minmax", "mse"):
     raise ValueError(f"{method=} must be 'minmax' or 'mse'")
-  _check_finite(w, name)
+  check_finite(w, name)
 
   wg = jnp.asarray(w, jnp.float32).reshape(k // group_size, group_size, n)
   scale_dtype = _scale_dtype_that_fits(wg, symmetric, scale_dtype, name)
@@ -247,7 +249,7 @@ def quantize(
   (scales, zeros, codes, _), _ = jax.lax.scan(keep_better, first, shrink[1:])
 
   if not isinstance(scales, jax.core.Tracer):
-    _check_finite(scales.astype(jnp.float32), f"scales of {name} in {jnp.dtype(scale_dtype).name}")
+    check_finite(scales.astype(jnp.float32), f"scales of {name} in {jnp.dtype(scale_dtype).name}")
   words = packing.pack_codes(codes.reshape(k, n), tile_k)
   return Int4Weight(
       codes=words,
