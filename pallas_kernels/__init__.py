@@ -32,7 +32,7 @@ qjax.register_kernel(
     qjax.Int4Weight,
     qjax.Backend(name="pallas_triton", fn=int4_matmul.int4_matmul,
                  supported_on=triton_supported,
-                 candidate_configs=int4_matmul.candidate_configs,
+                 candidate_configs=int4_matmul.int4_candidate_configs,
                  # H100 sweeps: the kernel beats XLA up to M = 64 (40.7 vs ~112 us at
                  # 4096x14336) and loses from M = 256 (133 vs ~121 us).
                  auto_max_m=64))

@@ -34,6 +34,7 @@ from qjax import Int4Weight
 from qjax import KernelConfig
 from qjax._src import packing
 from pallas_kernels import common
+from pallas_kernels import int4_gemv
 
 _load = common.load
 
@@ -196,7 +197,12 @@ def int4_matmul(x: jax.Array, w: Int4Weight, *, interpret: bool = False,
   m, k = x.shape
   n = w.shape[1]
   if config is None:
-    config = _lookup_config(m, k, n) or heuristic_config(m, k, n)
+    config = _lookup_config(m, k, n)
+  if int4_gemv.supports(m, k, w.group_size) and (config is None or config.block_m == 1):
+    # One row: the FMA kernel beats a 1/16-used tensor-core tile (see int4_gemv).
+    return int4_gemv.int4_gemv(x, w, config=config, interpret=interpret, poison=poison)
+  if config is None or config.block_m == 1:
+    config = heuristic_config(m, k, n)
   config = legalize(config, k, w.tile_k)
   steps = w.codes.shape[0] * 8 // config.block_k
   split_k = config.split_k
@@ -214,8 +220,16 @@ def _lookup_config(m: int, k: int, n: int) -> KernelConfig | None:
   return tuning.lookup(jax.devices()[0].device_kind, "int4", m, k, n)
 
 
+def int4_candidate_configs(m: int, k: int, n: int) -> list[KernelConfig]:
+  """The INT4 backend's search space: the GEMV kernel's at M = 1, else the tiled one's."""
+  if m == 1:
+    return int4_gemv.candidate_configs(k, n)
+  return candidate_configs(m, k, n)
+
+
 def candidate_configs(m: int, k: int, n: int) -> list[KernelConfig]:
-  """The tuner's search space for one shape (the region the H100 sweeps found best)."""
+  """The tiled kernel's search space for one shape (the region the H100 sweeps found best;
+  the FP4 and codebook kernels share it)."""
   del k, n
   if m > 64:
     return [KernelConfig(block_m=bm, block_n=bn, block_k=128, num_warps=w, num_stages=3)

@@ -79,7 +79,8 @@ class MatmulSuite:
     assert rel_err(y, reference(x, w)) < 1e-2
 
   @pytest.mark.parametrize("m,k,n,g", [(5, 96, 33, 32), (17, 200, 70, None), (2, 384, 1, 128),
-                                       (9, 640, 130, 64)])
+                                       (9, 640, 130, 64), (1, 96, 33, 32), (1, 200, 70, None),
+                                       (1, 640, 130, 64)])
   def test_ragged_shapes_and_float_biases(self, request, m, k, n, g):
     rng = np.random.default_rng(seed_from(request.node.nodeid))
     w = qjax.quantize(rng.standard_normal((k, n)).astype(np.float32), group_size=g,

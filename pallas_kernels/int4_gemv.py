@@ -1,0 +1,267 @@
+"""INT4 matrix-vector product (M = 1) without tensor cores: dequantize and FMA in PTX.
+
+Contract: the same as :mod:`pallas_kernels.int4_matmul` (``y = x @ W``, per group ``g``
+``W[k, n] = (q - z[g, n]) * s[g, n]`` or ``q * s[g, n] + b[g, n]``; float32
+accumulation; output in x's dtype), for one row of x.
+
+Why a separate kernel. At M = 1 a tensor-core tile is 1/16 useful, and moving each
+dequantized weight into the tensor-core operand layout costs more than the multiply.
+Here every weight costs about two and a half instructions, all in registers:
+
+* Codes arrive in the kernel-native tile order (``qjax._src.packing``, tile_k = 128):
+  nibble ``j`` of word ``r`` of a K-tile is row ``16 j + r``. A thread holds whole words.
+* Four shifts per word put nibbles ``2i`` and ``2i + 1`` at mantissa bits 15 and 19;
+  an and/or (one LOP3) per nibble then builds ``v = 1 + q / 256`` or ``v = 1 + q / 16``,
+  exactly, as a float32; one FFMA per nibble accumulates ``x * v`` into an even and an
+  odd sum. The multiply stays exact enough (``x * q`` keeps at least 16 bits) and the
+  constant part is removed once per word:
+  ``sum_j x_j q_j = 256 (p_even - x_even) + 16 (p_odd - x_odd)``.
+* The per-word tail ``(256 p_even + 16 p_odd - c) * s + acc`` (``c`` folds the constant
+  parts and the zero point) is part of the same inline PTX, so the compiler cannot split
+  the fused multiply-adds (Triton through XLA emits ``mul.rn`` / ``add.rn`` for ``a * b + c``).
+* Loads run ``num_stages`` loop steps ahead, carried in registers (Triton does not
+  software-pipeline loads that feed no dot). Split-K gives enough programs to fill the GPU.
+
+Interpret mode (CPU tests) evaluates the same formulas with JAX ops.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from qjax import Int4Weight
+from qjax import KernelConfig
+from qjax._src import packing
+from pallas_kernels import common
+
+_f32 = jnp.float32
+_TILE_K = packing.NATIVE_TILE_K
+_SLAB = _TILE_K // 8  # rows per nibble plane of a K-tile
+# Word shifts that put nibbles 2i and 2i + 1 at mantissa bits 15 and 19.
+_SHIFTS = {0: ("shl.b32", 15), 1: ("shl.b32", 7), 2: ("shr.u32", 1), 3: ("shr.u32", 9)}
+_MASKS = (0x00078000, 0x00780000)  # bits 15..18 (even nibbles), 19..22 (odd nibbles)
+_ONE = 0x3F800000  # 1.0f
+_WEIGHT = (256.0, 16.0)  # 1 / (value of the nibble's lowest bit), even / odd
+
+
+def supports(m: int, k: int, group_size: int) -> bool:
+  """Whether the GEMV kernel takes this shape (groups must not straddle K-tiles unevenly)."""
+  if m != 1:
+    return False
+  if group_size >= k:
+    return True
+  return group_size % _SLAB == 0 and (_TILE_K % group_size == 0 or group_size % _TILE_K == 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _chunk_ptx(planes: tuple[int, ...]) -> str:
+  """PTX: ``$0 = (256 p_even + 16 p_odd - c) * s + acc`` for one word ``$1``.
+
+  Operands: ``$2 ..`` the x values of ``planes``, then ``c``, ``s``, ``acc``.
+  """
+  lines = ["{", ".reg .b32 a0, a1, a2, a3, t;", ".reg .f32 pe, po;"]
+  for i in sorted({j // 2 for j in planes}):
+    op, amount = _SHIFTS[i]
+    lines.append(f"{op} a{i}, $1, {amount};")
+  started = set()
+  for idx, j in enumerate(planes):
+    acc = ("pe", "po")[j % 2]
+    lines.append(f"and.b32 t, a{j // 2}, {_MASKS[j % 2]:#010x};")
+    lines.append(f"or.b32 t, t, {_ONE:#010x};")
+    if acc in started:
+      lines.append(f"fma.rn.f32 {acc}, ${2 + idx}, t, {acc};")
+    else:
+      lines.append(f"mul.rn.f32 {acc}, ${2 + idx}, t;")
+      started.add(acc)
+  c, s, a = (f"${2 + len(planes) + i}" for i in range(3))
+  if "pe" in started:
+    lines.append("mul.rn.f32 pe, pe, 0f43800000;")  # 256
+    if "po" in started:
+      lines.append("fma.rn.f32 pe, po, 0f41800000, pe;")  # + 16 po
+  else:
+    lines.append("mul.rn.f32 pe, po, 0f41800000;")
+  lines += [f"sub.rn.f32 pe, pe, {c};", f"fma.rn.f32 $0, pe, {s}, {a};", "}"]
+  return "\n".join(lines)
+
+
+def _chunk_reference(words, xs, planes, c, s, acc):
+  """The PTX chunk's math in JAX ops (interpret mode); same values up to FMA rounding."""
+  total = None
+  for x, j in zip(xs, planes):
+    op, amount = _SHIFTS[j // 2]
+    a = (words << amount) if op.startswith("shl") else (words >> amount)
+    v = lax.bitcast_convert_type((a & jnp.uint32(_MASKS[j % 2])) | jnp.uint32(_ONE), _f32)
+    term = x * v * _WEIGHT[j % 2]
+    total = term if total is None else total + term
+  return (total - c) * s + acc
+
+
+def _chunk(words, xs, planes, c, s, acc, interpret):
+  """``acc + (sum_j x_j * (16^(j%2) ...) - c) * s`` for the planes of one group chunk.
+
+  Shapes: words ``[16, bn]`` uint32; xs ``[16, 1]`` float32 each; c ``[16, 1]`` or
+  ``[16, bn]``; s ``[1, bn]``; acc ``[16, bn]`` float32.
+  """
+  if interpret:
+    return _chunk_reference(words, xs, planes, c, s, acc)
+  shape = words.shape
+  args = ([words] + [jnp.broadcast_to(x, shape) for x in xs]
+          + [jnp.broadcast_to(c, shape), jnp.broadcast_to(s, shape), acc])
+  constraints = "=f,r," + ",".join(["f"] * (len(xs) + 3))
+  [out] = plgpu.elementwise_inline_asm(
+      _chunk_ptx(tuple(planes)), args=args, constraints=constraints, pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(shape, _f32)])
+  return out
+
+
+def _gemv_kernel(xt_ref, w_ref, s_ref, z_ref, b_ref, o_ref, *, k, group_size, block_n,
+                 tiles_per_step, steps, split_k, depth, interpret):
+  """One ``[1, block_n]`` output slice over ``steps * tiles_per_step`` K-tiles.
+
+  Refs: xt ``[K, 1]``; w ``[Kp // 8, N]`` uint32 (tile order 128); s / z / b
+  ``[num_groups, N]`` (z, b may be None); o ``[1, N]`` or ``[split_k, 1, N]`` float32.
+  """
+  pid_n, pid_k = pl.program_id(0), pl.program_id(2)
+  n = w_ref.shape[1]
+  num_groups = s_ref.shape[0]
+  n0 = pid_n * block_n
+  n_mask = (n0 + jnp.arange(block_n)) < n
+  n_ragged, k_ragged = n % block_n != 0, k % _TILE_K != 0
+  planes_per_group = 8 if group_size >= k else min(8, group_size // _SLAB)
+  chunks = [tuple(range(c, c + planes_per_group)) for c in range(0, 8, planes_per_group)]
+
+  def group_row(ref, g):
+    mask = (n_mask[None, :] & (g < num_groups)) if (n_ragged or k_ragged) else None
+    return common.load(ref.at[pl.ds(g, 1), pl.ds(n0, block_n)], mask).astype(_f32)
+
+  def fetch(i):
+    """Words, x planes and group rows of loop step ``i`` (clamped: the prefetch past the
+    last step re-reads it)."""
+    i = jnp.minimum(i, steps - 1)
+    data = []
+    for u in range(tiles_per_step):
+      t = (pid_k * steps + i) * tiles_per_step + u
+      words = common.load(w_ref.at[pl.ds(t * _SLAB, _SLAB), pl.ds(n0, block_n)],
+                          n_mask[None, :] if n_ragged else None)
+      xs = []
+      for j in range(8):
+        row = t * _TILE_K + j * _SLAB
+        mask = ((row + jnp.arange(_SLAB)) < k)[:, None] if k_ragged else None
+        xs.append(common.load(xt_ref.at[pl.ds(row, _SLAB), pl.ds(0, 1)], mask).astype(_f32))
+      rows = []
+      for planes in chunks:
+        g = (t * _TILE_K + planes[0] * _SLAB) // group_size
+        rows.append(tuple(group_row(r, g) if r is not None else None
+                          for r in (s_ref, z_ref, b_ref)))
+      data.append((words, tuple(xs), tuple(rows)))
+    return tuple(data)
+
+  def compute(data, acc):
+    for words, xs, rows in data:
+      for planes, (s, z, b) in zip(chunks, rows):
+        px = [xs[j] for j in planes]
+        xsum = functools.reduce(lambda a, v: a + v, px)
+        c = functools.reduce(lambda a, v: a + v, [x * _WEIGHT[j % 2] for x, j in zip(px, planes)])
+        if b is None:
+          c = c + xsum * (8.0 if z is None else z)
+        acc = _chunk(words, px, planes, c, s, acc, interpret)
+        if b is not None:
+          acc = acc + xsum * b
+    return acc
+
+  acc = jnp.zeros((_SLAB, block_n), _f32)
+  if depth:
+    def step(i, carry):
+      ahead, acc = carry
+      return ahead[1:] + (fetch(i + depth),), compute(ahead[0], acc)
+    _, acc = lax.fori_loop(0, steps, step, (tuple(fetch(d) for d in range(depth)), acc))
+  else:
+    acc = lax.fori_loop(0, steps, lambda i, a: compute(fetch(i), a), acc)
+  out = jnp.sum(acc, axis=0, keepdims=True)  # [1, bn]
+  common.store_tile(o_ref, out, m0=0, n0=n0, block_m=1, block_n=block_n, pid_k=pid_k,
+                    split_k=split_k, mask=n_mask[None, :] if n_ragged else None)
+
+
+# Programs a launch aims for: about 7 per SM of an H100 (H100 sweep, 2026-11-23).
+_TARGET_PROGRAMS = 896
+
+
+def _divisor_near(count: int, target: float) -> int:
+  return min((d for d in range(1, count + 1) if count % d == 0), key=lambda d: abs(d - target))
+
+
+def heuristic_config(k: int, n: int) -> KernelConfig:
+  """64 columns and two K-tiles per step, loads one step ahead, 4 warps, split-K to about
+  ``_TARGET_PROGRAMS`` programs (the region the H100 sweep found best for all four
+  Llama shapes)."""
+  tiles = -(-k // _TILE_K)
+  tps = 2 if tiles % 2 == 0 else 1
+  cols = -(-n // 64)
+  split = _divisor_near(tiles // tps, _TARGET_PROGRAMS / cols)
+  return KernelConfig(block_m=1, block_n=64, block_k=_TILE_K * tps, split_k=split,
+                      num_warps=4, num_stages=1)
+
+
+def candidate_configs(k: int, n: int) -> list[KernelConfig]:
+  """The tuner's search space at M = 1."""
+  tiles = -(-k // _TILE_K)
+  out = []
+  for bn, tps, depth, warps in ((64, 2, 1, 4), (64, 2, 2, 4), (64, 4, 1, 4), (128, 2, 1, 8),
+                                (128, 2, 2, 8), (128, 1, 1, 8), (32, 2, 1, 4)):
+    if tiles % tps:
+      continue
+    cols = -(-n // bn)
+    for target in (448, 896, 1792):
+      split = _divisor_near(tiles // tps, target / cols)
+      cfg = KernelConfig(block_m=1, block_n=bn, block_k=_TILE_K * tps, split_k=split,
+                         num_warps=warps, num_stages=depth)
+      if cfg not in out:
+        out.append(cfg)
+  return out
+
+
+def int4_gemv(x: jax.Array, w: Int4Weight, *, config: KernelConfig | None = None,
+              interpret: bool = False, poison: bool = False) -> jax.Array:
+  """``x [1, K] @ w [K, N] -> [1, N]`` in x's dtype.
+
+  Args:
+    config: ``block_n`` columns per program, ``block_k`` (a multiple of 128) K rows per
+      loop step, ``split_k`` K splits, ``num_warps``, and ``num_stages``: how many loop
+      steps ahead the loads run (0: none). None: :func:`heuristic_config`.
+    poison: for tests: the output starts as NaN, so an unwritten element shows.
+  """
+  m, k = x.shape
+  n = w.shape[1]
+  if not supports(m, k, w.group_size) or w.codes.ndim != 2:
+    raise ValueError(f"int4_gemv takes M=1 and group sizes dividing or multiple of 128; got "
+                     f"x {x.shape}, group_size {w.group_size}, codes {w.codes.shape}")
+  if w.tile_k != _TILE_K:
+    w = w.repack(_TILE_K)
+  config = config or heuristic_config(k, n)
+  tiles = w.codes.shape[0] // _SLAB
+  tps = max(1, config.block_k // _TILE_K)
+  while tiles % tps:
+    tps //= 2
+  split = max(1, min(config.split_k, tiles // tps))
+  while (tiles // tps) % split:
+    split -= 1
+  steps = tiles // tps // split
+  config = KernelConfig(block_m=1, block_n=config.block_n, block_k=_TILE_K * tps,
+                        split_k=split, num_warps=config.num_warps,
+                        num_stages=max(1, config.num_stages))
+  kernel = functools.partial(
+      _gemv_kernel, k=k, group_size=w.group_size, block_n=config.block_n,
+      tiles_per_step=tps, steps=steps, split_k=split, depth=min(config.num_stages, steps),
+      interpret=interpret)
+  # Triton's own pipeliner does nothing for these loads; the prefetch depth is ours.
+  launch_config = KernelConfig(block_m=1, block_n=config.block_n, block_k=config.block_k,
+                               split_k=split, num_warps=config.num_warps, num_stages=1)
+  return common.launch(kernel, [x.reshape(k, 1), w.codes, w.scales, w.zeros, w.biases],
+                       m=1, n=n, dtype=x.dtype, config=launch_config, interpret=interpret,
+                       poison=poison, name="qjax_int4_gemv", grid_m=1)
