@@ -167,7 +167,7 @@ def _add_check(sub) -> None:
       "check", help="every format x implementation x shape against a float64 reference",
       description="The backend-consistency sweep: every weight format and layout (INT4 "
       "symmetric / asymmetric / float-bias at several group sizes, GGUF Q4_0 ... Q6_K as "
-      "loaded and in the kernel layout, GPTQ, AWQ, compressed-tensors, Marlin, MXFP4, "
+      "loaded and in the kernel layout and GGUF MXFP4, GPTQ, AWQ, compressed-tensors, Marlin, MXFP4, "
       "NVFP4, GPT-OSS MXFP4) on every implementation available here (xla, interpret; "
       "pallas on a GPU), over 56 (M, K, N) shapes (M 1 ... 4096, primes included; K and N "
       "on and off tile multiples), against float64 x @ dequantize(W). Prints the worst "
