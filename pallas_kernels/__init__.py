@@ -38,7 +38,8 @@ qjax.register_kernel(
                  auto_max_m=64))
 
 # GGUF: Q4_0 / Q4_1 run the INT4 kernel after their lossless to_int4; Q8_0 / Q4_K / Q5_K /
-# Q6_K run the plane kernel on GGUFTiledWeight. Block weights given as they are loaded are
+# Q6_K run the plane kernel on GGUFTiledWeight (MXFP4 reaches the FP4 kernel below through
+# the repack qjax registers: its lossless to_mxfp4). Block weights given as they are loaded are
 # converted per call (exact, but an extra pass over the weight): convert once at load with
 # qjax._src.gguf_tiled.kernel_layout, as `qjax generate` does.
 for _cls in (_gguf_formats.GGUFQ4_0, _gguf_formats.GGUFQ4_1):

@@ -24,6 +24,7 @@ from qjax._src.tuning import KernelConfig as KernelConfig
 # GGUF
 from qjax._src.gguf_formats import GGUFBlockWeight as GGUFBlockWeight
 from qjax._src.gguf_formats import GGUFDense as GGUFDense
+from qjax._src.gguf_formats import GGUFMXFP4 as GGUFMXFP4
 from qjax._src.gguf_formats import GGUFQ4_0 as GGUFQ4_0
 from qjax._src.gguf_formats import GGUFQ4_1 as GGUFQ4_1
 from qjax._src.gguf_formats import GGUFQ4_K as GGUFQ4_K

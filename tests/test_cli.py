@@ -38,6 +38,47 @@ def test_bench_on_cpu_is_labelled(tmp_path, capsys):
   assert all(r["times_us"]["xla"] > 0 and r["times_us"]["interpret"] > 0 for r in rows)
 
 
+def test_bench_codebook_formats_on_cpu(tmp_path, capsys):
+  from qjax._src import bench
+  path = tmp_path / "b.json"
+  assert cli.main(["bench", "--format", "codebook,codebook2", "--calls", "2", "--m", "1,16",
+                   "--shapes", "256x384", "--json", str(path)]) == 0
+  out = capsys.readouterr().out
+  assert "CPU run" in out and "codebook2" in out
+  rows = json.loads(path.read_text())["rows"]
+  assert [(r["fmt"], r["m"]) for r in rows] == [
+      ("codebook", 1), ("codebook", 16), ("codebook2", 1), ("codebook2", 16)]
+  assert all(r["times_us"]["xla"] > 0 and r["times_us"]["interpret"] > 0 for r in rows)
+  # The floor: packed codes [256 // 8, 384] uint32, bf16 norms [256 // 128, 384], the
+  # float32 codebook of 16 and the two [128, 128] float32 rotation matrices per pass, then
+  # x [M, 256] and y [M, 384] in bf16.
+  per_pass = 32 * 384 * 4 + 2 * 384 * 2 + 16 * 4 + 2 * 128 * 128 * 4
+  for r in rows:
+    passes = 2 if r["fmt"] == "codebook2" else 1
+    assert r["floor_bytes"] == passes * per_pass + r["m"] * (256 + 384) * 2, r
+
+
+def test_bench_codebook_weights_are_valid():
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import qjax
+  from qjax._src import bench
+  for fmt, passes in (("codebook", 1), ("codebook2", 2)):
+    w = bench.random_weight(fmt, 384, 136, jax.random.key(3))
+    assert isinstance(w, qjax.CodebookWeight) and w.passes == passes
+    assert (w.shape, w.group_size, w.rotation) == ((384, 136), 128, "hadamard")
+    assert w.codes.shape == (48, 136) and w.codes.dtype == jnp.uint32
+    assert w.norms.shape == (3, 136) and w.norms.dtype == jnp.bfloat16
+    wd = np.asarray(w.dequantize(), np.float64)
+    assert 0.5 / 64 < wd.std() < 2 / 64  # about the size of a trained layer's weights
+    x = jax.random.normal(jax.random.key(4), (5, 384), jnp.float32)
+    ref = np.asarray(x, np.float64) @ wd
+    for impl in ("xla", "interpret"):
+      y = np.asarray(qjax.matmul(x, w, implementation=impl), np.float64)
+      assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-4, (fmt, impl)
+
+
 def test_example_runs():
   root = pathlib.Path(__file__).resolve().parent.parent
   env = dict(os.environ, PYTHONPATH=str(root))

@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType as QT  # noqa: E402
 # (N, K): every N in {1, 3, 17} and every K in {256, 512, 768}, without the full product
 # (each shape is one compilation per type).
 SHAPES = [(1, 256), (3, 512), (17, 768), (17, 256), (1, 768)]
-QUANTIZABLE = {"Q4_0", "Q4_1", "Q8_0"}  # types gguf.quants can quantize
+QUANTIZABLE = {"Q4_0", "Q4_1", "Q8_0", "MXFP4"}  # types gguf.quants can quantize
 
 
 def _bits(a) -> np.ndarray:
@@ -61,7 +61,26 @@ def _raw_blocks(ggml_type: str, n: int, k: int, seed: int) -> np.ndarray:
       v = (rng.standard_normal((n, nb)) * rng.choice([1e-3, 0.05, 2.0, 300.0])).astype(np.float16)
       v.reshape(-1)[::7] = np.float16(0.0)
       raw[:, :, f.offset:f.offset + 2] = v.view(np.uint8).reshape(n, nb, 2)
+  if ggml_type == "MXFP4":  # E8M0 scales 2**-10 to 2**3 (every byte: test_mxfp4_*)
+    raw[:, :, 0] = rng.integers(117, 131, (n, nb), dtype=np.uint8)
   return raw.reshape(n, nb * cls.type_size)
+
+
+def _mxfp4_every_byte(n: int = 256, k: int = 512, seed: int = 0) -> np.ndarray:
+  """MXFP4 blocks ``[N, row_bytes]``: row ``r`` has scale byte ``r % 256`` (subnormal,
+  overflowing and 255 included), codes random, and each row's first block holds every
+  code twice."""
+  rng = np.random.default_rng(seed)
+  raw = rng.integers(0, 256, (n, k // 32, 17), dtype=np.uint8)
+  raw[:, :, 0] = (np.arange(n) % 256).astype(np.uint8)[:, None]
+  codes = np.arange(32, dtype=np.uint8) % 16
+  raw[:, 0, 1:] = codes[:16] | (codes[16:] << 4)
+  return raw.reshape(n, -1)
+
+
+def _gguf_mxfp4(raw: np.ndarray) -> np.ndarray:
+  with np.errstate(over="ignore"):  # bytes 254, 255 overflow float32 as gguf computes them
+    return gguf.quants.dequantize(raw, QT.MXFP4)
 
 
 _dequantize = jax.jit(lambda w: w.dequantize())
@@ -96,6 +115,47 @@ def test_block_dequantize_eager():
     raw = _raw_blocks(ggml_type, 2, 256, 5)
     w = gf.from_gguf_bytes(raw, ggml_type, (256, 2))
     _assert_bit_equal(w.dequantize().T, gguf.quants.dequantize(raw, QT[ggml_type]))
+
+
+def test_mxfp4_every_code_and_exponent():
+  raw = _mxfp4_every_byte()
+  ref = _gguf_mxfp4(raw)
+  assert np.isinf(ref).any() and ((ref != 0) & (np.abs(ref) < 2.0**-126)).any()
+  w = gf.from_gguf_bytes(raw, "MXFP4", (512, 256))
+  assert type(w) is gf.GGUFMXFP4 and w.e.shape == (256, 16) and w.qs.shape == (256, 16, 16)
+  _assert_bit_equal(_dequantize(w).T, ref)  # subnormals and infinities included
+  _assert_bit_equal(w.dequantize().T, ref)
+  np.testing.assert_array_equal(np.asarray(w.codes()[:, 0]), np.tile(np.arange(32) % 16,
+                                                                     (256, 1)))
+  # The same values as OCP: e2m1(q) * 2 ** (e - 127).
+  e = np.asarray(w.e, np.float64).repeat(32, axis=1)
+  e2m1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, 0, -.5, -1, -1.5, -2, -3, -4, -6])
+  ocp = e2m1[np.asarray(w.codes()).reshape(256, 512)] * 2.0 ** (e - 127)
+  finite = np.abs(ocp) < 2.0**128
+  np.testing.assert_array_equal(ref[finite], ocp[finite])
+
+
+@pytest.mark.parametrize("tile_k", [8, 128])
+def test_mxfp4_to_mxfp4_lossless(tile_k):
+  from qjax._src import fp4
+  raw = _mxfp4_every_byte(seed=tile_k)
+  ref = _gguf_mxfp4(raw).T  # [K, N]
+  w = gf.from_gguf_bytes(raw, "MXFP4", (512, 256))
+  q = jax.jit(lambda w: w.to_mxfp4(tile_k))(w)
+  assert isinstance(q, fp4.MXFP4Weight) and q.shape == (512, 256) and q.tile_k == tile_k
+  assert q.scales.dtype == jnp.uint8 and q.scales.shape == (16, 256)
+  got = np.asarray(jax.jit(lambda q: q.dequantize())(q))
+  # Byte 0 is a subnormal scale and byte 1 gives subnormal products, which XLA flushes to
+  # zero on the CPU.
+  _assert_bit_equal(got[:, 2:], ref[:, 2:])
+  np.testing.assert_array_equal(got[:, 0], 0.0)
+  np.testing.assert_array_equal(got[:, 1], np.where(np.abs(ref[:, 1]) < 2.0**-126, 0, ref[:, 1]))
+  # Codes and bytes are kept but for the two folds (-0 -> +0; e = 255 -> 254, doubled).
+  codes, want = np.asarray(q.unpacked_codes()), np.asarray(w.codes()).reshape(256, 512).T
+  keep = np.asarray(w.e != 255).repeat(32, axis=1).T & (want != 8)
+  np.testing.assert_array_equal(codes[keep], want[keep])
+  assert not (codes == 8).any()
+  np.testing.assert_array_equal(np.asarray(q.scales), np.minimum(np.asarray(w.e), 254).T)
 
 
 def test_block_field_layouts():
@@ -323,6 +383,7 @@ SYNTHETIC = {  # name -> (ggml type, N, K)
     "q4_0.weight": ("Q4_0", 3, 64), "q4_1.weight": ("Q4_1", 5, 96),
     "q8_0.weight": ("Q8_0", 2, 256), "q4_k.weight": ("Q4_K", 3, 512),
     "q5_k.weight": ("Q5_K", 1, 256), "q6_k.weight": ("Q6_K", 4, 768),
+    "mxfp4.weight": ("MXFP4", 3, 96),
 }
 
 
@@ -344,7 +405,7 @@ def test_synthetic_file_every_type(synthetic_path):
   from qjax._src import gguf_io
   f = gguf_io.load_gguf(synthetic_path, progress=True)
   reader = gguf.GGUFReader(synthetic_path)
-  assert len(f.tensors) == len(reader.tensors) == 10
+  assert len(f.tensors) == len(reader.tensors) == 11
   for t in reader.tensors:
     w = f.tensors[t.name]
     ref = gguf.quants.dequantize(t.data, t.tensor_type)
@@ -375,11 +436,39 @@ def test_synthetic_file_every_type(synthetic_path):
 def test_describe_gguf(synthetic_path):
   from qjax._src import gguf_io
   rows = {r[0]: r[1:] for r in gguf_io.describe_gguf(synthetic_path)}
-  assert len(rows) == 10
+  assert len(rows) == 11
   assert rows["q4_k.weight"] == ("Q4_K", (512, 3), 3 * 2 * 144)
+  assert rows["mxfp4.weight"] == ("MXFP4", (96, 3), 3 * 3 * 17)
   assert rows["q4_0.weight"] == ("Q4_0", (64, 3), 3 * 2 * 18)
   assert rows["bf16.weight"] == ("BF16", (8, 2), 32)
   assert rows["norm.weight"] == ("F32", (48,), 192)
+
+
+def test_mxfp4_file(tmp_path):
+  from qjax._src import gguf_header, gguf_io
+  rng = np.random.default_rng(11)
+  n, k = 40, 96
+  w = (rng.standard_normal((n, k)) * rng.uniform(1e-3, 10.0, (n, 1))).astype(np.float32)
+  quantized = gguf.quants.quantize(w, QT.MXFP4)  # llama.cpp's own MXFP4 quantizer
+  every = _mxfp4_every_byte(n=8, k=64)
+  path = tmp_path / "mxfp4.gguf"
+  _write_gguf(path, {"w": (quantized, "MXFP4"), "every": (every, "MXFP4")}, metadata=False)
+  gguf_header.check_gguf_file(path)
+  f = gguf_io.load_gguf(path, progress=False)
+  assert f.tensor_types == {"w": "MXFP4", "every": "MXFP4"}
+  assert type(f.tensors["w"]) is gf.GGUFMXFP4 and f.tensors["w"].shape == (k, n)
+  assert f.tensors["w"].nbytes == quantized.nbytes == n * k // 32 * 17
+  _assert_bit_equal(_dequantize(f.tensors["w"]).T, _gguf_mxfp4(quantized))
+  _assert_bit_equal(_dequantize(f.tensors["every"]).T, _gguf_mxfp4(every))
+  np.testing.assert_array_equal(f.tensors["every"].to_bytes(), every)
+  ref = np.asarray(jax.random.normal(jax.random.key(2), (3, k)), np.float64) @ (
+      _gguf_mxfp4(quantized).astype(np.float64).T)
+  x = jnp.asarray(np.asarray(jax.random.normal(jax.random.key(2), (3, k))), jnp.bfloat16)
+  for impl in ("xla", "interpret"):
+    y = dispatch.matmul(x, f.tensors["w"], implementation=impl)
+    err = np.linalg.norm(np.asarray(y, np.float64) - ref) / np.linalg.norm(ref)
+    assert err < 1e-2, (impl, err)
+  assert dispatch.implementation_name(f.tensors["w"], "interpret") == "pallas_triton-interpret"
 
 
 def test_unsupported_type(tmp_path):

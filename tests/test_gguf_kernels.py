@@ -22,7 +22,8 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 from test_gguf_formats import _assert_bit_equal, _raw_blocks  # noqa: E402
 
-ALL_TYPES = ("Q4_0", "Q4_1", *gguf_tiled.TYPES)
+ALL_TYPES = ("Q4_0", "Q4_1", "MXFP4", *gguf_tiled.TYPES)
+NOT_TILED = ("Q4_0", "Q4_1", "MXFP4")  # Int4Weight / MXFP4Weight, not GGUFTiledWeight
 # (K, N) per type: K a multiple of the block size, some not a multiple of 128 (Q8_0 and
 # the 32-blocks), N odd or not a multiple of the kernel's block_n.
 SHAPES = {32: [(96, 33), (576, 70), (256, 40)], 256: [(256, 40), (512, 130), (768, 17)]}
@@ -41,6 +42,8 @@ def _matmul_blocks(ggml_type: str, n: int, k: int, seed: int) -> np.ndarray:
       v = (rng.standard_normal((n, nb)) * 0.02 / np.sqrt(k)).astype(np.float16)
       v.reshape(-1)[::11] = np.float16(0.0)
       raw[:, :, f.offset:f.offset + 2] = v.view(np.uint8).reshape(n, nb, 2)
+  if ggml_type == "MXFP4":  # E8M0 scales 2**-12 to 2**-4 (at most 0.375 per weight)
+    raw[:, :, 0] = rng.integers(115, 124, (n, nb), dtype=np.uint8)
   return raw.reshape(n, nb * cls.type_size)
 
 
@@ -61,7 +64,7 @@ def _cases():
 
 
 @pytest.mark.parametrize("ggml_type,k,n", [c for c in _cases() if c.values[0] not in
-                                           ("Q4_0", "Q4_1")])
+                                           NOT_TILED])
 def test_tiled_layout_is_lossless(ggml_type, k, n):
   for seed in (1, 2):
     raw = _raw_blocks(ggml_type, n, k, seed_from(f"{ggml_type}{k}{n}{seed}"))
@@ -108,6 +111,8 @@ def test_tiled_rejects_wrong_fields():
     gguf_tiled.GGUFTiledWeight(**{**t.__dict__, "ggml_type": "Q2_K"})
   with pytest.raises(ValueError, match="Q4_0 and Q4_1 convert to Int4Weight"):
     gguf_tiled.GGUFTiledWeight.from_gguf(_weight("Q4_0", 64, 8, 3)[0])
+  with pytest.raises(ValueError, match=r"MXFP4 to MXFP4Weight \(to_mxfp4\)"):
+    gguf_tiled.GGUFTiledWeight.from_gguf(_weight("MXFP4", 64, 8, 3)[0])
 
 
 def test_kernel_layout_picks_per_type():
@@ -115,7 +120,8 @@ def test_kernel_layout_picks_per_type():
     k = gf.BLOCK_FORMATS[t].block_size
     w, wd = _weight(t, k, 4, 5)
     lw = gguf_tiled.kernel_layout(w)
-    want = qjax.Int4Weight if t in ("Q4_0", "Q4_1") else qjax.GGUFTiledWeight
+    want = {"Q4_0": qjax.Int4Weight, "Q4_1": qjax.Int4Weight,
+            "MXFP4": qjax.MXFP4Weight}.get(t, qjax.GGUFTiledWeight)
     assert isinstance(lw, want), (t, type(lw))
     np.testing.assert_array_equal(np.asarray(lw.dequantize(), np.float64), wd)
 
@@ -157,10 +163,12 @@ class TestGGUFXla(GGUFMatmulSuite):
 
 
 def _kernel(x, w, interpret):
-  from pallas_kernels import gguf_matmul  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import fp4_matmul, gguf_matmul  # pylint: disable=g-import-not-at-top
   lw = gguf_tiled.kernel_layout(w)
   if isinstance(lw, qjax.Int4Weight):
     fn = gguf_matmul.int4_via_layout
+  elif isinstance(lw, qjax.MXFP4Weight):  # converted per call, inside the jit
+    fn = lambda x, w, **kw: fp4_matmul.fp4_matmul(x, w.to_mxfp4(), **kw)  # noqa: E731
   else:
     fn, w = gguf_matmul.gguf_matmul, lw  # also exercises the per-call conversion below
   return jax.jit(lambda a, b: fn(a, b, interpret=interpret, poison=True))(x, w)
@@ -198,7 +206,7 @@ class TestGGUFPallasGpu(GGUFMatmulSuite):
   def run(self, x, w):
     return _kernel(x, w, interpret=False)
 
-  @pytest.mark.parametrize("ggml_type", gguf_tiled.TYPES)
+  @pytest.mark.parametrize("ggml_type", ("MXFP4", *gguf_tiled.TYPES))
   def test_large_and_auto(self, request, ggml_type):
     w, wd = _weight(ggml_type, 4096, 1000, 17)
     rng = np.random.default_rng(seed_from(request.node.nodeid))

@@ -3,7 +3,9 @@
 For each (M, K, N, format) the table gives the device time of every available
 implementation, the bandwidth floor (bytes of packed weights + scales + activations +
 output over the copy bandwidth measured on this device in the same run), the fraction of
-the floor reached and the speedup over bf16. ``--tune`` sweeps kernel configs and writes
+the floor reached and the speedup over bf16. Codebook formats (``codebook``: one pass,
+``codebook2``: two) also count the per-group rotation matrices that the activation
+rotation reads (:func:`floor_weight_bytes`). ``--tune`` sweeps kernel configs and writes
 the best per (format, M bucket, K, N) to the tuning table that the dispatcher reads.
 """
 
@@ -18,9 +20,12 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from qjax._src import codebook_tables
 from qjax._src import devtime
 from qjax._src import dispatch
+from qjax._src import rotation as rotation_lib
 from qjax._src import tuning
+from qjax._src.codebook import CodebookWeight
 from qjax._src.fp4 import MXFP4Weight
 from qjax._src.fp4 import NVFP4Weight
 from qjax._src.int4 import Int4Weight
@@ -29,7 +34,7 @@ GPU_M = (1, 16, 64, 256, 2048)
 GPU_SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672))
 CPU_M = (1, 16)
 CPU_SHAPES = ((512, 512), (1024, 768))
-BENCH_FORMATS = ("int4", "mxfp4", "nvfp4")
+BENCH_FORMATS = ("int4", "mxfp4", "nvfp4", "codebook", "codebook2")
 L2_BYTES = 50 * 2**20  # H100; rotation targets several times this
 
 
@@ -75,7 +80,34 @@ def random_weight(fmt: str, k: int, n: int, key: jax.Array) -> Any:
         jnp.float8_e4m3fn)
     return NVFP4Weight(codes=codes, scales=scales, global_scale=jnp.float32(1 / 2688),
                        shape=(k, n))
+  if fmt in ("codebook", "codebook2"):
+    # Group 128, Hadamard rotation of seed 0 (every rotated copy shares it, so one compile),
+    # Lloyd levels; norms put the weights at about 1/64, pass 2 at a tenth of that.
+    group = 128
+    keys = jax.random.split(key, 4)
+    codes = [jax.random.bits(kc, (-(-k // 128) * 16, n), jnp.uint32) for kc in keys[:2]]
+    norms = [(jax.random.uniform(kn, (k // group, n), jnp.float32, 0.5, 1.5) * scale
+              * math.sqrt(group) / 64).astype(jnp.bfloat16)
+             for kn, scale in zip(keys[2:], (1.0, 0.1))]
+    table = jnp.asarray(codebook_tables.table("lloyd"))
+    second = dict(codes2=codes[1], norms2=norms[1], codebook2=table) if fmt == "codebook2" \
+        else {}
+    return CodebookWeight(codes=codes[0], norms=norms[0], codebook=table, **second,
+                          shape=(k, n), group_size=group, rotation="hadamard", seed=0)
   raise ValueError(f"unknown bench format {fmt!r}; known: {', '.join(BENCH_FORMATS)}")
+
+
+def floor_weight_bytes(w: Any) -> int:
+  """Bytes of the weight that a matmul must read: its arrays (``w.nbytes``) and, for a
+  :class:`CodebookWeight`, the ``[K // d, d, d]`` float32 rotation matrices of each pass,
+  which ``rotate_activations`` reads (they are rebuilt from the seed, not stored)."""
+  nbytes = w.nbytes
+  if isinstance(w, CodebookWeight):
+    k = w.shape[0]
+    for seed in range(w.seed, w.seed + w.passes):
+      nbytes += rotation_lib.matrices(w.rotation, w.group_size, k // w.group_size,
+                                      seed).nbytes
+  return nbytes
 
 
 def measure_copy_bandwidth(nbytes: int = 2**30) -> float:
@@ -116,18 +148,19 @@ def bench_shape(m: int, k: int, n: int, fmt: str, *, bandwidth: float, impls: Se
   fb = jax.jit(lambda x_, w_: jnp.dot(x_, w_, preferred_element_type=jnp.float32).astype(
       x_.dtype))
   bf16 = devtime.device_time(fb, [(x, w) for w in wbs], calls=calls).us
-  floor_bytes = w0.nbytes + x.nbytes + m * n * 2
+  floor_bytes = floor_weight_bytes(w0) + x.nbytes + m * n * 2
   return Row(m=m, k=k, n=n, fmt=fmt, times_us=times, bf16_us=bf16,
              floor_us=floor_bytes / bandwidth * 1e6, floor_bytes=floor_bytes, source=source)
 
 
 def format_table(rows: Sequence[Row], impls: Sequence[str]) -> str:
-  head = f"{'fmt':>5} {'M':>5} {'K':>6} {'N':>6} |" + "".join(f" {i:>10}" for i in impls)
+  fw = max([5] + [len(r.fmt) for r in rows])  # "codebook2" is wider than "int4"
+  head = f"{'fmt':>{fw}} {'M':>5} {'K':>6} {'N':>6} |" + "".join(f" {i:>10}" for i in impls)
   head += f" {'bf16':>9} {'floor':>8} |" + "".join(f" {i[:6] + '%fl':>9}" for i in impls)
   head += "".join(f" {i[:6] + ' xbf':>10}" for i in impls)
   lines = [head, "-" * len(head)]
   for r in rows:
-    s = f"{r.fmt:>5} {r.m:>5} {r.k:>6} {r.n:>6} |"
+    s = f"{r.fmt:>{fw}} {r.m:>5} {r.k:>6} {r.n:>6} |"
     s += "".join(f" {r.times_us.get(i, float('nan')):>10.1f}" for i in impls)
     s += f" {r.bf16_us:>9.1f} {r.floor_us:>8.1f} |"
     s += "".join(f" {100 * r.fraction_of_floor(i):>8.0f}%" for i in impls)

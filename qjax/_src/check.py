@@ -97,6 +97,9 @@ def gguf_blocks(rng, ggml_type: str, k: int, n: int) -> np.ndarray:
     if f.dtype == np.float16:
       v = (rng.standard_normal((n, nb)) * 0.02 / np.sqrt(k)).astype(np.float16)
       raw[:, :, f.offset:f.offset + 2] = v.view(np.uint8).reshape(n, nb, 2)
+  if ggml_type == "MXFP4":  # E8M0 block scales around 1 / sqrt(K), as _fp4's
+    exponent = int(np.floor(np.log2(1 / (4 * np.sqrt(k))))) + 127
+    raw[:, :, 0] = rng.integers(exponent - 2, exponent + 2, (n, nb), dtype=np.uint8)
   return raw.reshape(n, nb * cls.type_size)
 
 
@@ -155,6 +158,7 @@ def format_cases() -> list[FormatCase]:
     cases.append(FormatCase(f"gguf-{t}", _gguf(t, tiled=False), block))
     if t not in ("Q4_0", "Q4_1"):
       cases.append(FormatCase(f"gguf_tiled-{t}", _gguf(t, tiled=True), block))
+  cases.append(FormatCase("gguf-MXFP4", _gguf("MXFP4", tiled=False), 32))
   cases += [
       FormatCase("gptq-v2-g128", _layout(lambda r, w: qjax.GPTQWeight.from_int4(w)), 128, 8),
       FormatCase("gptq-v1-actorder-g32", _layout(_gptq_act_order, 32, "sym"), 32, 8),

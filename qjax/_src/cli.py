@@ -70,7 +70,8 @@ def _add_bench(sub) -> None:
   p.add_argument("--shapes", help="comma-separated KxN, e.g. 4096x4096,4096x14336 "
                  "(default GPU: the four Llama shapes; CPU: 512x512,1024x768)")
   p.add_argument("--format", default="int4", help="comma-separated formats: int4 (group "
-                 "128, symmetric; the default), mxfp4, nvfp4")
+                 "128, symmetric; the default), mxfp4, nvfp4, codebook (group 128, Hadamard; "
+                 "the floor adds its rotation matrices), codebook2 (two passes)")
   p.add_argument("--impl", help="comma-separated implementations to time (default GPU: "
                  "pallas,xla; CPU: xla,interpret)")
   p.add_argument("--calls", type=int, default=40, help="timed calls per measurement")
@@ -167,7 +168,7 @@ def _add_check(sub) -> None:
       "check", help="every format x implementation x shape against a float64 reference",
       description="The backend-consistency sweep: every weight format and layout (INT4 "
       "symmetric / asymmetric / float-bias at several group sizes, GGUF Q4_0 ... Q6_K as "
-      "loaded and in the kernel layout, GPTQ, AWQ, compressed-tensors, Marlin, MXFP4, "
+      "loaded and in the kernel layout and GGUF MXFP4, GPTQ, AWQ, compressed-tensors, Marlin, MXFP4, "
       "NVFP4, GPT-OSS MXFP4) on every implementation available here (xla, interpret; "
       "pallas on a GPU), over 56 (M, K, N) shapes (M 1 ... 4096, primes included; K and N "
       "on and off tile multiples), against float64 x @ dequantize(W). Prints the worst "

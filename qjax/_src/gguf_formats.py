@@ -10,6 +10,8 @@ equal bit for bit to ``gguf.quants.dequantize(raw, qtype).T``.
 Bit-exactness does not depend on how XLA fuses the arithmetic: in every block type the
 products (an f16 scale times small integers) are exact in float32, so at most one
 rounding happens per value whether or not a multiply-add is contracted into an FMA.
+MXFP4 values are assembled from their float32 bits (no arithmetic), which also keeps the
+subnormals that XLA's CPU multiply would flush to zero.
 
 This module needs numpy and jax only; reading files (and the ``gguf`` package) lives in
 :mod:`qjax._src.gguf_io`.
@@ -27,6 +29,7 @@ import numpy as np
 
 from qjax._src import dispatch
 from qjax._src import formats
+from qjax._src import fp4
 from qjax._src import int4
 from qjax._src import packing
 
@@ -441,6 +444,89 @@ class GGUFQ6_K(GGUFBlockWeight):
     return (dd * q).reshape(*lead, QK_K)
 
 
+def _mxfp4_bits(e: jax.Array, codes: jax.Array) -> jax.Array:
+  """float32 bits of ``kvalue[code] * 2 ** (e - 128)``, built from integers.
+
+  ``e``: ``[..., 1]`` uint8; ``codes``: ``[..., B]`` uint8 in ``[0, 15]``. A doubled E2M1
+  magnitude ``kvalue`` (``0, 1, 2, 3, 4, 6, 8, 12`` by the low three code bits) is ``f *
+  2 ** p`` with ``p = i >> 1`` and ``f = 1.5`` for ``i`` in ``{3, 5, 7}``, else 1, so
+  the value is ``f * 2 ** E`` with ``E = p + e - 128`` in ``[-128, 130]``: a normal float
+  for ``-126 <= E <= 127``, a subnormal below (``(2 or 3) << (E + 148)`` ulps), infinity
+  above. gguf multiplies in float32 and rounds nothing (every product is exact or
+  overflows), so these are its bits; XLA, which flushes subnormal products to zero on the
+  CPU, never multiplies here.
+  """
+  i = (codes & 7).astype(jnp.int32)
+  big = ((i & 1) == 1) & (i > 1)                              # f = 1.5
+  exp = (i >> 1) + e.astype(jnp.int32) - 128                  # E
+  normal = ((jnp.clip(exp, -126, 127) + 127) << 23) | (big.astype(jnp.int32) << 22)
+  sub = (2 + big.astype(jnp.int32)) << jnp.clip(exp + 148, 0, 31)
+  mag = jnp.where(exp > 127, 0x7F800000, jnp.where(exp < -126, sub, normal))
+  mag = jnp.where(i == 0, 0, mag).astype(jnp.uint32)
+  sign = jnp.where((i != 0) & ((codes & 8) != 0), jnp.uint32(0x80000000), jnp.uint32(0))
+  return jax.lax.bitcast_convert_type(mag | sign, jnp.float32)
+
+
+@formats.register_format
+@dataclasses.dataclass(frozen=True)
+class GGUFMXFP4(GGUFBlockWeight):
+  """GGUF MXFP4 of logical shape ``[K, N]``: blocks of 32 E2M1 codes, one E8M0 byte.
+
+  gguf (``gguf.quants.MXFP4``, ggml's ``block_mxfp4``) decodes a code with the doubled
+  E2M1 table ``kvalues = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, ..., -12)`` times the half scale
+  ``2 ** (e - 128)`` (``ggml_e8m0_to_fp32_half``). The factors of 2 cancel:
+  ``w = e2m1(q) * 2 ** (e - 127)``, OCP MXFP4's decoding of the same code and byte,
+  except that gguf gives ``-0`` (code 8) as ``+0`` and ``e = 255`` as ``2 ** 127`` (OCP:
+  NaN). :meth:`to_mxfp4` keeps the codes and bytes and folds those two cases exactly.
+
+  Attributes:
+    e: ``[N, K // 32]`` uint8 E8M0 biased exponents.
+    qs: ``[N, K // 32, 16]`` uint8; byte ``j`` holds code ``j`` (low nibble) and code
+      ``j + 16`` (high nibble) of the block, as Q4_0.
+    shape: the logical ``(K, N)``.
+  """
+
+  format_name = "gguf_mxfp4"
+  ggml_type = "MXFP4"
+  block_size = fp4.MXFP4_BLOCK
+  type_size = 17
+  block_fields = (_Field("e", 0, 1, np.uint8, ()), _Field("qs", 1, 16, np.uint8, (16,)))
+
+  e: jax.Array
+  qs: jax.Array
+  shape: tuple[int, int] = formats.static_field()
+
+  def codes(self) -> jax.Array:
+    """``[N, K // 32, 32]`` uint8 E2M1 codes in ``[0, 15]`` (storage order)."""
+    return GGUFQ4_0._codes(self.qs)
+
+  @staticmethod
+  def _rows_f32(e, qs):
+    return _mxfp4_bits(e[..., None], GGUFQ4_0._codes(qs))
+
+  def to_mxfp4(self, tile_k: int = packing.NATIVE_TILE_K) -> fp4.MXFP4Weight:
+    """The same values as :class:`~qjax._src.fp4.MXFP4Weight` (jittable).
+
+    Codes and scale bytes are kept, except: code 8 (gguf decodes it as ``+0``) becomes
+    code 0, and a block with ``e = 255`` (``2 ** 127`` in gguf, NaN in OCP; llama.cpp's
+    quantizer writes at most 252) becomes ``e = 254`` with doubled values: gguf's
+    ``+-1 * 2 ** 127`` is ``e2m1(+-1.0) * 2 ** 127`` and its larger values overflow to
+    ``+-inf`` as ``e2m1(+-2.0) * 2 ** 127`` does. ``to_mxfp4().dequantize()`` then
+    equals :meth:`dequantize` bit for bit for every scale byte from 2 up (bytes 0 and 1
+    give a subnormal scale or subnormal products, which XLA flushes to zero on the CPU).
+    """
+    k, n = self.shape
+    codes = self.codes()                                     # [N, nb, 32]
+    top = (self.e == 255)[..., None]
+    i = codes & jnp.uint8(7)
+    doubled = jnp.where(i == 0, 0, jnp.where(i == 1, 2, 4)).astype(jnp.uint8)
+    codes = jnp.where(top, doubled | (codes & jnp.uint8(8)), codes)
+    codes = jnp.where(codes == 8, jnp.uint8(0), codes)
+    scales = jnp.where(self.e == 255, jnp.uint8(254), self.e)
+    return fp4.MXFP4Weight(codes=packing.pack_codes(codes.reshape(n, k).T, tile_k),
+                           scales=scales.T, shape=(k, n), tile_k=tile_k)
+
+
 _DENSE_TYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
 
 
@@ -514,7 +600,8 @@ class GGUFDense(formats.QuantizedWeight):
 
 
 BLOCK_FORMATS: dict[str, type[GGUFBlockWeight]] = {
-    cls.ggml_type: cls for cls in (GGUFQ4_0, GGUFQ4_1, GGUFQ8_0, GGUFQ4_K, GGUFQ5_K, GGUFQ6_K)}
+    cls.ggml_type: cls
+    for cls in (GGUFQ4_0, GGUFQ4_1, GGUFQ8_0, GGUFQ4_K, GGUFQ5_K, GGUFQ6_K, GGUFMXFP4)}
 """GGUF type name -> block format class."""
 
 DENSE_TYPES = tuple(_DENSE_TYPES)
@@ -567,3 +654,6 @@ def matmul_xla(x: jax.Array, w: Any) -> jax.Array:
 for _cls in (*BLOCK_FORMATS.values(), GGUFDense):
   dispatch.register_xla(_cls, matmul_xla)
 del _cls
+# MXFP4 runs the FP4 kernels after its lossless to_mxfp4 (per call; convert once at load
+# with gguf_tiled.kernel_layout where speed matters).
+dispatch.register_repack(GGUFMXFP4, fp4.MXFP4Weight, lambda x, w: (x, w.to_mxfp4()))

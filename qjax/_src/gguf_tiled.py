@@ -193,7 +193,8 @@ class GGUFTiledWeight(formats.QuantizedWeight):
     t = w.ggml_type
     if t not in _SPECS:
       raise ValueError(f"GGUFTiledWeight.from_gguf: {type(w).__name__} ({t}) is not one of "
-                       f"{list(_SPECS)}; Q4_0 and Q4_1 convert to Int4Weight (to_int4)")
+                       f"{list(_SPECS)}; Q4_0 and Q4_1 convert to Int4Weight (to_int4), MXFP4 to "
+                       "MXFP4Weight (to_mxfp4)")
     k, n = w.shape
     kp = packing.padded_rows(k, TILE_K)
     d = w.d.T if t == "Q8_0" else _columns(w.d)
@@ -266,10 +267,13 @@ class GGUFTiledWeight(formats.QuantizedWeight):
 
 
 def kernel_layout(w: Any) -> Any:
-  """The layout a GGUF weight's kernel reads: Int4Weight for Q4_0 / Q4_1, the tiled
-  layout for Q8_0 / Q4_K / Q5_K / Q6_K, anything else unchanged. Lossless, jittable."""
+  """The layout a GGUF weight's kernel reads: Int4Weight for Q4_0 / Q4_1, MXFP4Weight
+  for MXFP4, the tiled layout for Q8_0 / Q4_K / Q5_K / Q6_K, anything else unchanged.
+  Lossless, jittable."""
   if isinstance(w, (gf.GGUFQ4_0, gf.GGUFQ4_1)):
     return w.to_int4()
+  if isinstance(w, gf.GGUFMXFP4):
+    return w.to_mxfp4()
   if isinstance(w, gf.GGUFBlockWeight) and w.ggml_type in _SPECS:
     return GGUFTiledWeight.from_gguf(w)
   return w
