@@ -63,7 +63,7 @@ def place(a: Any, sharding: NamedSharding) -> jax.Array:
   ``jax.make_array_from_callback``: each device receives only its slice, read from the
   host array (or lazy view) by index, and no device ever holds the whole array."""
   if _is_host_source(a):
-    dtype = np.dtype(a.dtype)
+    dtype = np.dtype(jax.dtypes.canonicalize_dtype(a.dtype))  # float64 -> float32 without x64
     return jax.make_array_from_callback(
         tuple(a.shape), sharding, lambda idx: np.asarray(a[idx], dtype), dtype=dtype)
   return jax.device_put(a, sharding)
@@ -196,6 +196,36 @@ class ShardedWeight:
     """The global weight's parts, not built (no shape checks)."""
     return rules.Parts(self.format_cls, dict(self.static), dict(self.arrays))
 
+  def map_local(self, fn: Any, mesh: jax.sharding.Mesh) -> "ShardedWeight":
+    """``fn`` applied to each device's local weight inside shard_map, with no
+    communication: e.g. a lossless layout conversion per shard (``lambda w:
+    qjax.GGUFTiledWeight.from_gguf(w)``, ``lambda w: w.to_int4()``).
+
+    ``fn`` must give a weight whose shards form a valid split of the same mode (for a
+    row split, whole tiles of the new layout per device); the result says otherwise.
+    """
+    n = self.num_shards
+    local_abstract = self.format_cls(
+        **{f: None if a is None else _shard_struct(a, self.parts(), f, self.mode, n)
+           for f, a in self.arrays.items()},
+        **rules.local_static(dict(self.static), self.mode, n))
+    out = jax.eval_shape(fn, local_abstract)
+    p = rules.parts_of(out)
+    whole = rules.Parts(p.cls, rules.global_static(p.static, self.mode, n),
+                        {f: None if a is None else _whole_struct(a, p, f, self.mode, n)
+                         for f, a in p.arrays.items()})
+    rules.check_split(whole, self.mode, n)
+    specs = rules.field_specs(whole, self.mode, self.axis)
+
+    def body(sw):
+      return rules.parts_of(fn(sw.local())).arrays
+
+    arrays = shard_map(body, mesh, in_specs=(self.partition_specs(),), out_specs=specs)(self)
+    return ShardedWeight(arrays=arrays, format_cls=p.cls,
+                         static=tuple(sorted(whole.static.items())), mode=self.mode,
+                         axis=self.axis, num_shards=n,
+                         split_sizes=rules.split_sizes(whole, self.mode))
+
   # -- products -----------------------------------------------------------------------
 
   def matmul(self, x: jax.Array, *, implementation: str | None = None) -> jax.Array:
@@ -232,6 +262,23 @@ class ShardedWeight:
     if self.mode == "row":
       y = jax.lax.psum(y.astype(jnp.float32), self.axis).astype(x.dtype)
     return y
+
+
+def _resized(a: Any, p: rules.Parts, field: str, mode: str, scale) -> jax.ShapeDtypeStruct:
+  fa = rules.rule_of(p).axes(field)
+  shape = list(a.shape)
+  ax = rules.split_axis(fa, len(shape), mode)
+  if ax is not None:
+    shape[ax] = scale(shape[ax])
+  return jax.ShapeDtypeStruct(tuple(shape), a.dtype)
+
+
+def _shard_struct(a, p, field, mode, n):
+  return _resized(a, p, field, mode, lambda d: d // n)
+
+
+def _whole_struct(a, p, field, mode, n):
+  return _resized(a, p, field, mode, lambda d: d * n)
 
 
 jax.tree_util.register_dataclass(

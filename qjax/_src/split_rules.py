@@ -237,9 +237,10 @@ def check_split(w: Any, mode: str, n: int) -> None:
     raise ValueError(f"{mode=} must be one of {MODES}")
   if n < 1:
     raise ValueError(f"the mesh axis has {n} devices")
-  name = type(w).__name__
-  rule = rule_of(w)
-  k, nn = w.shape
+  p = parts_of(w)
+  name = p.cls.__name__
+  rule = rule_of(p)
+  k, nn = p.static["shape"]
   if mode == "column":
     if nn % n:
       raise ValueError(
@@ -247,7 +248,7 @@ def check_split(w: Any, mode: str, n: int) -> None:
           f"{_valid_counts_text(nn, n)}")
     return
   if mode == "expert":
-    e = num_experts(w)
+    e = num_experts(p)
     if e % n:
       raise ValueError(f"expert-parallel {name}: E={e} experts do not split evenly over "
                        f"{n} devices; {_valid_counts_text(e, n)}")
@@ -335,5 +336,16 @@ def local_static(static: dict[str, Any], mode: str, n: int) -> dict[str, Any]:
     out["shape"] = (k, nn // n)
   elif mode == "row":
     out["shape"] = (k // n, nn)
+  return out
+
+
+def global_static(static: dict[str, Any], mode: str, n: int) -> dict[str, Any]:
+  """Inverse of :func:`local_static`: the static fields of the whole from one shard's."""
+  k, nn = static["shape"]
+  out = dict(static)
+  if mode == "column":
+    out["shape"] = (k, nn * n)
+  elif mode == "row":
+    out["shape"] = (k * n, nn)
   return out
 
