@@ -20,6 +20,7 @@ the per-device weight (local logical shape) on demand.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -220,7 +221,8 @@ class ShardedWeight:
     def body(sw):
       return rules.parts_of(fn(sw.local())).arrays
 
-    arrays = shard_map(body, mesh, in_specs=(self.partition_specs(),), out_specs=specs)(self)
+    arrays = jax.jit(shard_map(body, mesh, in_specs=(self.partition_specs(),),
+                               out_specs=specs))(self)
     return ShardedWeight(arrays=arrays, format_cls=p.cls,
                          static=tuple(sorted(whole.static.items())), mode=self.mode,
                          axis=self.axis, num_shards=n,
@@ -315,12 +317,17 @@ def sharded_matmul(x: jax.Array, w: Any, mesh: jax.sharding.Mesh, axis: Any,
   (2, 64)
   """
   sw = w if isinstance(w, ShardedWeight) else ShardedWeight.of(w, mesh, axis, mode)
+  if sw.mode == "expert":
+    raise ValueError("expert-parallel weights multiply through qjax.sharded_moe_matmul")
+  return _sharded_matmul(x, sw, mesh=mesh, implementation=implementation)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "implementation"))
+def _sharded_matmul(x, sw, *, mesh, implementation):
   if sw.mode == "column":
     x_spec, y_spec = P(), _lead_spec(x.ndim, sw.axis)
-  elif sw.mode == "row":
-    x_spec, y_spec = _lead_spec(x.ndim, sw.axis), P()
   else:
-    raise ValueError("expert-parallel weights multiply through qjax.sharded_moe_matmul")
+    x_spec, y_spec = _lead_spec(x.ndim, sw.axis), P()
   fn = shard_map(lambda x_, w_: w_.matmul(x_, implementation=implementation), mesh,
                  in_specs=(x_spec, sw.partition_specs()), out_specs=y_spec)
   return fn(place(x, NamedSharding(mesh, x_spec)), sw)
@@ -336,12 +343,19 @@ def sharded_moe_matmul(x: jax.Array, w: Any, expert_ids: jax.Array,
     w: an :class:`qjax.MXFP4Weight` of E experts (codes ``[E, Kp // 8, N]``) or a
       :class:`ShardedWeight` of one.
     expert_ids: ``[T, top_k]`` integers in ``[0, E)`` (replicated).
-    mode: "expert" (E // n whole experts per device), "column" or "row".
+    mode: "expert" (E // n whole experts per device), "column" or "row" (ignored when
+      ``w`` is a ShardedWeight).
+    implementation: passed to each device's :func:`qjax.moe_matmul`.
 
   Returns:
     ``[T, top_k, N]`` in x's dtype (column-wise split along N; otherwise replicated).
   """
   sw = w if isinstance(w, ShardedWeight) else ShardedWeight.of(w, mesh, axis, mode)
+  return _sharded_moe_matmul(x, sw, expert_ids, mesh=mesh, implementation=implementation)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "implementation"))
+def _sharded_moe_matmul(x, sw, expert_ids, *, mesh, implementation):
   x_spec, y_spec = P(), P()
   if sw.mode == "column":
     y_spec = P(None, None, sw.axis)
