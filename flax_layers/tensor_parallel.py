@@ -15,9 +15,10 @@ heads, ``KV / n`` KV heads, ``ffn_size / n``) on its slices; every projection go
 through :func:`qjax.matmul` with a :class:`qjax.ShardedWeight`, i.e. the device's Pallas
 kernel on a GPU.
 
+>>> from jax.sharding import PartitionSpec as P
 >>> from flax_layers import tensor_parallel as tp
->>> tp.cache_spec("tp")
-PartitionSpec(None, None, None, 'tp', None)
+>>> tp.cache_spec("tp") == P(None, None, None, "tp", None)
+True
 """
 
 from __future__ import annotations

@@ -123,8 +123,8 @@ class ShardedWeight:
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
   >>> w = qjax.quantize(jax.random.normal(jax.random.key(0), (256, 64)))
   >>> sw = qjax.ShardedWeight.of(w, mesh, "tp", "row")
-  >>> sw.shape, sw.partition_specs().arrays["codes"]
-  ((256, 64), PartitionSpec('tp', None))
+  >>> sw.shape, sw.partition_specs().arrays["codes"] == jax.sharding.PartitionSpec("tp", None)
+  ((256, 64), True)
   """
   arrays: dict[str, Any]
   format_cls: type = dataclasses.field(metadata={"static": True})
