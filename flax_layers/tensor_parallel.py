@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -71,9 +72,9 @@ def _mode(path: tuple[str, ...]) -> str | None:
   return None
 
 
-def _map_with_path(fn, tree: dict, path: tuple[str, ...] = ()) -> dict:
-  """``fn(path, value)`` on every entry of nested dicts (quantized weights are values)."""
-  return {k: _map_with_path(fn, v, (*path, k)) if isinstance(v, dict) else fn((*path, k), v)
+def _map_with_path(fn, tree: Mapping, path: tuple[str, ...] = ()) -> dict:
+  """``fn(path, value)`` on every entry of nested mappings (quantized weights are values)."""
+  return {k: _map_with_path(fn, v, (*path, k)) if isinstance(v, Mapping) else fn((*path, k), v)
           for k, v in tree.items()}
 
 

@@ -216,7 +216,7 @@ def matmul(x: jax.Array, w: Any, *, implementation: str | None = None) -> jax.Ar
   the device's slice of W (row-parallel: ``x`` holds this device's slice of K and the
   partial products are summed over the mesh axis in float32).
   """
-  sharded = _sharded_weight_class()
+  sharded = sharded_weight_class()
   if isinstance(w, sharded):
     return w.matmul(x, implementation=implementation)
   _check_args(x, w)
@@ -226,15 +226,16 @@ def matmul(x: jax.Array, w: Any, *, implementation: str | None = None) -> jax.Ar
   return y.reshape(*lead, w.shape[1])
 
 
-def _sharded_weight_class() -> type:
-  from qjax._src import sharding  # pylint: disable=g-import-not-at-top  (imports this module)
+def sharded_weight_class() -> type:
+  """:class:`qjax.ShardedWeight` (imported here on demand: its module imports this one)."""
+  from qjax._src import sharding  # pylint: disable=g-import-not-at-top
   return sharding.ShardedWeight
 
 
 def implementation_name(w: Any, implementation: str | None = None, *, m: int = 1) -> str:
   """The name of the implementation ``matmul`` would run for ``w`` and ``m`` rows of x
   on this machine."""
-  if isinstance(w, _sharded_weight_class()):
+  if isinstance(w, sharded_weight_class()):
     w = w.as_weight()
   name, _ = resolve(w, implementation)
   if implementation is None and name != "xla":

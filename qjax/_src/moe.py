@@ -238,7 +238,7 @@ def moe_matmul(x: jax.Array, w: Any, expert_ids: jax.Array, *,
   inside ``shard_map`` each device computes its share and the float32 sum over the mesh
   axis completes it (see :func:`qjax.sharded_moe_matmul`).
   """
-  sharded = dispatch._sharded_weight_class()  # pylint: disable=protected-access
+  sharded = dispatch.sharded_weight_class()
   if isinstance(w, sharded):
     return w.moe_matmul(x, expert_ids, implementation=implementation)
   _check(x, w, expert_ids)

@@ -233,7 +233,9 @@ class ShardedWeight:
   def matmul(self, x: jax.Array, *, implementation: str | None = None) -> jax.Array:
     """``x @ W`` (see :func:`qjax.matmul`). Inside shard_map: column-wise, x ``[..., K]``
     -> this device's columns ``[..., N // n]``; row-wise, x ``[..., K // n]`` (this
-    device's slice of K) -> the full ``[..., N]``, partial products summed in float32."""
+    device's slice of K) -> the full ``[..., N]``: each device's partial product (in x's
+    dtype, as its kernel returns it, accumulated in float32) is summed over the axis in
+    float32 and rounded to x's dtype once."""
     if self.mode == "expert":
       raise ValueError("an expert-parallel weight multiplies through qjax.moe_matmul")
     if not self.is_local:

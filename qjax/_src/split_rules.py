@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 from jax.sharding import PartitionSpec as P
 
+from qjax._src import codebook
 from qjax._src import fp4
 from qjax._src import formats
 from qjax._src import gguf_formats as gf
@@ -188,15 +189,8 @@ register_split_rule(gguf_tiled.GGUFTiledWeight, _tiled_rule)
 for _cls in gf.BLOCK_FORMATS.values():
   register_split_rule(_cls, _block_rule(_cls))
 register_split_rule(gf.GGUFDense, _dense_rule)
+register_split_rule(codebook.CodebookWeight, _codebook_rule)
 del _cls
-
-
-def _register_codebook() -> None:
-  from qjax._src import codebook  # pylint: disable=g-import-not-at-top
-  register_split_rule(codebook.CodebookWeight, _codebook_rule)
-
-
-_register_codebook()
 
 
 # ------------------------------------------------------------------------ validation
