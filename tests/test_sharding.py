@@ -441,33 +441,35 @@ def llama_case(scan_layers: bool):
   return cfg, params, tokens
 
 
-@pytest.mark.parametrize("n,scan_layers", [(2, True), (4, False)])
-def test_llama_tensor_parallel_logits_match_single_device(n, scan_layers):
+def test_llama_tensor_parallel_logits_match_single_device():
+  """Four devices, unrolled layers: the logits of a forward pass."""
   import flax_layers  # pylint: disable=g-import-not-at-top
-  mesh = _mesh(n)
-  cfg, params, tokens = llama_case(scan_layers)
+  mesh = _mesh(4)
+  cfg, params, tokens = llama_case(False)
   single = flax_layers.forward(params, tokens, cfg=cfg)
   sharded = flax_layers.shard_llama_params(params, mesh, cfg)
-  blocks = sharded["params"]["blocks" if scan_layers else "layers_0"]
-  assert blocks["attn"]["q"]["kernel"].mode == "column"
-  assert blocks["mlp"]["down"]["kernel"].mode == "row"
+  attn = sharded["params"]["layers_0"]["attn"]
+  assert attn["q"]["kernel"].mode == "column" and attn["o"]["kernel"].mode == "row"
   logits = flax_layers.tp_forward(sharded, tokens, cfg=cfg, mesh=mesh)
   assert logits.shape == single.shape
   assert rel_err(logits, single) < TOL
 
 
-def test_llama_tensor_parallel_decode_matches_single_device():
+def test_llama_tensor_parallel_prefill_and_decode_match_single_device():
+  """Two devices, scanned layers: prefill into a KV cache split by KV heads, one decode."""
   import flax_layers  # pylint: disable=g-import-not-at-top
   mesh = _mesh(2)
   cfg, params, tokens = llama_case(True)
-  cache = flax_layers.init_cache(cfg, 2, 8)
-  _, cache = flax_layers.prefill(params, tokens, cache, cfg=cfg)
+  want_prefill, cache = flax_layers.prefill(params, tokens, flax_layers.init_cache(cfg, 2, 8),
+                                            cfg=cfg)
   want, _ = flax_layers.decode_step(params, tokens[:, -1], 7, cache, cfg=cfg)
   sharded = flax_layers.shard_llama_params(params, mesh, cfg)
+  assert sharded["params"]["blocks"]["mlp"]["down"]["kernel"].mode == "row"
   tp_cache = flax_layers.init_tp_cache(cfg, 2, 8, mesh)
   assert tp_cache["k"].sharding.spec == P(None, None, None, "tp", None)
-  _, tp_cache = flax_layers.tp_prefill(sharded, tokens, tp_cache, cfg=cfg, mesh=mesh)
+  got_prefill, tp_cache = flax_layers.tp_prefill(sharded, tokens, tp_cache, cfg=cfg, mesh=mesh)
   got, _ = flax_layers.tp_decode_step(sharded, tokens[:, -1], 7, tp_cache, cfg=cfg, mesh=mesh)
+  assert rel_err(got_prefill, want_prefill) < TOL
   assert rel_err(got, want) < TOL
 
 
