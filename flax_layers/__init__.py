@@ -25,3 +25,8 @@ from flax_layers.hf_checkpoint import load_hf_llama as load_hf_llama
 from flax_layers.hf_checkpoint import save_hf_llama as save_hf_llama
 from flax_layers.moe import MXFP4MoE as MXFP4MoE
 from flax_layers.moe import route as route
+from flax_layers.tensor_parallel import init_tp_cache as init_tp_cache
+from flax_layers.tensor_parallel import shard_llama_params as shard_llama_params
+from flax_layers.tensor_parallel import tp_decode_step as tp_decode_step
+from flax_layers.tensor_parallel import tp_forward as tp_forward
+from flax_layers.tensor_parallel import tp_prefill as tp_prefill

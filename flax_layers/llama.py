@@ -166,8 +166,10 @@ class LlamaConfig:
 
 def matmul(x: jax.Array, w: Any, implementation: str | None) -> jax.Array:
   """``qjax.matmul``; a weight whose format has no kernel runs XLA even when
-  ``implementation`` is "pallas" or "interpret" (e.g. a Q8_0 embedding used as the head)."""
-  if implementation in ("pallas", "interpret") and not dispatch.kernels_for(w):
+  ``implementation`` is "pallas" or "interpret" (e.g. a Q8_0 embedding used as the head).
+  ``w`` may be a :class:`qjax.ShardedWeight` (tensor parallel, inside shard_map)."""
+  fmt = w.format_cls if isinstance(w, qjax.ShardedWeight) else type(w)
+  if implementation in ("pallas", "interpret") and not dispatch.kernels_for_format(fmt):
     implementation = "xla"
   return qjax.matmul(x, w, implementation=implementation)
 

@@ -73,7 +73,9 @@ class MXFP4MoE(nn.Module):
   (:class:`qjax.MXFP4Weight` of logical shapes ``(D, 2F)`` and ``(F, D)`` with a leading
   axis of E experts), and with ``use_bias`` ``router_bias [E]``, ``gate_up_bias [E, 2F]``,
   ``down_bias [E, D]``. Pre-quantized expert weights (e.g. a GPT-OSS checkpoint converted
-  with ``.to_mxfp4()``) can be given in the params as they are.
+  with ``.to_mxfp4()``) can be given in the params as they are, or as
+  :class:`qjax.ShardedWeight` (e.g. expert-parallel: ``qjax.ShardedWeight.of(w, mesh,
+  "ep", "expert")``) for a layer applied inside ``shard_map``.
 
   >>> import jax, jax.numpy as jnp
   >>> from flax_layers import MXFP4MoE
@@ -123,6 +125,11 @@ class MXFP4MoE(nn.Module):
       raise ValueError(f"{self.name or 'MXFP4MoE'}: params have no {name!r}; call init or "
                        "give MXFP4 expert weights")
     want = (shape[0], *shape[1:])
+    if isinstance(w, qjax.ShardedWeight):  # expert / tensor parallel, inside shard_map
+      if w.global_shape != shape[1:]:
+        raise ValueError(f"{name}: experts of logical shape {w.global_shape}; this layer "
+                         f"needs {want}")
+      return w
     if tuple(w.shape) != shape[1:] or w.codes.shape[0] != shape[0]:
       raise ValueError(f"{name}: experts of logical shape {tuple(w.shape)} with "
                        f"{w.codes.shape[0]} experts; this layer needs {want}")

@@ -63,6 +63,17 @@ from qjax._src.offload import make_stacked_forward as make_stacked_forward
 from qjax._src.offload import place_pass2 as place_pass2
 from qjax._src.offload import stack_layers as stack_layers
 
+# Several devices (jax.sharding): column-, row- and expert-parallel weights
+from qjax._src.sharding import ShardedWeight as ShardedWeight
+from qjax._src.sharding import shard_weight as shard_weight
+from qjax._src.sharding import sharded_matmul as sharded_matmul
+from qjax._src.sharding import sharded_moe_matmul as sharded_moe_matmul
+from qjax._src.sharded_load import load_gguf_sharded as load_gguf_sharded
+from qjax._src.sharded_load import load_sharded as load_sharded
+from qjax._src.split_rules import check_split as check_split
+from qjax._src.split_rules import partition_specs as partition_specs
+from qjax._src.split_rules import register_split_rule as register_split_rule
+
 from qjax._src import codebook as _codebook
 from qjax._src import fp4 as _fp4
 from qjax._src import int4 as _int4

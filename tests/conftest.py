@@ -1,10 +1,20 @@
-"""Shared test helpers: per-test seeds and the float64 reference."""
+"""Shared test helpers: per-test seeds and the float64 reference.
+
+The CPU platform is split into 8 devices (before jax initializes its backends) so the
+sharding tests run on a real 8-device mesh; everything else still runs on device 0.
+"""
 
 import hashlib
+import os
 
-import jax
-import numpy as np
-import pytest
+CPU_DEVICES = 8
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             f" --xla_force_host_platform_device_count={CPU_DEVICES}").strip()
+
+import jax  # noqa: E402  (after XLA_FLAGS)
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 
 def seed_from(name: str) -> int:

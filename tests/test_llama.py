@@ -196,6 +196,22 @@ def test_batch_rows_are_independent(model):
   np.testing.assert_allclose(np.asarray(lg[1]), single, atol=1e-3 * np.abs(single).max())
 
 
+def test_tensor_parallel_over_three_devices(model):
+  """SmolLM2's 9 heads, 3 KV heads and 1536 hidden units split 3 ways (Q4_1 blocks: row
+  shards of 192 rows are whole 32-blocks); the logits equal the single-device ones."""
+  import flax_layers  # pylint: disable=g-import-not-at-top
+  if jax.device_count() < 3:
+    pytest.skip("needs 3 devices (tests/conftest.py sets 8 CPU devices)")
+  cfg, params, tok = model
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:3]), ("tp",))
+  tokens = jnp.asarray([tok.encode(PROMPT)], jnp.int32)
+  want = np.asarray(llama.forward(params, tokens, cfg=cfg))
+  sharded = flax_layers.shard_llama_params(params, mesh, cfg)
+  got = np.asarray(flax_layers.tp_forward(sharded, tokens, cfg=cfg, mesh=mesh))
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+  assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
 def test_sampling():
   logits = jnp.asarray([[0.0, 5.0, 1.0, -1.0]])
   assert int(llama.sample(logits)[0]) == 1

@@ -211,7 +211,14 @@ def matmul(x: jax.Array, w: Any, *, implementation: str | None = None) -> jax.Ar
   >>> x = jnp.ones((2, 256), jnp.bfloat16)
   >>> qjax.matmul(x, w, implementation="xla").shape
   (2, 128)
+
+  ``w`` may also be a :class:`qjax.ShardedWeight`: inside ``shard_map`` this multiplies by
+  the device's slice of W (row-parallel: ``x`` holds this device's slice of K and the
+  partial products are summed over the mesh axis in float32).
   """
+  sharded = sharded_weight_class()
+  if isinstance(w, sharded):
+    return w.matmul(x, implementation=implementation)
   _check_args(x, w)
   _, fn = resolve(w, implementation)
   lead = x.shape[:-1]
@@ -219,9 +226,17 @@ def matmul(x: jax.Array, w: Any, *, implementation: str | None = None) -> jax.Ar
   return y.reshape(*lead, w.shape[1])
 
 
+def sharded_weight_class() -> type:
+  """:class:`qjax.ShardedWeight` (imported here on demand: its module imports this one)."""
+  from qjax._src import sharding  # pylint: disable=g-import-not-at-top
+  return sharding.ShardedWeight
+
+
 def implementation_name(w: Any, implementation: str | None = None, *, m: int = 1) -> str:
   """The name of the implementation ``matmul`` would run for ``w`` and ``m`` rows of x
   on this machine."""
+  if isinstance(w, sharded_weight_class()):
+    w = w.as_weight()
   name, _ = resolve(w, implementation)
   if implementation is None and name != "xla":
     backend = next(b for b in kernels_for(w) if b.name == name)

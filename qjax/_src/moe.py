@@ -233,7 +233,14 @@ def moe_matmul(x: jax.Array, w: Any, expert_ids: jax.Array, *,
   >>> ids = jnp.array([[0, 2], [2, 3], [1, 0]])
   >>> qjax.moe_matmul(x, w, ids, implementation="xla").shape
   (3, 2, 32)
+
+  ``w`` may also be a :class:`qjax.ShardedWeight` (expert-, column- or row-parallel):
+  inside ``shard_map`` each device computes its share and the float32 sum over the mesh
+  axis completes it (see :func:`qjax.sharded_moe_matmul`).
   """
+  sharded = dispatch.sharded_weight_class()
+  if isinstance(w, sharded):
+    return w.moe_matmul(x, expert_ids, implementation=implementation)
   _check(x, w, expert_ids)
   _, fn = resolve_moe(w, implementation)
   t, top_k = expert_ids.shape

@@ -1,0 +1,189 @@
+"""The Llama model tensor-parallel over one mesh axis (Megatron-style), under shard_map.
+
+Per layer, the attention heads and the MLP's hidden units are split over the ``n``
+devices of the axis:
+
+* ``q``, ``k``, ``v``, ``gate``, ``up``: column-parallel (device ``d`` holds heads
+  ``[d H / n, (d + 1) H / n)``, KV heads likewise, and its run of ``ffn_size / n`` hidden
+  units), so attention and the SwiGLU product need no communication;
+* ``o``, ``down``: row-parallel (the matching rows), their partial outputs summed over
+  the axis in float32 (one ``psum`` after each, two per layer);
+* embedding, norms and output head: replicated. The KV cache is split along its KV heads.
+
+Each device runs the unchanged :class:`flax_layers.Llama` with a local config (``H / n``
+heads, ``KV / n`` KV heads, ``ffn_size / n``) on its slices; every projection goes
+through :func:`qjax.matmul` with a :class:`qjax.ShardedWeight`, i.e. the device's Pallas
+kernel on a GPU.
+
+>>> from jax.sharding import PartitionSpec as P
+>>> from flax_layers import tensor_parallel as tp
+>>> tp.cache_spec("tp") == P(None, None, None, "tp", None)
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import qjax
+from qjax._src import sharding as sharding_lib
+
+from flax_layers import llama
+
+COLUMN = ("q", "k", "v", "gate", "up")
+ROW = ("o", "down")
+
+
+def _valid_counts(*sizes: int) -> list[int]:
+  g = math.gcd(*sizes)
+  return [d for d in range(1, g + 1) if g % d == 0]
+
+
+def local_config(cfg: llama.LlamaConfig, n: int) -> llama.LlamaConfig:
+  """The config one of ``n`` devices runs: ``num_heads / n`` heads, ``num_kv_heads / n``
+  KV heads, ``ffn_size / n`` hidden units."""
+  sizes = {"num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads,
+           "ffn_size": cfg.ffn_size}
+  bad = {k: v for k, v in sizes.items() if v % n}
+  if bad:
+    raise ValueError(
+        f"tensor parallel over {n} devices needs num_heads, num_kv_heads and ffn_size "
+        f"divisible by {n}; {', '.join(f'{k}={v}' for k, v in bad.items())} is not; "
+        f"valid device counts: {_valid_counts(*sizes.values())}")
+  return dataclasses.replace(cfg, num_heads=cfg.num_heads // n,
+                             num_kv_heads=cfg.num_kv_heads // n, ffn_size=cfg.ffn_size // n)
+
+
+def _mode(path: tuple[str, ...]) -> str | None:
+  if len(path) >= 2 and path[-1] == "kernel":
+    if path[-2] in COLUMN:
+      return "column"
+    if path[-2] in ROW:
+      return "row"
+  return None
+
+
+def _map_with_path(fn, tree: Mapping, path: tuple[str, ...] = ()) -> dict:
+  """``fn(path, value)`` on every entry of nested mappings (quantized weights are values)."""
+  return {k: _map_with_path(fn, v, (*path, k)) if isinstance(v, Mapping) else fn((*path, k), v)
+          for k, v in tree.items()}
+
+
+def shard_llama_params(params: dict, mesh: jax.sharding.Mesh, cfg: llama.LlamaConfig,
+                       axis: Any = "tp") -> dict:
+  """The Llama params placed for tensor parallelism over ``mesh[axis]``.
+
+  Args:
+    params: ``{"params": ...}`` of :class:`flax_layers.Llama` (stacked ``blocks`` or
+      per-layer ``layers_{i}``), e.g. from :func:`flax_layers.params_from_gguf`.
+    mesh, axis: the devices and the mesh axis to split over.
+    cfg: the model's config (its head counts and ffn size must divide by the axis size).
+
+  Returns:
+    The same tree with the projections of every block as :class:`qjax.ShardedWeight`
+    (q, k, v, gate, up column-parallel; o, down row-parallel) and every other leaf
+    replicated on the mesh. Run it with :func:`tp_forward`, :func:`tp_prefill`,
+    :func:`tp_decode_step`.
+
+  Raises:
+    ValueError: a head count or the ffn size does not divide, or a projection cannot
+      split (e.g. a row shard that would cut a packed tile), naming the valid counts.
+  """
+  n = sharding_lib.mesh_axis_size(mesh, axis)
+  local_config(cfg, n)
+  everywhere = NamedSharding(mesh, P())
+
+  def place(path, v):
+    mode = _mode(path)
+    if mode is None:
+      return jax.tree.map(lambda a: sharding_lib.place(a, everywhere), v)
+    try:
+      return qjax.ShardedWeight.of(v, mesh, axis, mode)
+    except ValueError as e:
+      raise ValueError(f"{'/'.join(path)}: {e}") from None
+
+  return _map_with_path(place, params)
+
+
+def param_specs(params: dict) -> dict:
+  """PartitionSpecs of :func:`shard_llama_params`'s tree (shard_map in_specs)."""
+  def spec(path, v):
+    del path
+    if isinstance(v, qjax.ShardedWeight):
+      return v.partition_specs()
+    return jax.tree.map(lambda a: P(), v)
+  return _map_with_path(spec, params)
+
+
+def cache_spec(axis: Any) -> P:
+  """The KV cache ``[layers, batch, max_len, kv_heads, head_dim]``, split along KV heads."""
+  return P(None, None, None, axis, None)
+
+
+def init_tp_cache(cfg: llama.LlamaConfig, batch: int, max_len: int,
+                  mesh: jax.sharding.Mesh, axis: Any = "tp") -> dict[str, jax.Array]:
+  """A zero KV cache split along its KV heads over ``mesh[axis]``."""
+  local_config(cfg, sharding_lib.mesh_axis_size(mesh, axis))
+  cache = llama.init_cache(cfg, batch, max_len)
+  s = NamedSharding(mesh, cache_spec(axis))
+  return {k: jax.device_put(v, s) for k, v in cache.items()}
+
+
+def _apply(params, tokens, positions, cache, cfg, mesh, axis):
+  local = local_config(cfg, sharding_lib.mesh_axis_size(mesh, axis))
+  cspec = {"k": cache_spec(axis), "v": cache_spec(axis)}
+
+  def body(params, tokens, positions, cache):
+    return llama.Llama(local).apply(params, tokens, positions, cache)
+
+  fn = sharding_lib.shard_map(body, mesh, in_specs=(param_specs(params), P(), P(), cspec),
+                              out_specs=(P(), cspec))
+  return fn(params, tokens, positions, cache)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "mesh", "axis"),
+                   donate_argnames=("cache",))
+def tp_prefill(params, tokens, cache, *, cfg: llama.LlamaConfig, mesh: jax.sharding.Mesh,
+               axis: Any = "tp"):
+  """:func:`flax_layers.prefill`, tensor-parallel.
+
+  Args:
+    params: from :func:`shard_llama_params`.
+    tokens: ``[batch, seq]`` int32 (replicated).
+    cache: from :func:`init_tp_cache` (donated).
+
+  Returns:
+    (logits ``[batch, seq, vocab]`` float32, replicated; the cache).
+  """
+  b, t = tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  return _apply(params, tokens.astype(jnp.int32), positions, cache, cfg, mesh, axis)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "mesh", "axis"),
+                   donate_argnames=("cache",))
+def tp_decode_step(params, token, pos, cache, *, cfg: llama.LlamaConfig,
+                   mesh: jax.sharding.Mesh, axis: Any = "tp"):
+  """:func:`flax_layers.decode_step`, tensor-parallel: token ``[batch]`` int32, pos
+  ``[batch]`` or scalar -> (logits ``[batch, vocab]`` float32, cache)."""
+  b = token.shape[0]
+  positions = jnp.broadcast_to(jnp.asarray(pos, jnp.int32).reshape(-1), (b,))[:, None]
+  logits, cache = _apply(params, token.astype(jnp.int32)[:, None], positions, cache, cfg,
+                         mesh, axis)
+  return logits[:, 0], cache
+
+
+def tp_forward(params, tokens, *, cfg: llama.LlamaConfig, mesh: jax.sharding.Mesh,
+               axis: Any = "tp") -> jax.Array:
+  """Logits ``[batch, seq, vocab]`` of ``tokens [batch, seq]`` with no prior cache."""
+  cache = init_tp_cache(cfg, tokens.shape[0], tokens.shape[1], mesh, axis)
+  return tp_prefill(params, tokens, cache, cfg=cfg, mesh=mesh, axis=axis)[0]

@@ -1,0 +1,370 @@
+"""Quantized weights across devices with ``jax.sharding``: placement, shard_map, psum.
+
+Two ways to run a split weight (the split rules are in :mod:`qjax._src.split_rules`):
+
+* Plain ``jax.jit`` over a weight whose arrays carry NamedShardings
+  (:func:`shard_weight`): XLA partitions the XLA path (GSPMD). Nothing to change in the
+  caller, but a Pallas kernel is one opaque call that XLA does not partition.
+* ``shard_map`` over a :class:`ShardedWeight`: each device runs :func:`qjax.matmul` (its
+  Pallas kernel on a GPU) on its own slices; row-parallel partial outputs are summed with
+  ``psum`` in float32. :func:`sharded_matmul` and :func:`sharded_moe_matmul` do this for
+  one product; inside any shard_map body, ``qjax.matmul(x, sharded_weight)`` does the
+  right local product and reduction by itself.
+
+Why a wrapper: a weight's logical shape is static pytree metadata, so inside shard_map a
+weight class rebuilt from per-device slices would carry the global shape and fail its own
+shape check. :class:`ShardedWeight` carries the arrays and the global metadata and builds
+the per-device weight (local logical shape) on demand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from qjax._src import dispatch
+from qjax._src import formats
+from qjax._src import moe
+from qjax._src import split_rules as rules
+
+
+def mesh_axis_size(mesh: jax.sharding.Mesh, axis: Any) -> int:
+  """Devices along ``axis`` (a mesh axis name or a tuple of names)."""
+  names = axis if isinstance(axis, tuple) else (axis,)
+  for a in names:
+    if a not in mesh.shape:
+      raise ValueError(f"mesh axis {a!r} is not in the mesh {dict(mesh.shape)}")
+  return int(np.prod([mesh.shape[a] for a in names]))
+
+
+def shard_map(f, mesh, in_specs, out_specs):
+  """``jax.shard_map`` (jax >= 0.7) or ``jax.experimental.shard_map.shard_map``, with the
+  replication check off (Pallas calls carry no replication rule)."""
+  if hasattr(jax, "shard_map"):
+    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)
+  from jax.experimental.shard_map import shard_map as _sm  # pylint: disable=g-import-not-at-top
+  return _sm(f, mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+
+def _is_host_source(a: Any) -> bool:
+  """A host array (numpy, memory map, or a lazy view with shape / dtype / __getitem__)."""
+  return not isinstance(a, jax.Array) and hasattr(a, "shape") and hasattr(a, "__getitem__")
+
+
+def place(a: Any, sharding: NamedSharding) -> jax.Array:
+  """``a`` placed with ``sharding``. A host array goes through
+  ``jax.make_array_from_callback``: each device receives only its slice, read from the
+  host array (or lazy view) by index, and no device ever holds the whole array."""
+  if _is_host_source(a):
+    dtype = np.dtype(jax.dtypes.canonicalize_dtype(a.dtype))  # float64 -> float32 without x64
+    return jax.make_array_from_callback(
+        tuple(a.shape), sharding, lambda idx: np.asarray(a[idx], dtype), dtype=dtype)
+  return jax.device_put(a, sharding)
+
+
+def shard_weight(w: Any, mesh: jax.sharding.Mesh, axis: Any, mode: str = "column") -> Any:
+  """``w`` (same class) with every array placed by a NamedSharding of ``mode``.
+
+  Args:
+    w: a quantized weight of logical shape ``[K, N]`` (leading stacked-layer or expert
+      axes allowed); host (numpy) arrays are sliced per device without a full device copy.
+    mesh: the device mesh.
+    axis: the mesh axis (or tuple of axes) to split along.
+    mode: "column" (N), "row" (K) or "expert" (the leading expert axis).
+
+  Returns:
+    The weight with global arrays placed across the devices: usable under plain
+    ``jax.jit`` (the XLA path is partitioned by XLA), or wrapped for shard_map with
+    :meth:`ShardedWeight.of`.
+
+  Raises:
+    ValueError: the split would cut a group, a packed word or tile, or is uneven; the
+      message names the sizes and the nearest valid device counts.
+  """
+  n = mesh_axis_size(mesh, axis)
+  rules.check_split(w, mode, n)
+  specs = rules.field_specs(w, mode, axis)
+  arrays = {f: None if s is None else place(getattr(w, f), NamedSharding(mesh, s))
+            for f, s in specs.items()}
+  return type(w)(**arrays, **rules.static_of(w))
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedWeight:
+  """A quantized weight split along one mesh axis, as it crosses a shard_map boundary.
+
+  Outside shard_map its arrays are the global ones (placed with NamedShardings);
+  inside, each device sees its own slices, and :meth:`local` builds the per-device weight
+  of local logical shape (``[K, N // n]`` column-wise, ``[K // n, N]`` row-wise, E // n
+  experts expert-wise). :func:`qjax.matmul` and :func:`qjax.moe_matmul` accept it in
+  both places: inside shard_map they multiply by the local weight and reduce row-parallel
+  partial outputs with ``psum`` in float32; outside they use the global weight.
+
+  Attributes:
+    arrays: ``{field: array or None}``, the weight's array fields (e.g. codes
+      ``[Kp // 8, N]`` uint32 globally, ``[Kp // 8, N // n]`` inside a column shard).
+    format_cls: the weight's class.
+    static: ``((field, value), ...)``, the global static metadata.
+    mode: "column", "row" or "expert".
+    axis: the mesh axis name (or tuple of names).
+    num_shards: devices along ``axis``.
+    split_sizes: ``(field, axis from the end, global size)`` of the cut arrays; tells a
+      global array from a per-device slice.
+
+  >>> import jax, jax.numpy as jnp, numpy as np, qjax
+  >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  >>> w = qjax.quantize(jax.random.normal(jax.random.key(0), (256, 64)))
+  >>> sw = qjax.ShardedWeight.of(w, mesh, "tp", "row")
+  >>> sw.shape, sw.partition_specs().arrays["codes"] == jax.sharding.PartitionSpec("tp", None)
+  ((256, 64), True)
+  """
+  arrays: dict[str, Any]
+  format_cls: type = dataclasses.field(metadata={"static": True})
+  static: tuple[tuple[str, Any], ...] = dataclasses.field(metadata={"static": True})
+  mode: str = dataclasses.field(metadata={"static": True})
+  axis: Any = dataclasses.field(metadata={"static": True})
+  num_shards: int = dataclasses.field(metadata={"static": True})
+  split_sizes: tuple[tuple[str, int, int], ...] = dataclasses.field(
+      metadata={"static": True})
+
+  @classmethod
+  def wrap(cls, w: Any, axis: Any, mode: str, num_shards: int) -> "ShardedWeight":
+    """Wraps a global weight (its arrays left where they are) after checking the split."""
+    if isinstance(w, ShardedWeight):
+      raise TypeError("the weight is already a ShardedWeight")
+    rules.check_split(w, mode, num_shards)
+    arrays = {f: getattr(w, f) for f in formats.array_field_names(type(w))}
+    return cls(arrays=arrays, format_cls=type(w),
+               static=tuple(sorted(rules.static_of(w).items())), mode=mode, axis=axis,
+               num_shards=num_shards, split_sizes=rules.split_sizes(w, mode))
+
+  @classmethod
+  def of(cls, w: Any, mesh: jax.sharding.Mesh, axis: Any, mode: str = "column"
+         ) -> "ShardedWeight":
+    """``w`` placed across ``mesh`` (:func:`shard_weight`) and wrapped for shard_map."""
+    return cls.wrap(shard_weight(w, mesh, axis, mode), axis, mode, mesh_axis_size(mesh, axis))
+
+  # -- views --------------------------------------------------------------------------
+
+  @property
+  def is_local(self) -> bool:
+    """True inside shard_map (the arrays are per-device slices); with one shard, local
+    and global coincide and this is False."""
+    for name, ax, size in self.split_sizes:
+      a = self.arrays[name]
+      if a is not None and hasattr(a, "shape") and len(a.shape) >= -ax:
+        return int(a.shape[ax]) != size
+    return False
+
+  @property
+  def global_shape(self) -> tuple[int, int]:
+    return dict(self.static)["shape"]
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    """The logical ``(K, N)`` of what the arrays hold now: local inside shard_map."""
+    if self.is_local:
+      return rules.local_static(dict(self.static), self.mode, self.num_shards)["shape"]
+    return self.global_shape
+
+  def weight(self) -> Any:
+    """The global weight (outside shard_map)."""
+    return self.format_cls(**self.arrays, **dict(self.static))
+
+  def local(self) -> Any:
+    """The per-device weight of local logical shape (inside shard_map)."""
+    static = rules.local_static(dict(self.static), self.mode, self.num_shards)
+    return self.format_cls(**self.arrays, **static)
+
+  def as_weight(self) -> Any:
+    """:meth:`local` inside shard_map, :meth:`weight` outside."""
+    return self.local() if self.is_local else self.weight()
+
+  def partition_specs(self) -> "ShardedWeight":
+    """This pytree with a PartitionSpec in place of every array (shard_map in_specs)."""
+    specs = rules.field_specs(self.parts(), self.mode, self.axis)
+    return dataclasses.replace(self, arrays=specs)
+
+  def parts(self) -> rules.Parts:
+    """The global weight's parts, not built (no shape checks)."""
+    return rules.Parts(self.format_cls, dict(self.static), dict(self.arrays))
+
+  def map_local(self, fn: Any, mesh: jax.sharding.Mesh) -> "ShardedWeight":
+    """``fn`` applied to each device's local weight inside shard_map, with no
+    communication: e.g. a lossless layout conversion per shard (``lambda w:
+    qjax.GGUFTiledWeight.from_gguf(w)``, ``lambda w: w.to_int4()``).
+
+    ``fn`` must give a weight whose shards form a valid split of the same mode (for a
+    row split, whole tiles of the new layout per device); the result says otherwise.
+    """
+    n = self.num_shards
+    local_abstract = self.format_cls(
+        **{f: None if a is None else _shard_struct(a, self.parts(), f, self.mode, n)
+           for f, a in self.arrays.items()},
+        **rules.local_static(dict(self.static), self.mode, n))
+    out = jax.eval_shape(fn, local_abstract)
+    p = rules.parts_of(out)
+    whole = rules.Parts(p.cls, rules.global_static(p.static, self.mode, n),
+                        {f: None if a is None else _whole_struct(a, p, f, self.mode, n)
+                         for f, a in p.arrays.items()})
+    rules.check_split(whole, self.mode, n)
+    specs = rules.field_specs(whole, self.mode, self.axis)
+
+    def body(sw):
+      return rules.parts_of(fn(sw.local())).arrays
+
+    arrays = jax.jit(shard_map(body, mesh, in_specs=(self.partition_specs(),),
+                               out_specs=specs))(self)
+    return ShardedWeight(arrays=arrays, format_cls=p.cls,
+                         static=tuple(sorted(whole.static.items())), mode=self.mode,
+                         axis=self.axis, num_shards=n,
+                         split_sizes=rules.split_sizes(whole, self.mode))
+
+  # -- products -----------------------------------------------------------------------
+
+  def matmul(self, x: jax.Array, *, implementation: str | None = None) -> jax.Array:
+    """``x @ W`` (see :func:`qjax.matmul`). Inside shard_map: column-wise, x ``[..., K]``
+    -> this device's columns ``[..., N // n]``; row-wise, x ``[..., K // n]`` (this
+    device's slice of K) -> the full ``[..., N]``: each device's partial product (in x's
+    dtype, as its kernel returns it, accumulated in float32) is summed over the axis in
+    float32 and rounded to x's dtype once."""
+    if self.mode == "expert":
+      raise ValueError("an expert-parallel weight multiplies through qjax.moe_matmul")
+    if not self.is_local:
+      return dispatch.matmul(x, self.weight(), implementation=implementation)
+    y = dispatch.matmul(x, self.local(), implementation=implementation)
+    if self.mode == "row":
+      y = jax.lax.psum(y.astype(jnp.float32), self.axis).astype(x.dtype)
+    return y
+
+  def moe_matmul(self, x: jax.Array, expert_ids: jax.Array, *,
+                 implementation: str | None = None) -> jax.Array:
+    """:func:`qjax.moe_matmul` over stacked experts. Inside shard_map, expert-wise: the
+    pairs routed to this device's experts are computed (the others run against local
+    expert 0 and are zeroed) and the float32 sum over devices (exactly one non-zero term
+    per pair) gives ``[T, top_k, N]``; column- and row-wise as :meth:`matmul`."""
+    if not self.is_local:
+      return moe.moe_matmul(x, self.weight(), expert_ids, implementation=implementation)
+    w = self.local()
+    if self.mode == "expert":
+      e_local = rules.num_experts(w)
+      rel = expert_ids - jax.lax.axis_index(self.axis) * e_local
+      mine = (rel >= 0) & (rel < e_local)
+      y = moe.moe_matmul(x, w, jnp.where(mine, rel, 0).astype(expert_ids.dtype),
+                         implementation=implementation)
+      y = jnp.where(mine[..., None], y.astype(jnp.float32), 0.0)
+      return jax.lax.psum(y, self.axis).astype(x.dtype)
+    y = moe.moe_matmul(x, w, expert_ids, implementation=implementation)
+    if self.mode == "row":
+      y = jax.lax.psum(y.astype(jnp.float32), self.axis).astype(x.dtype)
+    return y
+
+
+def _resized(a: Any, p: rules.Parts, field: str, mode: str, scale) -> jax.ShapeDtypeStruct:
+  fa = rules.rule_of(p).axes(field)
+  shape = list(a.shape)
+  ax = rules.split_axis(fa, len(shape), mode)
+  if ax is not None:
+    shape[ax] = scale(shape[ax])
+  return jax.ShapeDtypeStruct(tuple(shape), a.dtype)
+
+
+def _shard_struct(a, p, field, mode, n):
+  return _resized(a, p, field, mode, lambda d: d // n)
+
+
+def _whole_struct(a, p, field, mode, n):
+  return _resized(a, p, field, mode, lambda d: d * n)
+
+
+jax.tree_util.register_dataclass(
+    ShardedWeight, data_fields=["arrays"],
+    meta_fields=["format_cls", "static", "mode", "axis", "num_shards", "split_sizes"])
+
+
+def _lead_spec(ndim: int, last: Any) -> P:
+  return P(*([None] * (ndim - 1)), last)
+
+
+def sharded_matmul(x: jax.Array, w: Any, mesh: jax.sharding.Mesh, axis: Any,
+                   mode: str = "column", *, implementation: str | None = None) -> jax.Array:
+  """``y = x @ W`` with W split over ``mesh[axis]``, one :func:`qjax.matmul` per device.
+
+  Args:
+    x: ``[..., K]`` (global; column-wise replicated on every device, row-wise split
+      along K to match W's rows).
+    w: a quantized weight ``[K, N]`` (placed here) or a :class:`ShardedWeight`.
+    mesh, axis: the devices and the mesh axis (or tuple of axes) to split over.
+    mode: "column" or "row" (ignored when ``w`` is a ShardedWeight).
+    implementation: passed to each device's :func:`qjax.matmul` (None: the Pallas kernel
+      on NVIDIA GPUs, XLA elsewhere).
+
+  Returns:
+    ``[..., N]`` in x's dtype: column-wise split along N across the devices, row-wise the
+    float32 sum of the partial products, replicated.
+
+  >>> import jax, jax.numpy as jnp, numpy as np, qjax
+  >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  >>> w = qjax.quantize(jax.random.normal(jax.random.key(0), (256, 64)))
+  >>> x = jnp.ones((2, 256), jnp.float32)
+  >>> qjax.sharded_matmul(x, w, mesh, "tp", "row").shape
+  (2, 64)
+  """
+  sw = w if isinstance(w, ShardedWeight) else ShardedWeight.of(w, mesh, axis, mode)
+  if sw.mode == "expert":
+    raise ValueError("expert-parallel weights multiply through qjax.sharded_moe_matmul")
+  return _sharded_matmul(x, sw, mesh=mesh, implementation=implementation)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "implementation"))
+def _sharded_matmul(x, sw, *, mesh, implementation):
+  if sw.mode == "column":
+    x_spec, y_spec = P(), _lead_spec(x.ndim, sw.axis)
+  else:
+    x_spec, y_spec = _lead_spec(x.ndim, sw.axis), P()
+  fn = shard_map(lambda x_, w_: w_.matmul(x_, implementation=implementation), mesh,
+                 in_specs=(x_spec, sw.partition_specs()), out_specs=y_spec)
+  return fn(place(x, NamedSharding(mesh, x_spec)), sw)
+
+
+def sharded_moe_matmul(x: jax.Array, w: Any, expert_ids: jax.Array,
+                       mesh: jax.sharding.Mesh, axis: Any, mode: str = "expert", *,
+                       implementation: str | None = None) -> jax.Array:
+  """:func:`qjax.moe_matmul` with the stacked experts split over ``mesh[axis]``.
+
+  Args:
+    x: ``[T, K]`` or ``[T, top_k, K]`` (replicated; row-wise split along K).
+    w: an :class:`qjax.MXFP4Weight` of E experts (codes ``[E, Kp // 8, N]``) or a
+      :class:`ShardedWeight` of one.
+    expert_ids: ``[T, top_k]`` integers in ``[0, E)`` (replicated).
+    mode: "expert" (E // n whole experts per device), "column" or "row" (ignored when
+      ``w`` is a ShardedWeight).
+    implementation: passed to each device's :func:`qjax.moe_matmul`.
+
+  Returns:
+    ``[T, top_k, N]`` in x's dtype (column-wise split along N; otherwise replicated).
+  """
+  sw = w if isinstance(w, ShardedWeight) else ShardedWeight.of(w, mesh, axis, mode)
+  return _sharded_moe_matmul(x, sw, expert_ids, mesh=mesh, implementation=implementation)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "implementation"))
+def _sharded_moe_matmul(x, sw, expert_ids, *, mesh, implementation):
+  x_spec, y_spec = P(), P()
+  if sw.mode == "column":
+    y_spec = P(None, None, sw.axis)
+  elif sw.mode == "row":
+    x_spec = _lead_spec(x.ndim, sw.axis)
+  fn = shard_map(
+      lambda x_, w_, ids: w_.moe_matmul(x_, ids, implementation=implementation), mesh,
+      in_specs=(x_spec, sw.partition_specs(), P()), out_specs=y_spec)
+  return fn(place(x, NamedSharding(mesh, x_spec)), sw,
+            place(expert_ids, NamedSharding(mesh, P())))

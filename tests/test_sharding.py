@@ -1,0 +1,481 @@
+"""Quantized weights split across devices: column-, row- and expert-parallel.
+
+Runs on a mesh of up to 8 CPU devices (tests/conftest.py sets
+``--xla_force_host_platform_device_count=8`` before jax starts). Every split product is
+checked against the single-device product and against float64 ``x @ W`` with W the
+weight's own dequantization; shapes are odd but valid at every mesh size.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import qjax
+from conftest import rel_err, seed_from
+from qjax._src import gguf_formats as gf
+from qjax._src import gguf_tiled
+from qjax._src import sharding as sharding_lib
+from qjax._src import split_rules
+
+MESH_SIZES = (1, 2, 4, 8)
+TOL = 1e-5  # float32 activations, float32 accumulation
+
+
+def _mesh(n: int, name: str = "tp") -> Mesh:
+  if jax.device_count() < n:
+    pytest.skip(f"needs {n} devices, has {jax.device_count()} (XLA_FLAGS="
+                f"{os.environ.get('XLA_FLAGS')!r})")
+  return Mesh(np.array(jax.devices()[:n]), (name,))
+
+
+# -- weights ------------------------------------------------------------------------------
+
+_quantize = jax.jit(qjax.quantize, static_argnames=(
+    "group_size", "symmetric", "scale_dtype", "method", "tile_k", "name"))
+_mxfp4 = jax.jit(qjax.quantize_mxfp4, static_argnames=("tile_k", "name"))
+_nvfp4 = jax.jit(qjax.quantize_nvfp4, static_argnames=("tile_k", "name"))
+_codebook = jax.jit(qjax.quantize_codebook, static_argnames=(
+    "group", "passes", "codebook", "rotation", "seed", "norm_dtype", "offload_pass2", "name"))
+_matmul = jax.jit(qjax.matmul, static_argnames=("implementation",))
+_moe_matmul = jax.jit(qjax.moe_matmul, static_argnames=("implementation",))
+_dequantize = jax.jit(lambda w: w.dequantize())
+
+
+def _normal(rng, shape):
+  return jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[-2]), jnp.float32)
+
+
+def gguf_blocks(ggml_type: str, k: int, n: int, seed: int) -> gf.GGUFBlockWeight:
+  """Random GGUF blocks (every code and sub-scale bit random) with small f16 scales."""
+  rng = np.random.default_rng(seed)
+  cls = gf.BLOCK_FORMATS[ggml_type]
+  nb = k // cls.block_size
+  raw = rng.integers(0, 256, (n, nb, cls.type_size), dtype=np.uint8)
+  for f in cls.block_fields:
+    if f.dtype == np.float16:
+      v = (rng.standard_normal((n, nb)) * 0.02 / np.sqrt(k)).astype(np.float16)
+      raw[:, :, f.offset:f.offset + 2] = v.view(np.uint8).reshape(n, nb, 2)
+  return gf.from_gguf_bytes(raw.reshape(n, -1), ggml_type, (k, n))
+
+
+# name -> builder(rng). K splits into whole tiles and groups over 8 devices; N is 8 times
+# an odd number.
+WEIGHTS = {
+    "int4-g128": lambda r: _quantize(_normal(r, (1024, 40)), group_size=128),
+    "int4-asym-g32-plain-f16": lambda r: _quantize(
+        _normal(r, (768, 56)), group_size=32, symmetric=False, tile_k=8,
+        scale_dtype=jnp.float16),
+    "int4-biases-q4_1": lambda r: gguf_blocks("Q4_1", 1024, 24, 5).to_int4(),
+    "mxfp4": lambda r: _mxfp4(_normal(r, (1024, 24))),
+    "nvfp4": lambda r: _nvfp4(_normal(r, (1024, 40))),
+    "gguf-q4_k-tiled": lambda r: gguf_tiled.GGUFTiledWeight.from_gguf(
+        gguf_blocks("Q4_K", 2048, 24, 1)),
+    "gguf-q8_0-tiled": lambda r: gguf_tiled.GGUFTiledWeight.from_gguf(
+        gguf_blocks("Q8_0", 1024, 40, 2)),
+    "gguf-q6_k-blocks": lambda r: gguf_blocks("Q6_K", 2048, 8, 3),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def weight_case(name: str):
+  """(w, x [3, K] float32, single-device y, float64 reference)."""
+  rng = np.random.default_rng(seed_from(name))
+  w = WEIGHTS[name](rng)
+  x = jnp.asarray(rng.standard_normal((3, w.shape[0])), jnp.float32)
+  ref = np.asarray(x, np.float64) @ np.asarray(_dequantize(w), np.float64)
+  return w, x, _matmul(x, w), ref
+
+
+# -- column and row parallel, every format, every mesh size -------------------------------
+
+
+@pytest.mark.parametrize("n", MESH_SIZES)
+@pytest.mark.parametrize("mode", ["column", "row"])
+@pytest.mark.parametrize("case", list(WEIGHTS))
+def test_split_matmul_matches_single_device(case, mode, n):
+  mesh = _mesh(n)
+  w, x, single, ref = weight_case(case)
+  y = qjax.sharded_matmul(x, w, mesh, "tp", mode)
+  assert y.shape == single.shape and y.dtype == x.dtype
+  assert rel_err(y, single) < TOL
+  assert rel_err(y, ref) < TOL
+  if mode == "column" and n > 1:
+    assert y.sharding.spec == P(None, "tp")  # each device holds its columns
+
+
+@pytest.mark.parametrize("mode", ["column", "row"])
+@pytest.mark.parametrize("case", ["int4-g128", "nvfp4", "gguf-q4_k-tiled", "gguf-q6_k-blocks"])
+def test_plain_jit_with_named_shardings(case, mode):
+  """GSPMD: qjax.matmul under jax.jit on a weight whose arrays carry NamedShardings."""
+  mesh = _mesh(4)
+  w, x, single, ref = weight_case(case)
+  ws = qjax.shard_weight(w, mesh, "tp", mode)
+  assert type(ws) is type(w) and ws.shape == w.shape
+  specs = qjax.partition_specs(w, mode, "tp")
+  for a, s in zip(jax.tree.leaves(ws), jax.tree.leaves(specs)):
+    assert a.sharding == NamedSharding(mesh, s)
+  y = _matmul(x, ws)
+  assert rel_err(y, single) < TOL and rel_err(y, ref) < TOL
+
+
+@pytest.mark.parametrize("case,mode", [("int4-g128", "row"), ("gguf-q4_k-tiled", "column"),
+                                       ("mxfp4", "row")])
+def test_pallas_interpret_under_shard_map(case, mode):
+  mesh = _mesh(2)
+  w, x, _, ref = weight_case(case)
+  y = qjax.sharded_matmul(x, w, mesh, "tp", mode, implementation="interpret")
+  assert rel_err(y, ref) < TOL
+
+
+def test_bf16_row_parallel_sums_partials_in_float32():
+  mesh = _mesh(8)
+  w, x, _, ref = weight_case("int4-g128")
+  xb = x.astype(jnp.bfloat16)
+  ref = np.asarray(xb, np.float64) @ np.asarray(_dequantize(w), np.float64)
+  y = qjax.sharded_matmul(xb, w, mesh, "tp", "row")
+  assert y.dtype == jnp.bfloat16
+  assert rel_err(y, ref) < 1e-2
+  assert rel_err(y, _matmul(xb, w)) < 1e-2
+
+
+def test_explicit_axes_mesh():
+  """jax.make_mesh gives Explicit axes in recent jax: inputs are resharded to the specs."""
+  if jax.device_count() < 4:
+    pytest.skip("needs 4 devices")
+  mesh = jax.make_mesh((4,), ("tp",))
+  w, x, single, _ = weight_case("int4-g128")
+  for mode in ("column", "row"):
+    assert rel_err(qjax.sharded_matmul(x, w, mesh, "tp", mode), single) < TOL
+
+
+def test_codebook_column_parallel():
+  mesh = _mesh(2)
+  rng = np.random.default_rng(seed_from("codebook"))
+  w = _codebook(_normal(rng, (256, 48)), group=128, passes=2)
+  x = jnp.asarray(rng.standard_normal((3, 256)), jnp.float32)
+  y = qjax.sharded_matmul(x, w, mesh, "tp", "column")
+  assert rel_err(y, _matmul(x, w)) < TOL
+
+
+# -- the wrapper ----------------------------------------------------------------------------
+
+
+def test_sharded_weight_local_and_global_views():
+  mesh = _mesh(4)
+  w, x, single, _ = weight_case("int4-g128")
+  sw = qjax.ShardedWeight.of(w, mesh, "tp", "row")
+  assert not sw.is_local and sw.shape == (1024, 40) == sw.global_shape
+  assert sw.arrays["codes"].sharding.spec == P("tp", None)
+  # Each device holds only its tiles: [Kp // 8 / 4, N].
+  assert {s.data.shape for s in sw.arrays["codes"].addressable_shards} == {(32, 40)}
+  assert sw.partition_specs().arrays == {"codes": P("tp", None), "scales": P("tp", None),
+                                         "zeros": None, "biases": None}
+  # Outside shard_map, qjax.matmul uses the global weight (under jit: GSPMD).
+  assert rel_err(_matmul(x, sw), single) < TOL
+  seen = {}
+
+  def body(x, sw):
+    seen["local"], seen["shape"] = sw.is_local, sw.shape
+    seen["local_weight"] = sw.local()
+    return qjax.matmul(x, sw)  # psum inside
+
+  fn = sharding_lib.shard_map(body, mesh, in_specs=(P(None, "tp"), sw.partition_specs()),
+                              out_specs=P())
+  y = jax.jit(fn)(x, sw)
+  assert seen["local"] and seen["shape"] == (256, 40)
+  assert isinstance(seen["local_weight"], qjax.Int4Weight)
+  assert rel_err(y, single) < TOL
+
+
+def test_stacked_layers_split_under_scan():
+  """Leading [layers] axes stay whole; lax.scan slices a ShardedWeight like any pytree."""
+  mesh = _mesh(4)
+  rng = np.random.default_rng(seed_from("stacked"))
+  ws = [_quantize(_normal(rng, (512, 512)), group_size=64) for _ in range(3)]
+  stacked = jax.tree.map(lambda *a: jnp.stack(a), *ws)
+  x = jnp.asarray(rng.standard_normal((2, 512)), jnp.float32)
+  col = qjax.ShardedWeight.of(stacked, mesh, "tp", "column")
+  row = qjax.ShardedWeight.of(stacked, mesh, "tp", "row")
+  assert col.arrays["codes"].sharding.spec == P(None, None, "tp")
+  assert row.arrays["codes"].sharding.spec == P(None, "tp", None)
+
+  def body(x, col, row):
+    def layer(h, ws):
+      c, r = ws
+      return jnp.tanh(qjax.matmul(jnp.tanh(qjax.matmul(h, c)), r)), None
+    return jax.lax.scan(layer, x, (col, row))[0]
+
+  fn = sharding_lib.shard_map(body, mesh, in_specs=(P(), col.partition_specs(),
+                                                    row.partition_specs()), out_specs=P())
+  y = jax.jit(fn)(x, col, row)
+  h = x
+  for w in ws:
+    h = jnp.tanh(_matmul(jnp.tanh(_matmul(h, w)), w))
+  assert rel_err(y, h) < TOL
+
+
+# -- expert parallel ----------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def moe_case():
+  rng = np.random.default_rng(seed_from("moe"))
+  e, k, n, t, top_k = 8, 256, 40, 5, 2
+  w = _mxfp4(_normal(rng, (e, k, n)))
+  x = jnp.asarray(rng.standard_normal((t, k)), jnp.float32)
+  ids = jnp.asarray(rng.integers(0, e, (t, top_k)), jnp.int32)
+  wd = np.asarray(jax.jit(jax.vmap(lambda w: w.dequantize()))(w), np.float64)  # [E, K, N]
+  ref = np.einsum("tk,tjkn->tjn", np.asarray(x, np.float64), wd[np.asarray(ids)])
+  return w, x, ids, ref
+
+
+@pytest.mark.parametrize("n", MESH_SIZES)
+def test_expert_parallel_moe_matmul(n):
+  mesh = _mesh(n, "ep")
+  w, x, ids, ref = moe_case()
+  single = _moe_matmul(x, w, ids, implementation="xla")
+  y = qjax.sharded_moe_matmul(x, w, ids, mesh, "ep", "expert")
+  assert y.shape == single.shape
+  assert rel_err(y, single) < TOL and rel_err(y, ref) < TOL
+
+
+@pytest.mark.parametrize("mode", ["column", "row"])
+def test_moe_experts_split_by_columns_or_rows(mode):
+  mesh = _mesh(2)
+  w, x, ids, ref = moe_case()
+  y = qjax.sharded_moe_matmul(x, w, ids, mesh, "tp", mode)
+  assert rel_err(y, ref) < TOL
+  # One row per selected expert (the down projection's input).
+  x3 = jnp.broadcast_to(x[:, None], (*ids.shape, x.shape[-1]))
+  assert rel_err(qjax.sharded_moe_matmul(x3, w, ids, mesh, "tp", mode), ref) < TOL
+
+
+def test_expert_parallel_pallas_interpret():
+  mesh = _mesh(2, "ep")
+  w, x, ids, ref = moe_case()
+  y = qjax.sharded_moe_matmul(x, w, ids, mesh, "ep", "expert", implementation="interpret")
+  assert rel_err(y, ref) < TOL
+
+
+def test_moe_layer_expert_parallel():
+  from flax_layers import MXFP4MoE  # pylint: disable=g-import-not-at-top
+  mesh = _mesh(4, "ep")
+  rng = np.random.default_rng(seed_from("moe-layer"))
+  layer = MXFP4MoE(num_experts=8, top_k=2, intermediate_size=64, use_bias=True,
+                   implementation="xla")
+  x = jnp.asarray(rng.standard_normal((6, 128)), jnp.float32)
+  params = jax.jit(layer.init)(jax.random.key(0), x)["params"]
+  params["gate_up_bias"] = jnp.asarray(rng.standard_normal((8, 128)), jnp.float32)
+  single = jax.jit(lambda p, x: layer.apply({"params": p}, x))(params, x)
+  sharded = dict(params)
+  for name in ("gate_up", "down"):
+    sharded[name] = qjax.ShardedWeight.of(params[name], mesh, "ep", "expert")
+  specs = {k: v.partition_specs() if isinstance(v, qjax.ShardedWeight) else P()
+           for k, v in sharded.items()}
+  fn = sharding_lib.shard_map(lambda p, x: layer.apply({"params": p}, x), mesh,
+                              in_specs=(specs, P()), out_specs=P())
+  y = jax.jit(fn)(sharded, x)
+  assert rel_err(y, single) < TOL
+
+
+# -- errors -------------------------------------------------------------------------------
+
+
+def test_row_split_inside_a_tile_is_refused():
+  w = _quantize(_normal(np.random.default_rng(0), (768, 16)), group_size=128)
+  with pytest.raises(ValueError, match=r"row-parallel Int4Weight: K=768 over 8 devices gives "
+                     r"96 rows per device, but each device needs a multiple of 128 rows "
+                     r"\(whole 128-row packed tiles \(tile_k=128\) and whole groups "
+                     r"\(group_size=128\)\); valid device counts: 1, 2, 3, 6 \(nearest to "
+                     r"8: 6\)"):
+    qjax.shard_weight(w, _mesh(8), "tp", "row")
+
+
+def test_row_split_inside_a_group_is_refused():
+  w = _quantize(_normal(np.random.default_rng(0), (512, 16)), group_size=128, tile_k=8)
+  with pytest.raises(ValueError, match=r"64 rows per device.*multiple of 128 rows.*"
+                     r"group_size=128.*valid device counts: 1, 2, 4 \(nearest to 8: 4\)"):
+    qjax.check_split(w, "row", 8)
+  qjax.check_split(w.repack(8), "row", 4)  # whole groups of 128: fine
+
+
+def test_row_split_of_a_padded_k_is_refused():
+  w = _quantize(_normal(np.random.default_rng(0), (576, 16)), group_size=64)  # Kp = 640
+  with pytest.raises(ValueError, match=r"K=576 is not a multiple of 128 itself, so no "
+                     r"split is valid"):
+    qjax.check_split(w, "row", 2)
+  qjax.check_split(w, "row", 1)
+
+
+def test_uneven_column_and_expert_splits_are_refused():
+  w, _, _, _ = weight_case("int4-g128")
+  with pytest.raises(ValueError, match=r"column-parallel Int4Weight: N=40 columns do not "
+                     r"split evenly over 3 devices; valid device counts: 1, 2, 4, 5, 8, 10"
+                     r".*nearest to 3: 2, 4"):
+    qjax.check_split(w, "column", 3)
+  experts = _mxfp4(_normal(np.random.default_rng(0), (6, 64, 16)))
+  with pytest.raises(ValueError, match=r"E=6 experts do not split evenly over 4 devices; "
+                     r"valid device counts: 1, 2, 3, 6 \(nearest to 4: 3, 6\)"):
+    qjax.check_split(experts, "expert", 4)
+  with pytest.raises(ValueError, match="no leading expert axis"):
+    qjax.check_split(w, "expert", 2)
+  with pytest.raises(ValueError, match="mode='rows' must be one of"):
+    qjax.check_split(w, "rows", 2)
+
+
+def test_unsupported_splits_name_the_reason():
+  rng = np.random.default_rng(0)
+  cb = _codebook(_normal(rng, (256, 16)), group=128)
+  with pytest.raises(ValueError, match="rotation is drawn from its index along K"):
+    qjax.check_split(cb, "row", 2)
+  with pytest.raises(TypeError, match=r"GPTQWeight has no sharding rule \(convert it first"):
+    split_rules.rule_for(qjax.GPTQWeight, {})
+  with pytest.raises(ValueError, match="mesh axis 'model' is not in the mesh"):
+    qjax.shard_weight(weight_case("nvfp4")[0], _mesh(2), "model", "column")
+  sw = qjax.ShardedWeight.of(moe_case()[0], _mesh(2), "tp", "expert")
+  with pytest.raises(ValueError, match="multiplies through qjax.moe_matmul"):
+    qjax.matmul(jnp.ones((1, 256)), sw)
+
+
+# -- loading into a sharding --------------------------------------------------------------
+
+
+def _shard_shapes(a: jax.Array) -> set[tuple[int, ...]]:
+  return {tuple(s.data.shape) for s in a.addressable_shards}
+
+
+def test_load_saved_file_into_a_sharding(tmp_path):
+  mesh = _mesh(4)
+  w, x, single, _ = weight_case("int4-asym-g32-plain-f16")   # K=768, N=56
+  v, _, v_single, _ = weight_case("nvfp4")                    # K=1024, N=40
+  path = tmp_path / "layer.safetensors"
+  qjax.save(path, {"up": w, "down": v, "norm": np.arange(7, dtype=np.float32)})
+  out = qjax.load_sharded(path, mesh, "tp", {"up": "column", "down": "row"})
+  assert _shard_shapes(out["up"].codes) == {(96, 14)}          # [K // 8, N / 4]
+  assert _shard_shapes(out["up"].zeros) == {(24, 14)}
+  assert _shard_shapes(out["down"].codes) == {(32, 40)}        # [Kp // 8 / 4, N]
+  assert _shard_shapes(out["down"].global_scale) == {()}
+  assert out["norm"].sharding.spec == P() and len(_shard_shapes(out["norm"])) == 1
+  assert rel_err(_matmul(x, out["up"]), single) < TOL
+  wrapped = qjax.load_sharded(path, mesh, "tp", lambda name, _: {"down": "row"}.get(name),
+                              wrap=True)
+  assert isinstance(wrapped["down"], qjax.ShardedWeight)
+  xv = weight_case("nvfp4")[1]
+  assert rel_err(qjax.sharded_matmul(xv, wrapped["down"], mesh, "tp"), v_single) < TOL
+  with pytest.raises(ValueError, match="down: row-parallel NVFP4Weight: K=1024 over 3"):
+    qjax.load_sharded(path, _mesh(3), "tp", {"down": "row"})
+
+
+def test_load_gguf_into_a_sharding(tmp_path):
+  gguf = pytest.importorskip("gguf")
+  mesh = _mesh(4)
+  blocks = {"q4k.weight": gguf_blocks("Q4_K", 1024, 40, 11),
+            "q8.weight": gguf_blocks("Q8_0", 512, 24, 12)}
+  writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+  for name, w in blocks.items():
+    writer.add_tensor(name, w.to_bytes(), raw_dtype=gguf.GGMLQuantizationType[w.ggml_type])
+  writer.add_tensor("norm.weight", np.linspace(-1, 1, 24, dtype=np.float32))
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+
+  f = qjax.load_gguf_sharded(tmp_path / "m.gguf", mesh, "tp",
+                             {"q4k.weight": "row", "q8.weight": "column"}, wrap=True)
+  q4k, q8 = f.tensors["q4k.weight"], f.tensors["q8.weight"]
+  assert f.tensor_types["q4k.weight"] == "Q4_K"
+  assert _shard_shapes(q4k.arrays["qs"]) == {(40, 1, 128)}    # one 256-block per device
+  assert _shard_shapes(q8.arrays["qs"]) == {(6, 16, 32)}      # 24 / 4 block rows
+  assert f.tensors["norm.weight"].sharding.spec == P()
+  rng = np.random.default_rng(seed_from("gguf-load"))
+  for sw, w in ((q4k, blocks["q4k.weight"]), (q8, blocks["q8.weight"])):
+    x = jnp.asarray(rng.standard_normal((3, w.shape[0])), jnp.float32)
+    ref = np.asarray(x, np.float64) @ np.asarray(_dequantize(w), np.float64)
+    assert rel_err(qjax.sharded_matmul(x, sw, mesh, "tp"), ref) < TOL
+    # The kernel layout, converted on each device from its own blocks.
+    tiled = sw.map_local(gguf_tiled.GGUFTiledWeight.from_gguf, mesh)
+    assert tiled.format_cls is qjax.GGUFTiledWeight and tiled.global_shape == w.shape
+    np.testing.assert_array_equal(_dequantize(tiled.weight()), _dequantize(w))
+    assert rel_err(qjax.sharded_matmul(x, tiled, mesh, "tp"), ref) < TOL
+  # Q8_0 in 32-blocks splits row-wise 8 ways (64 rows), its 128-row tiled layout does not.
+  rows = qjax.ShardedWeight.of(blocks["q8.weight"], _mesh(8), "tp", "row")
+  with pytest.raises(ValueError, match=r"GGUFTiledWeight: K=512 over 8 devices gives 64 "
+                     r"rows per device, but each device needs a multiple of 128 rows"):
+    rows.map_local(gguf_tiled.GGUFTiledWeight.from_gguf, _mesh(8))
+
+
+# -- the Llama model, tensor parallel -----------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def llama_case(scan_layers: bool):
+  from flax_layers import llama  # pylint: disable=g-import-not-at-top
+  cfg = llama.LlamaConfig(vocab_size=96, hidden_size=128, num_layers=2, num_heads=8,
+                          num_kv_heads=4, head_dim=16, ffn_size=256, scan_layers=scan_layers)
+  rng = np.random.default_rng(seed_from("llama"))
+
+  def q(k, n):  # tile_k=8 and groups of 32: o's K=128 splits 4 ways into 32 rows
+    return _quantize(_normal(rng, (k, n)), group_size=32, tile_k=8)
+
+  def norm():
+    return jnp.asarray(1 + 0.1 * rng.standard_normal(128), jnp.float32)
+
+  layers = [{"attn_norm": {"scale": norm()},
+             "attn": {"q": {"kernel": q(128, 128)}, "k": {"kernel": q(128, 64)},
+                      "v": {"kernel": q(128, 64)}, "o": {"kernel": q(128, 128)}},
+             "ffn_norm": {"scale": norm()},
+             "mlp": {"gate": {"kernel": q(128, 256)}, "up": {"kernel": q(128, 256)},
+                     "down": {"kernel": q(256, 128)}}} for _ in range(cfg.num_layers)]
+  blocks = ({"blocks": jax.tree.map(lambda *a: jnp.stack(a), *layers)} if scan_layers
+            else {f"layers_{i}": layer for i, layer in enumerate(layers)})
+  params = {"params": {"embed": q(128, 96), **blocks, "final_norm": {"scale": norm()}}}
+  tokens = jnp.asarray(rng.integers(0, 96, (2, 7)), jnp.int32)
+  return cfg, params, tokens
+
+
+def test_llama_tensor_parallel_logits_match_single_device():
+  """Four devices, unrolled layers: the logits of a forward pass."""
+  import flax_layers  # pylint: disable=g-import-not-at-top
+  mesh = _mesh(4)
+  cfg, params, tokens = llama_case(False)
+  single = flax_layers.forward(params, tokens, cfg=cfg)
+  sharded = flax_layers.shard_llama_params(params, mesh, cfg)
+  attn = sharded["params"]["layers_0"]["attn"]
+  assert attn["q"]["kernel"].mode == "column" and attn["o"]["kernel"].mode == "row"
+  logits = flax_layers.tp_forward(sharded, tokens, cfg=cfg, mesh=mesh)
+  assert logits.shape == single.shape
+  assert rel_err(logits, single) < TOL
+
+
+def test_llama_tensor_parallel_prefill_and_decode_match_single_device():
+  """Two devices, scanned layers: prefill into a KV cache split by KV heads, one decode."""
+  import flax_layers  # pylint: disable=g-import-not-at-top
+  mesh = _mesh(2)
+  cfg, params, tokens = llama_case(True)
+  want_prefill, cache = flax_layers.prefill(params, tokens, flax_layers.init_cache(cfg, 2, 8),
+                                            cfg=cfg)
+  want, _ = flax_layers.decode_step(params, tokens[:, -1], 7, cache, cfg=cfg)
+  sharded = flax_layers.shard_llama_params(params, mesh, cfg)
+  assert sharded["params"]["blocks"]["mlp"]["down"]["kernel"].mode == "row"
+  tp_cache = flax_layers.init_tp_cache(cfg, 2, 8, mesh)
+  assert tp_cache["k"].sharding.spec == P(None, None, None, "tp", None)
+  got_prefill, tp_cache = flax_layers.tp_prefill(sharded, tokens, tp_cache, cfg=cfg, mesh=mesh)
+  got, _ = flax_layers.tp_decode_step(sharded, tokens[:, -1], 7, tp_cache, cfg=cfg, mesh=mesh)
+  assert rel_err(got_prefill, want_prefill) < TOL
+  assert rel_err(got, want) < TOL
+
+
+def test_llama_head_counts_must_divide():
+  import flax_layers  # pylint: disable=g-import-not-at-top
+  cfg, params, _ = llama_case(True)
+  with pytest.raises(ValueError, match=r"num_kv_heads=4 is not; valid device counts: "
+                     r"\[1, 2, 4\]"):
+    flax_layers.shard_llama_params(params, _mesh(8), cfg)
