@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from typing import Any, Callable, Iterable
@@ -281,8 +282,12 @@ def run_case(fmt: FormatCase, impl: str, w: Any, m: int, dtype, rng,
 
 def run(*, full: bool = False, formats: Iterable[str] | None = None,
         impls: Iterable[str] | None = None, seed: int = 0, shard: tuple[int, int] = (0, 1),
-        progress: Callable[[str], None] | None = None) -> list[CaseResult]:
+        progress: Callable[[str], None] | None = None,
+        on_format: Callable[[list[CaseResult]], None] | None = None) -> list[CaseResult]:
   """Runs the sweep; returns one result per (format, implementation, shape).
+
+  ``on_format`` receives the results so far after each format (``qjax check --json``
+  rewrites its file then, so a run cut off by a time limit keeps what it measured).
 
   ``shard=(i, n)`` runs every n-th format from the i-th, so n processes can share the
   sweep (on a GPU the compiles dominate and run on the host's cores).
@@ -315,6 +320,8 @@ def run(*, full: bool = False, formats: Iterable[str] | None = None,
         results.append(run_case(fmt, impl, weights[(k, n)], m, dtype, rng, references))
     if progress is not None:
       progress(f"{fmt.name}: {time.perf_counter() - t0:.1f} s")
+    if on_format is not None:
+      on_format(results)
   return results
 
 
@@ -362,8 +369,19 @@ def main(args) -> int:
       shard = tuple(int(v) for v in args.shard.split("/"))
     except ValueError:
       raise SystemExit(f"--shard={args.shard!r} must be I/N, e.g. 0/4") from None
+
+  def write_json(results: list[CaseResult]) -> None:
+    if not args.json:
+      return
+    tmp = f"{args.json}.tmp"
+    with open(tmp, "w") as f:
+      json.dump({"device": jax.devices()[0].device_kind, "full": args.full,
+                 "threshold": THRESHOLD, "summary": summarize(results),
+                 "cases": [dataclasses.asdict(r) for r in results]}, f, indent=1)
+    os.replace(tmp, args.json)
+
   results = run(full=args.full, formats=formats, impls=impls, seed=args.seed, shard=shard,
-                progress=say)
+                progress=say, on_format=write_json)
   rows = summarize(results)
   misses = [r for r in results if r.status == "miss"]
   print(table(rows))
@@ -373,9 +391,5 @@ def main(args) -> int:
   for r in misses[:20]:
     print(f"MISS {r.format} {r.implementation} M{r.m} K{r.k} N{r.n} {r.dtype}: "
           f"{r.rel_err if r.rel_err is not None else r.detail}")
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump({"device": jax.devices()[0].device_kind, "full": args.full,
-                 "threshold": THRESHOLD, "summary": rows,
-                 "cases": [dataclasses.asdict(r) for r in results]}, f, indent=1)
+  write_json(results)
   return 1 if misses else 0
