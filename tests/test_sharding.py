@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import qjax
 from conftest import rel_err, seed_from
+from qjax._src import check
 from qjax._src import gguf_formats as gf
 from qjax._src import gguf_tiled
 from qjax._src import sharding as sharding_lib
@@ -55,15 +56,8 @@ def _normal(rng, shape):
 
 def gguf_blocks(ggml_type: str, k: int, n: int, seed: int) -> gf.GGUFBlockWeight:
   """Random GGUF blocks (every code and sub-scale bit random) with small f16 scales."""
-  rng = np.random.default_rng(seed)
-  cls = gf.BLOCK_FORMATS[ggml_type]
-  nb = k // cls.block_size
-  raw = rng.integers(0, 256, (n, nb, cls.type_size), dtype=np.uint8)
-  for f in cls.block_fields:
-    if f.dtype == np.float16:
-      v = (rng.standard_normal((n, nb)) * 0.02 / np.sqrt(k)).astype(np.float16)
-      raw[:, :, f.offset:f.offset + 2] = v.view(np.uint8).reshape(n, nb, 2)
-  return gf.from_gguf_bytes(raw.reshape(n, -1), ggml_type, (k, n))
+  raw = check.gguf_blocks(np.random.default_rng(seed), ggml_type, k, n)
+  return gf.from_gguf_bytes(raw, ggml_type, (k, n))
 
 
 # name -> builder(rng). K splits into whole tiles and groups over 8 devices; N is 8 times
