@@ -301,8 +301,28 @@ def dequantize(w) -> jax.Array:
   return w.dequantize()
 
 
-def matmul_xla(x: jax.Array, w: Int4Weight) -> jax.Array:
-  """Reference ``x [M, K] @ dequantize(w) [K, N] -> [M, N]`` in x's dtype, f32 accumulation."""
+# The formulation of matmul_xla: "materialize" (the default) or a name in
+# int4_xla_variants.VARIANTS. Read when matmul_xla is traced, so set it before the first
+# call of a jitted function (a cached trace keeps the variant it was traced with).
+XLA_VARIANT = "materialize"
+
+
+def matmul_xla(x: jax.Array, w: Int4Weight, variant: str | None = None) -> jax.Array:
+  """Reference ``x [M, K] @ dequantize(w) [K, N] -> [M, N]`` in x's dtype, f32 accumulation.
+
+  ``variant`` (default: the module's ``XLA_VARIANT``) picks the XLA formulation; see
+  :mod:`qjax._src.int4_xla_variants`. All agree to within float rounding.
+  """
+  variant = XLA_VARIANT if variant is None else variant
+  if variant != "materialize":
+    from qjax._src import int4_xla_variants  # pylint: disable=g-import-not-at-top
+    return int4_xla_variants.matmul(x, w, variant)
+  return matmul_xla_materialize(x, w)
+
+
+def matmul_xla_materialize(x: jax.Array, w: Int4Weight) -> jax.Array:
+  """``matmul_xla`` by materializing the dequantized ``[K, N]`` W in x's dtype, then
+  ``jnp.dot``."""
   if w.biases is None and jnp.dtype(w.scales.dtype) == jnp.dtype(x.dtype) != jnp.float32:
     # (q - z) is a small integer, exact in bf16 / f16, and (q - z) * s rounds once either
     # way: dequantizing in the activation dtype gives the same W as via float32 with half

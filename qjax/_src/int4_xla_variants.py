@@ -1,0 +1,222 @@
+"""XLA formulations of the Int4Weight matmul that move fewer bytes than ``materialize``.
+
+``matmul_xla``'s default, ``"materialize"``, dequantizes all of W ``[K, N]`` into x's
+dtype in one XLA fusion (it reads 0.5 byte per weight and writes 2) that ``jnp.dot``
+then reads again (2): about 4.5 bytes per weight, where the packed codes are 0.5. The
+variants below keep what lies between the codes and the dot narrow, or skip the dot:
+
+* ``grouped``: ``q - z`` as int8 ``[K // G, G, N]`` (1 byte written, 1 read), one dot
+  per group, ``einsum('mgk,gkn->gmn')`` with the int8 -> x dtype convert in the dot's
+  operand (which XLA's GEMM fusion on GPU can fuse), float32 partial sums
+  ``[K // G, M, N]``, then the scales and a sum over the groups.
+* ``folded``: the zero point (or float bias) folded out of the dot,
+  ``sum_k x_k (q_k - z) s = s (x_g . (q_g - 8)) + (8 - z) s sum(x_g)`` (nothing to add
+  for a symmetric weight), so the dot takes ``q - 8`` as a native int4 array (0.5 byte
+  written, 0.5 read on GPU, where XLA packs 4-bit arrays two per byte; signed, the
+  4-bit type XLA's GEMM fusion converts in the operand).
+* ``folded_fused``: ``folded`` with no storage boundary: XLA alone decides where the
+  unpacking of the words goes (into the dot's operand if its GEMM fusion takes it).
+* ``int4``: the codes as a native int4 ``[K, N]`` array ``q - 8``, then the program a
+  user holding such an array writes: ``q.astype(x.dtype) * s`` (scales repeated over
+  their groups) and ``jnp.dot``, the convert and scale left for XLA to fuse into the dot
+  or not. W is bit for bit ``materialize``'s.
+* ``blockdiag``: one plain dot of a block-diagonal x ``[K // G * M, K]`` (row ``(g, m)``
+  holds group ``g`` of x's row ``m``, zeros elsewhere) with the int4 codes gives the
+  per-group partial sums of ``folded``; for small ``M * K // G`` (decode), where a GEMM
+  of that many rows is bound by the weight's bytes, not by its flops.
+* ``reduce``: no dot: ``y[m, n] = sum_k x[m, k] W[k, n]`` as one fused float32
+  multiply-and-sum that reads each packed word once (0.5 byte per weight, M times the
+  arithmetic of one row); for small M.
+
+The narrow code arrays go through ``optimization_barrier``, so that XLA materializes
+them as written rather than fusing the unpacking and the convert into a copy in x's
+dtype. Partial sums accumulate in float32 (x float32: ``Precision.HIGHEST``), and the
+results differ from ``materialize``'s only by float rounding (``int4``'s only by the
+dot's summation order).
+
+Choose one with ``matmul(x, w, variant)``, ``int4.matmul_xla(x, w, variant=...)`` or
+the module switch ``qjax._src.int4.XLA_VARIANT``; ``"auto"`` asks :func:`select`.
+``examples/xla_fallback_bench.py`` times them all.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from qjax._src import int4
+from qjax._src.int4 import Int4Weight
+
+F32 = jnp.float32
+
+
+def _precision(x):
+  return jax.lax.Precision.HIGHEST if x.dtype == F32 else None
+
+
+def _fence(a: jax.Array) -> jax.Array:
+  """``a``, materialized as it is: XLA's GPU compiler removes the barrier only after
+  fusion, so nothing fuses across it there (the CPU compiler removes it before)."""
+  return jax.lax.optimization_barrier(a)
+
+
+def _expand(a: jax.Array, w: Int4Weight) -> jax.Array:
+  """``[K // G, N]`` -> ``[K, N]``, each group's row repeated G times."""
+  return jnp.repeat(a, w.group_size, axis=0)
+
+
+def _signed_codes(w: Int4Weight) -> jax.Array:
+  """``[K, N]`` int4 ``q - 8``: the codes as the signed 4-bit type, the one XLA's GEMM
+  fusion converts in the dot's operand."""
+  return (w.unpacked_codes().astype(jnp.int8) - 8).astype(jnp.int4)
+
+
+def _offset(w: Int4Weight) -> jax.Array | None:
+  """``[K // G, N]`` float32 ``o`` with ``W = (q - 8) * s + o`` in each group (None for
+  a symmetric weight, where it is 0)."""
+  s = w.scales.astype(F32)
+  if w.biases is not None:
+    return w.biases.astype(F32) + 8 * s
+  if w.zeros is not None:
+    return (8 - w.zeros.astype(F32)) * s
+  return None
+
+
+def _group_sums(x: jax.Array, w: Int4Weight) -> jax.Array:
+  """``[K // G, M, 1]`` float32 sums of x over each group."""
+  xs = x.astype(F32).reshape(x.shape[0], w.num_groups, w.group_size).sum(-1)
+  return xs.T[:, :, None]
+
+
+def _combine(p: jax.Array, w: Int4Weight, x: jax.Array, offset: jax.Array | None
+             ) -> jax.Array:
+  """``sum_g s_g p_g + o_g sum(x_g)`` in x's dtype, for float32 partial sums
+  ``p [K // G, M, N]`` and offsets ``o [K // G, N]`` (or None)."""
+  t = p * w.scales.astype(F32)[:, None, :]
+  if offset is not None:
+    t = t + _group_sums(x, w) * offset[:, None, :]
+  return t.sum(0).astype(x.dtype)
+
+
+def _grouped_dot(x: jax.Array, w: Int4Weight, q: jax.Array) -> jax.Array:
+  """``[K // G, M, N]`` float32 ``x_g . q_g`` for integer codes ``q [K, N]``."""
+  xg = x.reshape(x.shape[0], w.num_groups, w.group_size)
+  qg = q.reshape(w.num_groups, w.group_size, -1).astype(x.dtype)
+  return jnp.einsum("mgk,gkn->gmn", xg, qg, preferred_element_type=F32,
+                    precision=_precision(x))
+
+
+def matmul_grouped(x: jax.Array, w: Int4Weight) -> jax.Array:
+  """(a) Per-group dots on int8 ``q - z`` (on the raw codes ``q`` when there are float
+  biases, whose term ``b_g sum(x_g)`` is added after), then scales and a sum over groups."""
+  q = w.unpacked_codes().astype(jnp.int8)
+  if w.biases is None:
+    q = q - (jnp.int8(8) if w.zeros is None else _expand(w.zeros.astype(jnp.int8), w))
+  p = _grouped_dot(x, w, _fence(q))
+  return _combine(p, w, x, None if w.biases is None else w.biases.astype(F32))
+
+
+def matmul_folded(x: jax.Array, w: Int4Weight, *, fence: bool = True) -> jax.Array:
+  """(b) Per-group dots on int4 ``q - 8``, the zero point or bias folded out:
+  ``sum_g s_g (x_g . (q_g - 8)) + o_g sum(x_g)`` with ``o = (8 - z) s`` or ``b + 8 s``
+  (no such term for a symmetric weight). ``fence``: materialize the int4 codes (else
+  XLA alone chooses what to fuse)."""
+  q = _signed_codes(w)
+  p = _grouped_dot(x, w, _fence(q) if fence else q)
+  return _combine(p, w, x, _offset(w))
+
+
+def matmul_int4(x: jax.Array, w: Int4Weight) -> jax.Array:
+  """(c) Native int4 codes ``q - 8`` ``[K, N]``, then dequantize-and-dot as a user
+  holding such an array writes it; W is rounded as ``materialize`` rounds it (in x's
+  dtype when the scales are in it and there are no biases, else via float32)."""
+  q = _fence(_signed_codes(w))
+  e = functools.partial(_expand, w=w)
+  ct = x.dtype if (w.biases is None and w.scales.dtype == x.dtype != F32) else F32
+  qd = q.astype(ct)  # q - 8, exact
+  if w.biases is not None:
+    wd = (qd + 8) * e(w.scales.astype(ct)) + e(w.biases.astype(ct))
+  elif w.zeros is not None:
+    wd = (qd - (e(w.zeros.astype(ct)) - 8)) * e(w.scales.astype(ct))
+  else:
+    wd = qd * e(w.scales.astype(ct))
+  y = jnp.dot(x, wd.astype(x.dtype), preferred_element_type=F32, precision=_precision(x))
+  return y.astype(x.dtype)
+
+
+def matmul_blockdiag(x: jax.Array, w: Int4Weight) -> jax.Array:
+  """``folded``'s per-group partial sums from one plain dot: a block-diagonal x
+  ``[K // G * M, K]`` times the int4 codes ``q - 8`` ``[K, N]``."""
+  m, k = x.shape
+  kg, g = w.num_groups, w.group_size
+  q = _fence(_signed_codes(w))
+  xg = x.reshape(1, m, kg, g)
+  diag = jnp.arange(kg)[:, None, None, None] == jnp.arange(kg)[None, None, :, None]
+  xb = jnp.where(diag, xg, jnp.zeros((), x.dtype)).reshape(kg * m, k)
+  p = jnp.dot(xb, q.astype(x.dtype), preferred_element_type=F32, precision=_precision(x))
+  return _combine(p.reshape(kg, m, -1), w, x, _offset(w))
+
+
+def matmul_reduce(x: jax.Array, w: Int4Weight) -> jax.Array:
+  """No dot: ``y[m, n] = sum_k x[m, k] W[k, n]`` in float32 as one multiply-and-sum over
+  the words: each word's 8 nibbles, dequantized and multiplied by their 8 elements of x,
+  are summed in one term, so XLA's reduction reads every word once."""
+  m, k = x.shape
+  kp = w.codes.shape[0] * 8
+  # Nibble j of word (t, r) is row t * tile_k + j * slab + r (see packing).
+  tiles, slab = kp // w.tile_k, w.tile_k // 8
+  words = w.codes.reshape(tiles, slab, -1)
+
+  def rows(a):  # [K // G, N] -> [tiles, 8, slab, N] per row, 0 on the padding rows
+    return jnp.pad(_expand(a.astype(F32), w), ((0, kp - k), (0, 0))).reshape(tiles, 8, slab, -1)
+
+  s = rows(w.scales)
+  o = rows(w.biases) if w.biases is not None else (
+      None if w.zeros is None else rows(w.zeros))
+  xr = jnp.pad(x.astype(F32), ((0, 0), (0, kp - k))).reshape(m, tiles, 8, slab, 1)
+  acc = None
+  for j in range(8):
+    q = ((words >> (4 * j)) & 0xF).astype(F32)  # [tiles, slab, N]
+    if w.biases is not None:
+      wd = q * s[:, j] + o[:, j]
+    else:
+      wd = (q - (8 if o is None else o[:, j])) * s[:, j]
+    term = xr[:, :, j] * wd  # [M, tiles, slab, N]
+    acc = term if acc is None else acc + term
+  return acc.sum(axis=(1, 2)).astype(x.dtype)
+
+
+VARIANTS = {
+    "materialize": int4.matmul_xla_materialize,
+    "grouped": matmul_grouped,
+    "folded": matmul_folded,
+    "folded_fused": functools.partial(matmul_folded, fence=False),
+    "int4": matmul_int4,
+    "blockdiag": matmul_blockdiag,
+    "reduce": matmul_reduce,
+}
+
+# select()'s rule: (largest M, variant) in order, the last for any M. Provisional: to be
+# set from examples/xla_fallback_bench.py's numbers on the devices that use the fallback.
+AUTO_RULES: tuple[tuple[int | None, str], ...] = ((None, "materialize"),)
+
+
+def select(m: int, w: Int4Weight) -> str:
+  """The variant ``"auto"`` uses for ``M = m`` rows of x (see :data:`AUTO_RULES`)."""
+  del w  # The rule may come to depend on the shape and group size.
+  for max_m, name in AUTO_RULES:
+    if max_m is None or m <= max_m:
+      return name
+  return "materialize"
+
+
+def matmul(x: jax.Array, w: Int4Weight, variant: str = "auto") -> jax.Array:
+  """``x [M, K] @ W -> [M, N]`` in x's dtype by the named variant (or ``"auto"``)."""
+  if variant == "auto":
+    variant = select(x.shape[0], w)
+  if variant not in VARIANTS:
+    raise ValueError(f"unknown int4 XLA variant {variant!r}; known: auto, "
+                     f"{', '.join(VARIANTS)}")
+  return VARIANTS[variant](x, w)
