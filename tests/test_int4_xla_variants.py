@@ -98,7 +98,7 @@ def test_switch_routes_matmul_xla(request, monkeypatch):
   rng = np.random.default_rng(seed_from(request.node.nodeid))
   w = random_weight(rng, 256, 40, 128, jnp.bfloat16, "symmetric")
   x = jnp.asarray(rng.standard_normal((2, 3, 256)), jnp.float32)
-  assert int4.XLA_VARIANT == "materialize"
+  assert int4.XLA_VARIANT == "auto"
   calls = []
   monkeypatch.setitem(variants.VARIANTS, "reduce",
                       lambda a, b: calls.append(a.shape) or variants.matmul_reduce(a, b))
@@ -115,7 +115,10 @@ def test_auto_uses_select(monkeypatch, request):
   rng = np.random.default_rng(seed_from(request.node.nodeid))
   w = random_weight(rng, 128, 16, 32, jnp.bfloat16, "zeros")
   monkeypatch.setattr(variants, "AUTO_RULES", ((4, "reduce"), (None, "folded")))
+  monkeypatch.setattr(variants, "AUTO_PLATFORMS", (jax.devices()[0].platform,))
   assert [variants.select(m, w) for m in (1, 4, 5, 300)] == ["reduce"] * 2 + ["folded"] * 2
+  monkeypatch.setattr(variants, "AUTO_PLATFORMS", ())
+  assert variants.select(1, w) == "materialize"
   check("auto", jnp.asarray(rng.standard_normal((7, 128)), jnp.float32), w)
 
 

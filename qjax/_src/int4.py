@@ -301,10 +301,11 @@ def dequantize(w) -> jax.Array:
   return w.dequantize()
 
 
-# The formulation of matmul_xla: "materialize" (the default) or a name in
+# The formulation of matmul_xla: "auto" (int4_xla_variants.select: by M on a GPU, where
+# it was measured; "materialize" elsewhere), "materialize", or a name in
 # int4_xla_variants.VARIANTS. Read when matmul_xla is traced, so set it before the first
 # call of a jitted function (a cached trace keeps the variant it was traced with).
-XLA_VARIANT = "materialize"
+XLA_VARIANT = "auto"
 
 
 def matmul_xla(x: jax.Array, w: Int4Weight, variant: str | None = None) -> jax.Array:

@@ -198,14 +198,26 @@ VARIANTS = {
     "reduce": matmul_reduce,
 }
 
-# select()'s rule: (largest M, variant) in order, the last for any M. Provisional: to be
-# set from examples/xla_fallback_bench.py's numbers on the devices that use the fallback.
-AUTO_RULES: tuple[tuple[int | None, str], ...] = ((None, "materialize"),)
+# select()'s rule on a GPU: (largest M, variant) in order, the last for any M. From
+# examples/xla_fallback_bench.py on the H100 (2026-11-23 03:45 UTC, 4 Llama shapes): at
+# M = 1 "reduce" takes 0.32-0.43x the naive int4 program's time (10.5 vs 26.4 us at
+# 4096x4096, 32.5 vs 101.7 at 4096x14336) and "materialize" 1.1-1.3x; at M = 16 "folded"
+# is the best of the variants on three shapes (32.5 vs materialize 33.5 us at 4096x4096,
+# 113.3 vs 121.4 at 4096x14336) and "reduce" is 10x slower; above that nothing beats
+# materializing W. Where the fallback is used (M > 64 on NVIDIA GPUs) this means
+# "materialize"; the rest serves implementation="xla" at small M.
+AUTO_RULES: tuple[tuple[int | None, str], ...] = (
+    (2, "reduce"), (16, "folded"), (None, "materialize"))
+# Platforms the rule was measured on; elsewhere (the CPU) "auto" materializes W, the
+# formulation every test's numbers were first taken with.
+AUTO_PLATFORMS = ("gpu",)
 
 
 def select(m: int, w: Int4Weight) -> str:
   """The variant ``"auto"`` uses for ``M = m`` rows of x (see :data:`AUTO_RULES`)."""
   del w  # The rule may come to depend on the shape and group size.
+  if jax.devices()[0].platform not in AUTO_PLATFORMS:
+    return "materialize"
   for max_m, name in AUTO_RULES:
     if max_m is None or m <= max_m:
       return name
