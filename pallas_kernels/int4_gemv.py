@@ -6,7 +6,7 @@ accumulation; output in x's dtype), for one row of x.
 
 Why a separate kernel. At M = 1 a tensor-core tile is 1/16 useful, and moving each
 dequantized weight into the tensor-core operand layout costs more than the multiply.
-Here every weight costs about two and a half instructions, all in registers:
+Here every weight costs about three instructions, all in registers:
 
 * Codes arrive in the kernel-native tile order (``qjax._src.packing``, tile_k = 128):
   nibble ``j`` of word ``r`` of a K-tile is row ``16 j + r``. A thread holds whole words.
