@@ -86,3 +86,11 @@ def test_example_runs():
                         capture_output=True, text=True, timeout=300, env=env)
   assert proc.returncode == 0, proc.stderr
   assert "relative output error" in proc.stdout
+
+
+def test_tune_refuses_a_kernel_without_candidate_configs():
+  """`qjax bench --tune --format codebook` says what can be tuned instead of crashing."""
+  import pallas_kernels  # pylint: disable=g-import-not-at-top,unused-import
+  from qjax._src import bench  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match="no candidate configs.*tune int4, mxfp4 or nvfp4"):
+    bench.tune([(256, 384)], [1], "codebook", calls=1)

@@ -207,6 +207,10 @@ def tune(shapes: Sequence[tuple[int, int]], ms: Sequence[int], fmt: str, *, call
         ws = [w0] + [random_weight(fmt, k, n, jax.random.fold_in(key, i))
                      for i in range(1, _rotation(w0.nbytes))]
       backend = dispatch.kernels_for(w0)[0]
+      if backend.candidate_configs is None:
+        raise ValueError(f"--tune: the {backend.name} kernel for --format {fmt} has no "
+                         "candidate configs to sweep (its heuristic is used as is); tune "
+                         "int4, mxfp4 or nvfp4")
       x = jax.random.normal(key, (m, k), jnp.float32).astype(jnp.bfloat16)
       best = None
       for cfg in backend.candidate_configs(m, k, n):
