@@ -39,7 +39,6 @@ def test_bench_on_cpu_is_labelled(tmp_path, capsys):
 
 
 def test_bench_codebook_formats_on_cpu(tmp_path, capsys):
-  from qjax._src import bench
   path = tmp_path / "b.json"
   assert cli.main(["bench", "--format", "codebook,codebook2", "--calls", "2", "--m", "1,16",
                    "--shapes", "256x384", "--json", str(path)]) == 0

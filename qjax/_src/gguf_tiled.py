@@ -32,7 +32,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from qjax._src import dispatch
 from qjax._src import formats
