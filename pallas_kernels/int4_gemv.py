@@ -103,7 +103,8 @@ def _chunk_reference(words, xs, planes, c, s, acc):
 
 
 def _chunk(words, xs, planes, c, s, acc, interpret):
-  """``acc + (sum_j x_j * (16^(j%2) ...) - c) * s`` for the planes of one group chunk.
+  """``acc + (256 sum_even x_j v_j + 16 sum_odd x_j v_j - c) * s`` over the planes ``j``
+  of one group chunk, ``v_j`` the exact ``1 + q / 256`` or ``1 + q / 16`` of nibble ``j``.
 
   Shapes: words ``[16, bn]`` uint32; xs ``[16, 1]`` float32 each; c ``[16, 1]`` or
   ``[16, bn]``; s ``[1, bn]``; acc ``[16, bn]`` float32.
