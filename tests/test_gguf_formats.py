@@ -516,3 +516,95 @@ def test_smollm2_truncated_raises_value_error(smollm2_path, tmp_path):
     path.write_bytes(src.read(100_000))
   with pytest.raises(ValueError, match="truncated.gguf is not a valid GGUF file"):
     gguf_io.load_gguf(path, progress=False)
+
+
+# ----------------------------------------------------------- MoE experts (leading axes)
+
+
+def _np_moe(x: np.ndarray, w_ekn: np.ndarray, ids: np.ndarray) -> np.ndarray:
+  """float64 ``y[t, j] = x[t] @ W[ids[t, j]]`` (``x [T, K]``, ``w_ekn [E, K, N]``)."""
+  return np.einsum("tk,tjkn->tjn", x.astype(np.float64), w_ekn.astype(np.float64)[ids])
+
+
+def test_mxfp4_experts_file(tmp_path):
+  """A GPT-OSS-style 3-D MXFP4 tensor (GGUF dims [K, N, E]) loads as one stacked GGUFMXFP4:
+  bit-exact per expert, lossless to the stacked MXFP4Weight that moe_matmul takes."""
+  import argparse
+  import contextlib
+  import io
+  from qjax._src import fp4, generate, gguf_header, gguf_io, moe
+  rng = np.random.default_rng(5)
+  e, n, k = 4, 24, 96
+  w = (rng.standard_normal((e, n, k)) * rng.uniform(1e-3, 10.0, (e, n, 1))).astype(np.float32)
+  quantized = gguf.quants.quantize(w, QT.MXFP4)  # [E, N, row_bytes], per row as in 2-D
+  assert quantized.shape == (e, n, k // 32 * 17)
+  every = _mxfp4_every_byte(n=2 * 3 * 8, k=64).reshape(2, 3, 8, -1)  # 4-D: dims [K, N, 3, 2]
+  path = tmp_path / "experts.gguf"
+  _write_gguf(path, {"blk.0.ffn_gate_exps.weight": (quantized, "MXFP4"),
+                     "every": (every, "MXFP4")}, metadata=False)
+  gguf_header.check_gguf_file(path)
+  rows = {r[0]: r[1:] for r in gguf_io.describe_gguf(path)}
+  assert rows["blk.0.ffn_gate_exps.weight"] == ("MXFP4", (k, n, e), quantized.nbytes)
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    assert generate.inspect(argparse.Namespace(file=str(path), metadata=False)) == 0
+  assert "blk.0.ffn_gate_exps.weight" in out.getvalue() and "(96, 24, 4)" in out.getvalue()
+
+  f = gguf_io.load_gguf(path, progress=False)
+  g = f.tensors["blk.0.ffn_gate_exps.weight"]
+  assert type(g) is gf.GGUFMXFP4 and g.shape == (k, n) and g.leading_axes == (e,)
+  assert g.e.shape == (e, n, k // 32) and g.qs.shape == (e, n, k // 32, 16)
+  assert g.nbytes == quantized.nbytes
+  np.testing.assert_array_equal(g.to_bytes(), quantized)
+  ref = _gguf_mxfp4(quantized)                                      # [E, N, K]
+  _assert_bit_equal(_dequantize(g), ref.swapaxes(-1, -2))
+  for i in range(e):  # per expert: the same as gguf on that expert's bytes alone
+    one = jax.tree.map(lambda a, i=i: a[i], g)
+    assert one.leading_axes == ()
+    _assert_bit_equal(_dequantize(one).T, _gguf_mxfp4(quantized[i]))
+  four = f.tensors["every"]
+  assert four.leading_axes == (2, 3) and four.shape == (64, 8)
+  _assert_bit_equal(_dequantize(four),
+                    _gguf_mxfp4(every.reshape(-1, every.shape[-1])).reshape(2, 3, 8, 64
+                                                                            ).swapaxes(-1, -2))
+  np.testing.assert_array_equal(four.to_bytes(), every)
+  with pytest.raises(ValueError, match="leading axes"):
+    g.take_rows(jnp.arange(2))
+
+  q = jax.jit(lambda w: w.to_mxfp4())(g)
+  assert isinstance(q, fp4.MXFP4Weight) and q.shape == (k, n)
+  assert q.codes.shape == (e, packing.padded_rows(k, q.tile_k) // 8, n)
+  assert q.scales.shape == (e, k // 32, n)
+  _assert_bit_equal(jax.jit(lambda w: w.dequantize())(q), ref.swapaxes(-1, -2))
+  for i in range(e):  # the stacked weight is the stack of the per-expert conversions
+    one = jax.tree.map(lambda a, i=i: a[i], g).to_mxfp4()
+    np.testing.assert_array_equal(q.codes[i], one.codes)
+    np.testing.assert_array_equal(q.scales[i], one.scales)
+
+  w_ekn = ref.swapaxes(-1, -2)
+  for t, top_k in ((1, 2), (6, 2)):  # P < E: gathered experts; P >= E: ragged_dot
+    x = np.asarray(jax.random.normal(jax.random.key(t), (t, k)), np.float32)
+    ids = rng.integers(0, e, (t, top_k)).astype(np.int32)
+    want = _np_moe(x, w_ekn, ids)
+    for impl in ("xla", "interpret"):
+      y = moe.moe_matmul(jnp.asarray(x, jnp.bfloat16), q, jnp.asarray(ids),
+                         implementation=impl)
+      assert y.shape == (t, top_k, n)
+      err = np.linalg.norm(np.asarray(y, np.float64) - want) / np.linalg.norm(want)
+      assert err < 1e-2, (impl, t, err)
+
+
+def test_leading_axes_other_types_raise(tmp_path):
+  from qjax._src import gguf_io
+  rng = np.random.default_rng(3)
+  raw = gguf.quants.quantize(rng.standard_normal((2, 3, 64)).astype(np.float32), QT.Q4_0)
+  path = tmp_path / "q4_0_3d.gguf"
+  _write_gguf(path, {"w": (raw, "Q4_0")}, metadata=False)
+  with pytest.raises(ValueError, match="3-D Q4_0 tensor .* only for types MXFP4"):
+    gguf_io.load_gguf(path, progress=False)
+  with pytest.raises(ValueError, match="only for types MXFP4"):
+    gf.from_gguf_bytes(raw, "Q4_0", (64, 3), leading=(2,))
+  with pytest.raises(ValueError, match="different leading axes"):
+    w = gf.from_gguf_bytes(gguf.quants.quantize(rng.standard_normal((2, 3, 64)).astype(
+        np.float32), QT.MXFP4), "MXFP4", (64, 3), leading=(2,))
+    gf.GGUFMXFP4(e=w.e[0], qs=w.qs, shape=w.shape)

@@ -72,6 +72,7 @@ class GGUFBlockWeight(formats.QuantizedWeight):
     if not self._leaves_concrete_2d():
       return
     nb = k // self.block_size
+    leading = None
     for f in self.block_fields:
       a = getattr(self, f.name)
       want = (n, nb, *f.tail)
@@ -81,73 +82,100 @@ class GGUFBlockWeight(formats.QuantizedWeight):
             f"{type(self).__name__}.{f.name} must be {want} of dtype "
             f"{jnp.dtype(f.dtype).name}, got {tuple(a.shape)} {jnp.dtype(a.dtype).name} "
             f"(shape={self.shape})")
+      lead = tuple(a.shape[:a.ndim - len(want)])
+      if leading is not None and lead != leading:
+        raise ValueError(
+            f"{type(self).__name__}: the block fields have different leading axes "
+            f"({leading} and {lead} on {f.name!r}); every field carries the same ones")
+      leading = lead
 
   @property
   def num_blocks(self) -> int:
     """Blocks per stored row (``K // block_size``)."""
     return self.shape[0] // self.block_size
 
+  @property
+  def leading_axes(self) -> tuple[int, ...]:
+    """The leading (expert) axes before the ``[N, K // block_size]`` block grid; ``()``
+    for a single matrix."""
+    f = self.block_fields[0]
+    a = getattr(self, f.name)
+    return tuple(a.shape[:a.ndim - 2 - len(f.tail)])
+
   @classmethod
   def row_bytes(cls, k: int) -> int:
     return k // cls.block_size * cls.type_size
 
   @classmethod
-  def from_bytes(cls, raw: Any, shape: tuple[int, int]):
+  def from_bytes(cls, raw: Any, shape: tuple[int, int], leading: tuple[int, ...] = ()):
     """The weight from its stored bytes.
 
     Args:
-      raw: ``[N, K // block_size * type_size]`` uint8 (any buffer of that many bytes:
-        a memory map, ``bytes``), the tensor's data as GGUF stores it.
-      shape: the logical ``(K, N)``.
+      raw: ``[*leading, N, K // block_size * type_size]`` uint8 (any buffer of that many
+        bytes: a memory map, ``bytes``), the tensor's data as GGUF stores it.
+      shape: the logical ``(K, N)`` (of each matrix when there are leading axes).
+      leading: leading axes (experts) in numpy order, e.g. ``(E,)`` for a GGUF tensor of
+        dims ``[K, N, E]``; every field then carries them first.
 
     Returns:
       The weight, its arrays on the default device.
     """
-    fields = {k: jnp.asarray(v) for k, v in cls.split_blocks(raw, shape).items()}
+    fields = {k: jnp.asarray(v) for k, v in cls.split_blocks(raw, shape, leading).items()}
     return cls(**fields, shape=tuple(int(d) for d in shape))
 
   @classmethod
-  def split_blocks(cls, raw: Any, shape: tuple[int, int]) -> dict[str, np.ndarray]:
+  def split_blocks(cls, raw: Any, shape: tuple[int, int], leading: tuple[int, ...] = ()
+                   ) -> dict[str, np.ndarray]:
     """Splits stored bytes into the numpy block fields (views of contiguous copies)."""
     k, n = (int(d) for d in shape)
+    leading = tuple(int(d) for d in leading)
     if k % cls.block_size:
       raise ValueError(
           f"{cls.__name__}: K={k} (row length) must be a multiple of the {cls.ggml_type} "
           f"block size {cls.block_size}")
     nb = k // cls.block_size
+    rows = n * int(np.prod(leading, dtype=np.int64))
     raw = _as_bytes(raw)
-    if raw.size != n * nb * cls.type_size:
+    if raw.size != rows * nb * cls.type_size:
+      what = f"{leading} x " if leading else ""
       raise ValueError(
-          f"{cls.__name__} of shape (K={k}, N={n}) needs {n * nb * cls.type_size} bytes, "
-          f"got {raw.size} (array shape {raw.shape})")
-    blocks = raw.reshape(n, nb, cls.type_size)
+          f"{cls.__name__} of shape {what}(K={k}, N={n}) needs {rows * nb * cls.type_size} "
+          f"bytes, got {raw.size} (array shape {raw.shape})")
+    blocks = raw.reshape(*leading, n, nb, cls.type_size)
     out = {}
     for f in cls.block_fields:
-      part = np.ascontiguousarray(blocks[:, :, f.offset:f.offset + f.nbytes])
-      out[f.name] = part.view(f.dtype).reshape(n, nb, *f.tail)
+      part = np.ascontiguousarray(blocks[..., f.offset:f.offset + f.nbytes])
+      out[f.name] = part.view(f.dtype).reshape(*leading, n, nb, *f.tail)
     return out
 
   def to_bytes(self) -> np.ndarray:
-    """``[N, K // block_size * type_size]`` uint8: the tensor's bytes as GGUF stores them."""
+    """``[*leading, N, K // block_size * type_size]`` uint8: the tensor's bytes as GGUF
+    stores them."""
     k, n = self.shape
     nb = self.num_blocks
-    parts = [np.asarray(getattr(self, f.name)).reshape(n, nb, -1).view(np.uint8)
+    lead = self.leading_axes
+    parts = [np.asarray(getattr(self, f.name)).reshape(*lead, n, nb, -1).view(np.uint8)
              for f in self.block_fields]
-    return np.concatenate(parts, axis=-1).reshape(n, nb * self.type_size)
+    return np.concatenate(parts, axis=-1).reshape(*lead, n, nb * self.type_size)
 
   def _fields(self) -> dict[str, jax.Array]:
     return {f.name: getattr(self, f.name) for f in self.block_fields}
 
   def dequantize(self) -> jax.Array:
-    """``[K, N]`` float32, bit-identical to ``gguf.quants.dequantize(...).T``."""
-    rows = self._rows_f32(**self._fields())  # [N, nb, block_size]
-    return rows.reshape(self.shape[1], self.shape[0]).T
+    """``[*leading, K, N]`` float32, bit-identical to ``gguf.quants.dequantize(...)`` with
+    its last two axes swapped."""
+    rows = self._rows_f32(**self._fields())  # [*leading, N, nb, block_size]
+    k, n = self.shape
+    return jnp.swapaxes(rows.reshape(*self.leading_axes, n, k), -1, -2)
 
   def take_rows(self, ids: jax.Array) -> jax.Array:
     """Dequantized stored rows ``ids`` (columns of W): ``[*ids.shape, K]`` float32.
 
     Only the gathered rows are dequantized (token-embedding lookup).
     """
+    if self.leading_axes:
+      raise ValueError(f"take_rows needs a single matrix; this {type(self).__name__} has "
+                       f"leading axes {self.leading_axes} (index one expert first)")
     ids = jnp.asarray(ids)
     fields = {name: jnp.take(a, ids, axis=0) for name, a in self._fields().items()}
     rows = self._rows_f32(**fields)
@@ -484,6 +512,12 @@ class GGUFMXFP4(GGUFBlockWeight):
     qs: ``[N, K // 32, 16]`` uint8; byte ``j`` holds code ``j`` (low nibble) and code
       ``j + 16`` (high nibble) of the block, as Q4_0.
     shape: the logical ``(K, N)``.
+
+  Leading (expert) axes may precede both fields (``e [E, N, K // 32]``, ``qs [E, N,
+  K // 32, 16]``: a GGUF ``[K, N, E]`` tensor such as GPT-OSS's ``ffn_*_exps``); ``shape``
+  stays the per-expert ``(K, N)``, :meth:`dequantize` gives ``[E, K, N]`` and
+  :meth:`to_mxfp4` the stacked weight (codes ``[E, Kp // 8, N]``, scales ``[E, K // 32,
+  N]``) that :func:`qjax.moe_matmul` takes.
   """
 
   format_name = "gguf_mxfp4"
@@ -516,15 +550,17 @@ class GGUFMXFP4(GGUFBlockWeight):
     give a subnormal scale or subnormal products, which XLA flushes to zero on the CPU).
     """
     k, n = self.shape
-    codes = self.codes()                                     # [N, nb, 32]
+    lead = self.leading_axes
+    codes = self.codes()                                     # [*leading, N, nb, 32]
     top = (self.e == 255)[..., None]
     i = codes & jnp.uint8(7)
     doubled = jnp.where(i == 0, 0, jnp.where(i == 1, 2, 4)).astype(jnp.uint8)
     codes = jnp.where(top, doubled | (codes & jnp.uint8(8)), codes)
     codes = jnp.where(codes == 8, jnp.uint8(0), codes)
     scales = jnp.where(self.e == 255, jnp.uint8(254), self.e)
-    return fp4.MXFP4Weight(codes=packing.pack_codes(codes.reshape(n, k).T, tile_k),
-                           scales=scales.T, shape=(k, n), tile_k=tile_k)
+    codes = jnp.swapaxes(codes.reshape(*lead, n, k), -1, -2)  # [*leading, K, N]
+    return fp4.MXFP4Weight(codes=packing.pack_codes(codes, tile_k),
+                           scales=jnp.swapaxes(scales, -1, -2), shape=(k, n), tile_k=tile_k)
 
 
 _DENSE_TYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}
@@ -606,19 +642,30 @@ BLOCK_FORMATS: dict[str, type[GGUFBlockWeight]] = {
 
 DENSE_TYPES = tuple(_DENSE_TYPES)
 SUPPORTED_TYPES = (*BLOCK_FORMATS, *DENSE_TYPES)
+# Types that load from tensors of more than 2 dims (GPT-OSS's MoE experts, GGUF dims
+# ``[K, N, E]``) as one pytree whose fields carry the leading axes.
+LEADING_AXES_TYPES = ("MXFP4",)
 
 
-def from_gguf_bytes(raw: Any, ggml_type: str, shape: tuple[int, int]):
-  """The qjax pytree of a 2-D GGUF tensor.
+def from_gguf_bytes(raw: Any, ggml_type: str, shape: tuple[int, int],
+                    leading: tuple[int, ...] = ()):
+  """The qjax pytree of a 2-D GGUF tensor (or a stack of them, see ``leading``).
 
   Args:
-    raw: the tensor's stored data (``[N, row_bytes]`` uint8 for block types, ``[N, K]``
-      elements or their bytes for F32 / F16 / BF16).
+    raw: the tensor's stored data (``[*leading, N, row_bytes]`` uint8 for block types,
+      ``[N, K]`` elements or their bytes for F32 / F16 / BF16).
     ggml_type: the GGUF type name, e.g. "Q4_K".
     shape: the logical ``(K, N)`` (GGUF's ``ne0, ne1``).
+    leading: leading axes in numpy order (GGUF's ``ne3, ne2``; ``(E,)`` for the MoE
+      experts of a ``[K, N, E]`` tensor), for the types of ``LEADING_AXES_TYPES`` only.
   """
+  leading = tuple(int(d) for d in leading)
+  if leading and ggml_type not in LEADING_AXES_TYPES:
+    raise ValueError(
+        f"GGUF type {ggml_type} with leading axes {leading}: qjax reads quantized tensors "
+        f"of more than 2 dims only for types {', '.join(LEADING_AXES_TYPES)}")
   if ggml_type in BLOCK_FORMATS:
-    return BLOCK_FORMATS[ggml_type].from_bytes(raw, shape)
+    return BLOCK_FORMATS[ggml_type].from_bytes(raw, shape, leading)
   if ggml_type in _DENSE_TYPES:
     return GGUFDense.from_bytes(raw, shape, ggml_type)
   raise ValueError(f"GGUF type {ggml_type} is not supported; supported: {list(SUPPORTED_TYPES)}")
