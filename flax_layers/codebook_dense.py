@@ -20,6 +20,7 @@ from flax import nnx
 import qjax
 from flax_layers.dense import _apply
 from flax_layers.dense import _quantized_dense
+from flax_layers.dense import _set_linear_params
 from flax_layers.dense import _value
 from flax_layers.dense import default_kernel_init
 
@@ -119,16 +120,8 @@ class CodebookLinear(nnx.Module):
                                             param_dtype))
     elif offload_pass2:
       kernel = qjax.place_pass2(kernel, "pinned_host")
-    if tuple(kernel.shape) != (in_features, out_features):
-      raise ValueError(f"kernel of logical shape {tuple(kernel.shape)} is not "
-                       f"({in_features}, {out_features})")
-    self.kernel = nnx.Param(kernel)
-    if use_bias:
-      bias = (bias_init(rngs.params(), (out_features,), param_dtype) if rngs is not None
-              else jnp.zeros((out_features,), param_dtype))
-      self.bias = nnx.Param(bias)
-    else:
-      self.bias = None
+    _set_linear_params(self, kernel, in_features, out_features, use_bias, bias_init,
+                       param_dtype, rngs)
 
   def __call__(self, x: Array) -> Array:
     bias = None if self.bias is None else _value(self.bias)

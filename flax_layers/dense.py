@@ -67,6 +67,23 @@ def _quantized_dense(module: nn.Module, x: Array, quantize: Callable[[Array], An
   return _apply(x, kernel, bias, module.dtype, module.implementation)
 
 
+def _set_linear_params(module: nnx.Module, kernel: Any, in_features: int, out_features: int,
+                       use_bias: bool, bias_init: Callable[..., Array], param_dtype: Any,
+                       rngs: nnx.Rngs | None) -> None:
+  """Sets ``module.kernel`` (a quantized weight of logical shape ``[in, out]``, checked)
+  and ``module.bias`` (``[out]`` from ``bias_init``, zeros without rngs, or None)."""
+  if tuple(kernel.shape) != (in_features, out_features):
+    raise ValueError(f"kernel of logical shape {tuple(kernel.shape)} is not "
+                     f"({in_features}, {out_features})")
+  module.kernel = nnx.Param(kernel)
+  if use_bias:
+    bias = (bias_init(rngs.params(), (out_features,), param_dtype) if rngs is not None
+            else jnp.zeros((out_features,), param_dtype))
+    module.bias = nnx.Param(bias)
+  else:
+    module.bias = None
+
+
 def quantize_dense_params(params: dict[str, Any], *, group_size: int | None = 128,
                           symmetric: bool = True, scale_dtype: Any = jnp.bfloat16,
                           method: str = "minmax") -> dict[str, Any]:
@@ -157,16 +174,8 @@ class Int4Linear(nnx.Module):
       w = kernel_init(rngs.params(), (in_features, out_features), param_dtype)
       kernel = qjax.quantize(w, group_size=group_size, symmetric=symmetric,
                              scale_dtype=scale_dtype)
-    if tuple(kernel.shape) != (in_features, out_features):
-      raise ValueError(f"kernel of logical shape {tuple(kernel.shape)} is not "
-                       f"({in_features}, {out_features})")
-    self.kernel = nnx.Param(kernel)
-    if use_bias:
-      bias = (bias_init(rngs.params(), (out_features,), param_dtype) if rngs is not None
-              else jnp.zeros((out_features,), param_dtype))
-      self.bias = nnx.Param(bias)
-    else:
-      self.bias = None
+    _set_linear_params(self, kernel, in_features, out_features, use_bias, bias_init,
+                       param_dtype, rngs)
 
   @classmethod
   def from_linear(cls, linear: nnx.Linear, *, group_size: int | None = 128,
