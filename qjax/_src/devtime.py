@@ -19,7 +19,7 @@ import os
 import statistics
 import tempfile
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 
@@ -52,6 +52,26 @@ def _read_trace(log_dir: str) -> dict[str, Any]:
     return json.load(f)
 
 
+def _stream_events(trace: dict[str, Any]) -> Iterator[dict[str, Any]]:
+  """The complete ("X") events of the device's stream threads.
+
+  A GPU process has per-stream threads holding the kernels and summary lines ("XLA Ops",
+  "XLA Modules") that overlap them: only the stream threads count (all of the device's
+  threads where none is named a stream).
+  """
+  pids = _device_pids(trace)
+  events = trace.get("traceEvents", [])
+  streams = {(e["pid"], e["tid"]) for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name" and e.get("pid") in pids
+             and "stream" in str(e.get("args", {}).get("name", "")).lower()}
+  for e in events:
+    if e.get("ph") != "X" or e.get("pid") not in pids:
+      continue
+    if streams and (e.get("pid"), e.get("tid")) not in streams:
+      continue
+    yield e
+
+
 def device_time(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, calls: int = 40,
                 warmup: int = 3) -> Timing:
   """Per-call device time of ``fn(*args)`` over rotating ``arg_sets``."""
@@ -72,20 +92,9 @@ def device_time(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, calls: int
     finally:
       jax.profiler.stop_trace()
     trace = _read_trace(d)
-  pids = _device_pids(trace)
-  events = trace.get("traceEvents", [])
-  # A GPU process has per-stream threads holding the kernels and summary lines
-  # ("XLA Ops", "XLA Modules") that overlap them: count the stream threads only.
-  streams = {(e["pid"], e["tid"]) for e in events
-             if e.get("ph") == "M" and e.get("name") == "thread_name" and e.get("pid") in pids
-             and "stream" in str(e.get("args", {}).get("name", "")).lower()}
   total = 0.0
   names = set()
-  for e in events:
-    if e.get("ph") != "X" or e.get("pid") not in pids:
-      continue
-    if streams and (e.get("pid"), e.get("tid")) not in streams:
-      continue
+  for e in _stream_events(trace):
     name = str(e.get("name", ""))
     if any(s in name.lower() for s in _SKIP):
       continue
@@ -126,17 +135,8 @@ def device_busy_time(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, calls
     finally:
       jax.profiler.stop_trace()
     trace = _read_trace(d)
-  pids = _device_pids(trace)
-  events = trace.get("traceEvents", [])
-  streams = {(e["pid"], e["tid"]) for e in events
-             if e.get("ph") == "M" and e.get("name") == "thread_name" and e.get("pid") in pids
-             and "stream" in str(e.get("args", {}).get("name", "")).lower()}
   intervals, names = [], set()
-  for e in events:
-    if e.get("ph") != "X" or e.get("pid") not in pids:
-      continue
-    if streams and (e.get("pid"), e.get("tid")) not in streams:
-      continue
+  for e in _stream_events(trace):
     start = float(e.get("ts", 0.0))
     intervals.append((start, start + float(e.get("dur", 0.0))))
     names.add(str(e.get("name", "")))
