@@ -4,7 +4,7 @@
 The kernel is a :class:`qjax.CodebookWeight` of logical shape ``[in_features,
 out_features]``; calls go through ``qjax.matmul`` (the fused Pallas kernel on NVIDIA GPUs,
 XLA elsewhere), which copies an offloaded pass 2 to the device inside the jitted call. For
-a stack of layers that prefetches pass 2 one layer ahead, see ``qjax.make_stacked_forward``.
+a stack of layers that prefetches pass 2 ahead of its layers, see ``qjax.make_stacked_forward``.
 """
 
 from __future__ import annotations

@@ -261,15 +261,25 @@ def test_quantize_time_offload_switch(request):
   assert q.codes.sharding.memory_kind == "device"
 
 
-@pytest.mark.parametrize("offload", [False, True])
-def test_stacked_forward_matches_layer_loop(request, offload):
+@pytest.mark.parametrize("offload,num,group", [
+    (False, 4, 4), (True, 4, 4), (True, 4, 1), (True, 7, 2), (False, 9, 4), (True, 11, 3),
+    (True, 3, 8)])
+def test_stacked_forward_matches_layer_loop(request, offload, num, group):
   rng = np.random.default_rng(seed_from(request.node.nodeid))
   ws = [qjax.quantize_codebook(rng.standard_normal((128, 128)).astype(np.float32),
-                               passes=2, seed=3) for _ in range(4)]
-  stack = qjax.stack_layers(ws, offload_pass2=offload)
+                               passes=2, seed=3) for _ in range(num)]
+  stack = qjax.stack_layers(ws, offload_pass2=offload, group=group)
   kind = "pinned_host" if offload else "device"
-  assert stack.second_rest.codes.sharding.memory_kind == kind
-  assert stack.first_body.codes.shape[0] == 3 and stack.num_layers == 4
+  g = min(group, num)
+  scanned = max(num // g - 1, 0)
+  assert stack.num_layers == num and stack.group == g and stack.scanned_groups == scanned
+  assert len(stack.first_tail) == num - scanned * g == len(stack.second_tail) + 1
+  assert len(stack.second_rest) == (g - 1 if scanned else 0)
+  for w in stack._seconds():
+    assert w.codes.sharding.memory_kind == kind
+  if scanned:
+    assert stack.first_body.codes.shape[:2] == (scanned, g)
+    assert stack.first_body.codes.sharding.memory_kind == "device"
   x = jnp.asarray(rng.standard_normal((3, 128)), jnp.float32)
   y = qjax.make_stacked_forward(implementation="xla")(stack, x)
   h = np.asarray(x, np.float64)
@@ -278,7 +288,9 @@ def test_stacked_forward_matches_layer_loop(request, offload):
     h = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + 1e-6)
   assert rel_err(y, h) < 1e-4
   if offload:
-    assert stack.device_bytes() < qjax.stack_layers(ws, offload_pass2=False).device_bytes()
+    on_device = qjax.stack_layers(ws, offload_pass2=False, group=group)
+    assert stack.device_bytes() + stack.pass2_bytes() == on_device.device_bytes()
+    assert stack.pass2_bytes() == sum(w.second_pass().nbytes for w in ws)
 
 
 def test_stack_layers_rejects_one_pass_and_mixed_seeds(request):
@@ -289,6 +301,9 @@ def test_stack_layers_rejects_one_pass_and_mixed_seeds(request):
         for s in (1, 2)]
   with pytest.raises(ValueError, match="same seed"):
     qjax.stack_layers(w2)
+  w3 = [qjax.quantize_codebook(gaussian(request.node.nodeid, 128, 8), passes=2)] * 2
+  with pytest.raises(ValueError, match="group=0"):
+    qjax.stack_layers(w3, group=0)
 
 
 # ----------------------------------------------------------------------- flax layers

@@ -97,7 +97,6 @@ def _add_bench(sub) -> None:
   def run(args):
     if args.offload:
       from qjax._src import offload_bench  # pylint: disable=g-import-not-at-top
-      offload_bench.enable_latency_hiding_scheduler()  # before the backend starts
       return offload_bench.run(args)
     from qjax._src import bench  # pylint: disable=g-import-not-at-top
     return bench.run(args)

@@ -3,12 +3,13 @@
 A two-pass :class:`~qjax._src.codebook.CodebookWeight` can keep its residual pass in pinned
 host memory (memory kind ``"pinned_host"``), which halves the device memory of its codes.
 A single matmul copies pass 2 to the device on every call. A stack of layers does better
-with :func:`make_stacked_forward`: a ``lax.scan`` over the layers whose step ``i`` issues
-the copy of layer ``i + 1``'s pass 2 (``jax.device_put`` to the device memory space, which
-XLA turns into an asynchronous host-to-device copy) before computing layer ``i`` with the
-pass 2 that the previous step fetched: double buffering, scheduled by XLA. The copy does
-not depend on the layer's compute, so XLA's latency-hiding scheduler can run them side by
-side (``--xla_gpu_enable_latency_hiding_scheduler=true``).
+with :func:`make_stacked_forward`: a ``lax.scan`` over groups of layers whose steps copy
+pass 2 of the coming layers (``jax.device_put`` to the device memory space, which XLA
+turns into asynchronous host-to-device copies on their own streams) while the current
+layers compute: prefetch into separate buffers, scheduled by XLA (:class:`LayerStack`
+says how the buffers are arranged so that no copy waits for a layer to finish reading).
+The forward is compiled without command buffers and with the latency-hiding scheduler on
+a GPU (:data:`GPU_COMPILER_OPTIONS`), under which the copies overlap the kernels.
 """
 
 from __future__ import annotations
@@ -65,28 +66,62 @@ def _to_device(w: CodebookWeight) -> CodebookWeight:
   return jax.tree.map(lambda a: jax.device_put(a, jax.memory.Space.Device), w)
 
 
+DEFAULT_GROUP = 4
+
+# Compiler options of the stacked forward on the GPU, measured on the H100 (32 layers of
+# 4096x4096, BENCHMARKS.md): with XLA's command buffers (CUDA graphs) the while loop's
+# host-to-device copies ran between the kernels, not beside them (offloaded time = device
+# + copy); without them the copies run on their own streams and overlap the compute.
+GPU_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": "",
+                        "xla_gpu_enable_latency_hiding_scheduler": True}
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerStack:
   """``L >= 2`` two-pass codebook layers of one shape, arranged for the prefetching scan.
 
-  Attributes:
-    first_body: pass 1 of layers ``0 .. L-2``; arrays ``[L-1, ...]``.
-    first_last: pass 1 of layer ``L-1``.
+  The layers are cut into groups of ``G`` (``group``). Each step of the scan computes one
+  group and copies the pass 2 of the next group's layers: layer ``j > 0`` of a group gets
+  its own buffer, filled while the layers before it compute; the next group's first layer
+  lands in the loop-carried buffer once this group's first layer is done with it. (With
+  one layer per step, XLA can start the copy into the carried buffer only after the layer
+  that reads it, so copy and compute alternate instead of overlapping.) The last
+  ``G + L % G`` layers (the tail) run after the scan.
+
+  Attributes, with ``S = L // G - 1`` scanned groups and ``T = L - S * G`` tail layers:
+    first_body: pass 1 of the scanned groups; arrays ``[S, G, ...]``.
+    second_rest: ``G - 1`` weights, pass 2 of layer ``j = 1 .. G-1`` of each scanned
+      group; arrays ``[S, ...]``.
+    second_next: pass 2 of the first layer of the group after each scanned group (the
+      tail's first layer after the last one); arrays ``[S, ...]``.
     second_head: pass 2 of layer 0 (a one-pass weight with the pass-2 seed).
-    second_rest: pass 2 of layers ``1 .. L-1``; arrays ``[L-1, ...]``. Step ``i`` of the
-      scan prefetches ``second_rest[i]`` (layer ``i + 1``) while computing layer ``i``.
+    first_tail: ``T`` weights, pass 1 of the tail layers.
+    second_tail: ``T - 1`` weights, pass 2 of the tail's layers after its first.
+    group: ``G``.
+  All ``second_*`` arrays live in pinned host memory when pass 2 is offloaded.
   """
-  first_body: CodebookWeight
-  first_last: CodebookWeight
+  first_body: CodebookWeight | None
+  second_rest: tuple[CodebookWeight, ...]
+  second_next: CodebookWeight | None
   second_head: CodebookWeight
-  second_rest: CodebookWeight
+  first_tail: tuple[CodebookWeight, ...]
+  second_tail: tuple[CodebookWeight, ...]
+  group: int
+
+  @property
+  def scanned_groups(self) -> int:
+    return 0 if self.first_body is None else self.first_body.codes.shape[0]
 
   @property
   def num_layers(self) -> int:
-    return self.first_body.codes.shape[0] + 1
+    return self.scanned_groups * self.group + len(self.first_tail)
+
+  def _seconds(self) -> list[CodebookWeight]:
+    return [w for w in (self.second_head, self.second_next, *self.second_rest,
+                        *self.second_tail) if w is not None]
 
   def pass2_bytes(self) -> int:
-    return self.second_head.nbytes + self.second_rest.nbytes
+    return sum(w.nbytes for w in self._seconds())
 
   def device_bytes(self) -> int:
     """Bytes of the arrays that live in device memory."""
@@ -96,20 +131,28 @@ class LayerStack:
 
 
 jax.tree_util.register_dataclass(
-    LayerStack, data_fields=["first_body", "first_last", "second_head", "second_rest"],
-    meta_fields=[])
+    LayerStack, data_fields=["first_body", "second_rest", "second_next", "second_head",
+                             "first_tail", "second_tail"],
+    meta_fields=["group"])
 
 
 def _stack(ws: Sequence[CodebookWeight]) -> CodebookWeight:
   return jax.tree.map(lambda *a: jnp.stack(a), *ws)
 
 
-def stack_layers(layers: Sequence[CodebookWeight], *, offload_pass2: bool = True
-                 ) -> LayerStack:
+def stack_layers(layers: Sequence[CodebookWeight], *, offload_pass2: bool = True,
+                 group: int = DEFAULT_GROUP) -> LayerStack:
   """Arranges two-pass layers for :func:`make_stacked_forward`, pass 2 in pinned host
-  memory (``offload_pass2=True``) or on the device (for comparison)."""
+  memory (``offload_pass2=True``) or on the device (for comparison).
+
+  ``group``: layers per scan step (see :class:`LayerStack`). Up to ``2 * group - 1``
+  layers' pass 2 are on the device at once, as prefetch buffers; 4 hid all but about 20 %
+  of the compute behind the copies at M = 1 on the H100 (2 and 8 did worse or no better).
+  """
   if len(layers) < 2:
     raise ValueError(f"stack_layers needs at least 2 layers, got {len(layers)}")
+  if not isinstance(group, int) or group < 1:
+    raise ValueError(f"group={group!r} must be a positive int (layers per scan step)")
   for i, w in enumerate(layers):
     if not isinstance(w, CodebookWeight) or w.passes != 2:
       raise ValueError(f"layer {i} must be a two-pass CodebookWeight (quantize_codebook("
@@ -121,15 +164,24 @@ def stack_layers(layers: Sequence[CodebookWeight], *, offload_pass2: bool = True
           f"layer {i} has (shape, group_size, rotation, seed)={static(w)} but layer 0 has "
           f"{static(layers[0])}: stacked layers share them (quantize every layer with the "
           f"same seed=...)")
-  firsts = [w.first_pass() for w in layers]
-  seconds = [_to_device(w.second_pass()) for w in layers]
-  stack = LayerStack(first_body=_stack(firsts[:-1]), first_last=firsts[-1],
-                     second_head=seconds[0], second_rest=_stack(seconds[1:]))
   kind = "pinned_host" if offload_pass2 else "device"
   _check_memory_kind(kind)
   put = lambda w: jax.tree.map(lambda a: _put(a, kind), w)
-  return dataclasses.replace(stack, second_head=put(stack.second_head),
-                             second_rest=put(stack.second_rest))
+  num, g = len(layers), min(group, len(layers))
+  scanned = max(num // g - 1, 0)
+  firsts = [w.first_pass() for w in layers]
+  seconds = [_to_device(w.second_pass()) for w in layers]
+  body = range(scanned)
+  tail = range(scanned * g, num)
+  return LayerStack(
+      first_body=_stack([_stack(firsts[s * g:(s + 1) * g]) for s in body]) if scanned else None,
+      second_rest=tuple(put(_stack([seconds[s * g + j] for s in body])) for j in range(1, g))
+      if scanned else (),
+      second_next=put(_stack([seconds[(s + 1) * g] for s in body])) if scanned else None,
+      second_head=put(seconds[0]),
+      first_tail=tuple(firsts[i] for i in tail),
+      second_tail=tuple(put(seconds[i]) for i in tail[1:]),
+      group=g)
 
 
 def rms_normalize(h: jax.Array, y: jax.Array) -> jax.Array:
@@ -139,26 +191,48 @@ def rms_normalize(h: jax.Array, y: jax.Array) -> jax.Array:
   return y.astype(h.dtype)
 
 
+def _take(w: CodebookWeight, i: int) -> CodebookWeight:
+  return jax.tree.map(lambda a: a[i], w)
+
+
 def make_stacked_forward(layer_fn: Callable[[jax.Array, jax.Array], jax.Array] = rms_normalize,
-                         *, implementation: str | None = None) -> Callable[..., jax.Array]:
+                         *, implementation: str | None = None,
+                         compiler_options: dict[str, Any] | None = None
+                         ) -> Callable[..., jax.Array]:
   """A jitted ``forward(stack: LayerStack, x [M, K]) -> [M, N]``: for each layer,
-  ``h = layer_fn(h, qjax.matmul(h, W_i))`` with pass 2 prefetched one layer ahead."""
+  ``h = layer_fn(h, qjax.matmul(h, W_i))``, with pass 2 copied to the device ahead of its
+  layer (see :class:`LayerStack` for the schedule).
 
-  def forward(stack: LayerStack, x: jax.Array) -> jax.Array:
-    current = _to_device(stack.second_head)
+  ``compiler_options``: XLA options of the jitted forward; the default on a GPU is
+  :data:`GPU_COMPILER_OPTIONS` (no command buffers, the latency-hiding scheduler), under
+  which the copies overlap the compute; none elsewhere.
+  """
 
-    def step(carry, layer):
-      h, second = carry
-      first, second_next_host = layer
-      # Issued before this layer's matmul and independent of it: the copy can overlap.
-      second_next = _to_device(second_next_host)
-      y = dispatch.matmul(h, first.with_second_pass(second), implementation=implementation)
-      return (layer_fn(h, y), second_next), None
-
-    (h, current), _ = jax.lax.scan(step, (x, current),
-                                   (stack.first_body, stack.second_rest))
-    y = dispatch.matmul(h, stack.first_last.with_second_pass(current),
-                        implementation=implementation)
+  def layer(h, first, second):
+    y = dispatch.matmul(h, first.with_second_pass(second), implementation=implementation)
     return layer_fn(h, y)
 
-  return jax.jit(forward)
+  def forward(stack: LayerStack, x: jax.Array) -> jax.Array:
+    carried = _to_device(stack.second_head)
+    h = x
+    if stack.scanned_groups:
+      def step(carry, xs):
+        h, carried = carry
+        firsts, rest_host, next_host = xs
+        rest = [_to_device(w) for w in rest_host]  # own buffers: copied while h computes
+        h = layer(h, _take(firsts, 0), carried)
+        carried_next = _to_device(next_host)  # the carried buffer is free from here on
+        for j, second in enumerate(rest, start=1):
+          h = layer(h, _take(firsts, j), second)
+        return (h, carried_next), None
+
+      (h, carried), _ = jax.lax.scan(
+          step, (h, carried), (stack.first_body, stack.second_rest, stack.second_next))
+    rest = [_to_device(w) for w in stack.second_tail]
+    for first, second in zip(stack.first_tail, [carried, *rest]):
+      h = layer(h, first, second)
+    return h
+
+  if compiler_options is None and jax.devices()[0].platform == "gpu":
+    compiler_options = GPU_COMPILER_OPTIONS
+  return jax.jit(forward, compiler_options=compiler_options)

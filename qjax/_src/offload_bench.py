@@ -13,7 +13,6 @@ profiler's device events); the CPU runs a tiny smoke version.
 from __future__ import annotations
 
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -24,19 +23,9 @@ from qjax._src import offload
 from qjax._src import packing
 from qjax._src.codebook import CodebookWeight
 
-LHS_FLAG = "--xla_gpu_enable_latency_hiding_scheduler=true"
 GPU_M = (1, 256, 4096)
 GPU_LAYERS, GPU_K = 32, 4096
-CPU_M, CPU_LAYERS, CPU_K = (1, 8), 3, 256
-
-
-def enable_latency_hiding_scheduler() -> str:
-  """Adds the latency-hiding scheduler flag to XLA_FLAGS unless the user set it; must run
-  before the GPU backend starts. Returns the flags in effect."""
-  flags = os.environ.get("XLA_FLAGS", "")
-  if "latency_hiding_scheduler" not in flags:
-    os.environ["XLA_FLAGS"] = (flags + " " + LHS_FLAG).strip()
-  return os.environ["XLA_FLAGS"]
+CPU_M, CPU_LAYERS, CPU_K = (1, 8), 8, 256
 
 
 def random_two_pass(key: jax.Array, k: int, n: int, group: int = 128) -> CodebookWeight:
@@ -57,7 +46,7 @@ def _copy_fn(stack: offload.LayerStack):
   @jax.jit
   def copy(s):
     moved = jax.tree.map(lambda a: jax.device_put(a, jax.memory.Space.Device),
-                         (s.second_head, s.second_rest))
+                         (s.second_head, s.second_next, s.second_rest, s.second_tail))
     # One element of each copy keeps it alive without returning the copies.
     return [a.reshape(-1)[:1] for a in jax.tree_util.tree_leaves(moved)]
 
@@ -65,13 +54,15 @@ def _copy_fn(stack: offload.LayerStack):
 
 
 def run(args) -> int:
-  flags = enable_latency_hiding_scheduler()
   on_gpu = jax.devices()[0].platform == "gpu"
   ms = [int(v) for v in args.m.split(",")] if args.m else list(GPU_M if on_gpu else CPU_M)
   layers, k = (GPU_LAYERS, GPU_K) if on_gpu else (CPU_LAYERS, CPU_K)
   calls = max(3, min(args.calls, 10))
   print(f"# qjax bench --offload on {jax.devices()[0].device_kind}, jax {jax.__version__}")
-  print(f"# {layers} layers of {k}x{k} two-pass codebook weights (group 128), XLA_FLAGS={flags}")
+  forward = offload.make_stacked_forward()
+  options = offload.GPU_COMPILER_OPTIONS if on_gpu else {}
+  print(f"# {layers} layers of {k}x{k} two-pass codebook weights (group 128); forward "
+        f"compiled with {options}")
   if not on_gpu:
     print("# CPU run: wall-clock smoke test of the code path, not offload figures")
   keys = jax.random.split(jax.random.key(0), layers)
@@ -86,7 +77,8 @@ def run(args) -> int:
         f"GB/s measured ({copy_t.us:.0f} us, {copy_t.source})")
   print(f"# weights in device memory: {on_device.device_bytes() / 2**20:.1f} MiB both passes, "
         f"{offloaded.device_bytes() / 2**20:.1f} MiB with pass 2 offloaded")
-  forward = offload.make_stacked_forward()
+  print(f"# prefetch: {offloaded.group} layers per scan step ({offloaded.scanned_groups} "
+        f"steps, {len(offloaded.first_tail)} tail layers)")
   print(f"{'M':>6} | {'device us':>10} {'offload us':>10} {'copy us':>9} | "
         f"{'offload/max':>11} {'overlap':>8}")
   worst = 0.0
