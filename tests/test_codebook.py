@@ -263,7 +263,7 @@ def test_quantize_time_offload_switch(request):
 
 @pytest.mark.parametrize("offload,num,group", [
     (False, 4, 4), (True, 4, 4), (True, 4, 1), (True, 7, 2), (False, 9, 4), (True, 11, 3),
-    (True, 3, 8)])
+    (True, 3, 8), (True, 17, 8), (True, 16, 5)])
 def test_stacked_forward_matches_layer_loop(request, offload, num, group):
   rng = np.random.default_rng(seed_from(request.node.nodeid))
   ws = [qjax.quantize_codebook(rng.standard_normal((128, 128)).astype(np.float32),
@@ -271,10 +271,12 @@ def test_stacked_forward_matches_layer_loop(request, offload, num, group):
   stack = qjax.stack_layers(ws, offload_pass2=offload, group=group)
   kind = "pinned_host" if offload else "device"
   g = min(group, num)
-  scanned = max(num // g - 1, 0)
+  c, scanned = max(g // 2, 1), max(num // g - 1, 0)
   assert stack.num_layers == num and stack.group == g and stack.scanned_groups == scanned
-  assert len(stack.first_tail) == num - scanned * g == len(stack.second_tail) + 1
-  assert len(stack.second_rest) == (g - 1 if scanned else 0)
+  assert stack.carried == c == len(stack.second_head)
+  assert len(stack.first_tail) == num - scanned * g == len(stack.second_tail) + c
+  assert len(stack.second_rest) == (g - c if scanned else 0)
+  assert len(stack.second_next) == (c if scanned else 0)
   for w in stack._seconds():
     assert w.codes.sharding.memory_kind == kind
   if scanned:

@@ -91,8 +91,11 @@ def _add_bench(sub) -> None:
                  "CPU 2)")
   p.add_argument("--offload", action="store_true", help="instead: 32 layers of 4096x4096 "
                  "two-pass codebook weights, device time with pass 2 on the device and in "
-                 "pinned host memory (prefetched one layer ahead), the copy term and the "
-                 "overlap achieved (--m default 1,256,4096; GPU)")
+                 "pinned host memory (prefetched ahead of the layers), the copy term and "
+                 "the overlap achieved (--m default 1,256,4096; GPU)")
+  p.add_argument("--offload-group", type=int, default=None, metavar="G",
+                 help="with --offload: layers per scan step of the prefetch (default "
+                      "qjax's, see qjax.stack_layers)")
 
   def run(args):
     if args.offload:

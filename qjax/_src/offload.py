@@ -66,7 +66,7 @@ def _to_device(w: CodebookWeight) -> CodebookWeight:
   return jax.tree.map(lambda a: jax.device_put(a, jax.memory.Space.Device), w)
 
 
-DEFAULT_GROUP = 4
+DEFAULT_GROUP = 8
 
 # Compiler options of the stacked forward on the GPU, measured on the H100 (32 layers of
 # 4096x4096, BENCHMARKS.md): with XLA's command buffers (CUDA graphs) the while loop's
@@ -80,33 +80,41 @@ GPU_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": "",
 class LayerStack:
   """``L >= 2`` two-pass codebook layers of one shape, arranged for the prefetching scan.
 
-  The layers are cut into groups of ``G`` (``group``). Each step of the scan computes one
-  group and copies the pass 2 of the next group's layers: layer ``j > 0`` of a group gets
-  its own buffer, filled while the layers before it compute; the next group's first layer
-  lands in the loop-carried buffer once this group's first layer is done with it. (With
-  one layer per step, XLA can start the copy into the carried buffer only after the layer
-  that reads it, so copy and compute alternate instead of overlapping.) The last
-  ``G + L % G`` layers (the tail) run after the scan.
+  The layers are cut into groups of ``G`` (``group``); each step of the scan computes one
+  group. Pass 2 of a group's first ``C = G // 2`` layers is loop-carried: the previous
+  step copied it. At the start of a step the copies of the group's other ``G - C`` layers
+  begin, each into its own buffer, while the first ``C`` layers compute; once those are
+  done, the copies of the next group's first ``C`` layers begin (into the carried buffers,
+  which nothing reads any more) while the other ``G - C`` layers compute. So a copy never
+  waits for a layer to finish reading its buffer, and copies are in flight across the
+  step boundary. (With one layer per step, XLA can start the copy into the carried buffer
+  only after the layer that reads it, and copy and compute alternate instead of
+  overlapping.) The last ``G + L % G`` layers (the tail) run after the scan.
 
   Attributes, with ``S = L // G - 1`` scanned groups and ``T = L - S * G`` tail layers:
-    first_body: pass 1 of the scanned groups; arrays ``[S, G, ...]``.
-    second_rest: ``G - 1`` weights, pass 2 of layer ``j = 1 .. G-1`` of each scanned
-      group; arrays ``[S, ...]``.
-    second_next: pass 2 of the first layer of the group after each scanned group (the
-      tail's first layer after the last one); arrays ``[S, ...]``.
-    second_head: pass 2 of layer 0 (a one-pass weight with the pass-2 seed).
+    first_body: pass 1 of the scanned groups; arrays ``[S, G, ...]``, or None if S = 0.
+    second_rest: ``G - C`` weights, pass 2 of layers ``C .. G-1`` of each scanned group;
+      arrays ``[S, ...]``.
+    second_next: ``C`` weights, pass 2 of the first ``C`` layers of the group after each
+      scanned group (the tail's first ``C`` after the last); arrays ``[S, ...]``.
+    second_head: ``C`` weights, pass 2 of layers ``0 .. C-1``.
     first_tail: ``T`` weights, pass 1 of the tail layers.
-    second_tail: ``T - 1`` weights, pass 2 of the tail's layers after its first.
-    group: ``G``.
-  All ``second_*`` arrays live in pinned host memory when pass 2 is offloaded.
+    second_tail: ``T - C`` weights, pass 2 of the tail's layers after its first ``C``.
+    group: ``G``; ``carried``: ``C``.
+  All ``second_*`` arrays live in pinned host memory when pass 2 is offloaded; at most
+  ``G + C`` layers' pass 2 are on the device at once, as prefetch buffers.
   """
   first_body: CodebookWeight | None
   second_rest: tuple[CodebookWeight, ...]
-  second_next: CodebookWeight | None
-  second_head: CodebookWeight
+  second_next: tuple[CodebookWeight, ...]
+  second_head: tuple[CodebookWeight, ...]
   first_tail: tuple[CodebookWeight, ...]
   second_tail: tuple[CodebookWeight, ...]
   group: int
+
+  @property
+  def carried(self) -> int:
+    return len(self.second_head)
 
   @property
   def scanned_groups(self) -> int:
@@ -117,11 +125,16 @@ class LayerStack:
     return self.scanned_groups * self.group + len(self.first_tail)
 
   def _seconds(self) -> list[CodebookWeight]:
-    return [w for w in (self.second_head, self.second_next, *self.second_rest,
-                        *self.second_tail) if w is not None]
+    return [*self.second_head, *self.second_next, *self.second_rest, *self.second_tail]
 
   def pass2_bytes(self) -> int:
     return sum(w.nbytes for w in self._seconds())
+
+  def prefetch_buffer_bytes(self) -> int:
+    """Most bytes of pass 2 on the device at once during the forward (``G + C`` layers'),
+    on top of :meth:`device_bytes`."""
+    one = self.second_head[0].nbytes
+    return min(self.group + self.carried, self.num_layers) * one
 
   def device_bytes(self) -> int:
     """Bytes of the arrays that live in device memory."""
@@ -145,9 +158,9 @@ def stack_layers(layers: Sequence[CodebookWeight], *, offload_pass2: bool = True
   """Arranges two-pass layers for :func:`make_stacked_forward`, pass 2 in pinned host
   memory (``offload_pass2=True``) or on the device (for comparison).
 
-  ``group``: layers per scan step (see :class:`LayerStack`). Up to ``2 * group - 1``
-  layers' pass 2 are on the device at once, as prefetch buffers; 4 hid all but about 20 %
-  of the compute behind the copies at M = 1 on the H100 (2 and 8 did worse or no better).
+  ``group``: layers per scan step (see :class:`LayerStack`); up to ``1.5 * group`` layers'
+  pass 2 are on the device at once as prefetch buffers. BENCHMARKS.md has what it gave on
+  the H100.
   """
   if len(layers) < 2:
     raise ValueError(f"stack_layers needs at least 2 layers, got {len(layers)}")
@@ -168,19 +181,20 @@ def stack_layers(layers: Sequence[CodebookWeight], *, offload_pass2: bool = True
   _check_memory_kind(kind)
   put = lambda w: jax.tree.map(lambda a: _put(a, kind), w)
   num, g = len(layers), min(group, len(layers))
+  c = max(g // 2, 1)
   scanned = max(num // g - 1, 0)
   firsts = [w.first_pass() for w in layers]
   seconds = [_to_device(w.second_pass()) for w in layers]
-  body = range(scanned)
+  steps = range(scanned)
+  by_step = lambda j: put(_stack([seconds[s * g + j] for s in steps]))
   tail = range(scanned * g, num)
   return LayerStack(
-      first_body=_stack([_stack(firsts[s * g:(s + 1) * g]) for s in body]) if scanned else None,
-      second_rest=tuple(put(_stack([seconds[s * g + j] for s in body])) for j in range(1, g))
-      if scanned else (),
-      second_next=put(_stack([seconds[(s + 1) * g] for s in body])) if scanned else None,
-      second_head=put(seconds[0]),
+      first_body=_stack([_stack(firsts[s * g:(s + 1) * g]) for s in steps]) if scanned else None,
+      second_rest=tuple(by_step(j) for j in range(c, g)) if scanned else (),
+      second_next=tuple(by_step(g + j) for j in range(c)) if scanned else (),
+      second_head=tuple(put(seconds[j]) for j in range(c)),
       first_tail=tuple(firsts[i] for i in tail),
-      second_tail=tuple(put(seconds[i]) for i in tail[1:]),
+      second_tail=tuple(put(seconds[i]) for i in tail[c:]),
       group=g)
 
 
@@ -213,23 +227,24 @@ def make_stacked_forward(layer_fn: Callable[[jax.Array, jax.Array], jax.Array] =
     return layer_fn(h, y)
 
   def forward(stack: LayerStack, x: jax.Array) -> jax.Array:
-    carried = _to_device(stack.second_head)
+    carried = [_to_device(w) for w in stack.second_head]
     h = x
     if stack.scanned_groups:
       def step(carry, xs):
         h, carried = carry
         firsts, rest_host, next_host = xs
         rest = [_to_device(w) for w in rest_host]  # own buffers: copied while h computes
-        h = layer(h, _take(firsts, 0), carried)
-        carried_next = _to_device(next_host)  # the carried buffer is free from here on
-        for j, second in enumerate(rest, start=1):
+        for j, second in enumerate(carried):
+          h = layer(h, _take(firsts, j), second)
+        carried_next = [_to_device(w) for w in next_host]  # nothing reads these slots now
+        for j, second in enumerate(rest, start=len(carried)):
           h = layer(h, _take(firsts, j), second)
         return (h, carried_next), None
 
       (h, carried), _ = jax.lax.scan(
           step, (h, carried), (stack.first_body, stack.second_rest, stack.second_next))
     rest = [_to_device(w) for w in stack.second_tail]
-    for first, second in zip(stack.first_tail, [carried, *rest]):
+    for first, second in zip(stack.first_tail, [*carried, *rest]):
       h = layer(h, first, second)
     return h
 

@@ -67,8 +67,9 @@ def run(args) -> int:
     print("# CPU run: wall-clock smoke test of the code path, not offload figures")
   keys = jax.random.split(jax.random.key(0), layers)
   ws = [random_two_pass(kk, k, k) for kk in keys]
-  on_device = offload.stack_layers(ws, offload_pass2=False)
-  offloaded = offload.stack_layers(ws, offload_pass2=True)
+  group = args.offload_group or offload.DEFAULT_GROUP
+  on_device = offload.stack_layers(ws, offload_pass2=False, group=group)
+  offloaded = offload.stack_layers(ws, offload_pass2=True, group=group)
   del ws
   pass2_bytes = offloaded.pass2_bytes()
   copy_t = devtime.device_busy_time(_copy_fn(offloaded), [(offloaded,)], calls=calls)
@@ -77,8 +78,9 @@ def run(args) -> int:
         f"GB/s measured ({copy_t.us:.0f} us, {copy_t.source})")
   print(f"# weights in device memory: {on_device.device_bytes() / 2**20:.1f} MiB both passes, "
         f"{offloaded.device_bytes() / 2**20:.1f} MiB with pass 2 offloaded")
-  print(f"# prefetch: {offloaded.group} layers per scan step ({offloaded.scanned_groups} "
-        f"steps, {len(offloaded.first_tail)} tail layers)")
+  print(f"# prefetch: {offloaded.group} layers per scan step, {offloaded.carried} carried "
+        f"({offloaded.scanned_groups} steps, {len(offloaded.first_tail)} tail layers); "
+        f"prefetch buffers up to {offloaded.prefetch_buffer_bytes() / 2**20:.1f} MiB")
   print(f"{'M':>6} | {'device us':>10} {'offload us':>10} {'copy us':>9} | "
         f"{'offload/max':>11} {'overlap':>8}")
   worst = 0.0
