@@ -93,3 +93,16 @@ def test_tune_refuses_a_kernel_without_candidate_configs():
   from qjax._src import bench  # pylint: disable=g-import-not-at-top
   with pytest.raises(ValueError, match="no candidate configs.*tune int4, mxfp4 or nvfp4"):
     bench.tune([(256, 384)], [1], "codebook", calls=1)
+
+
+def test_llama_stack_fused_and_separate_hold_the_same_weights():
+  """The fused stack (qkv, gate+up as one matrix each) stores what the separate one does."""
+  from qjax._src import bench  # pylint: disable=g-import-not-at-top
+  size = dict(layers=1, hidden=256, inter=512, kv=64, calls=1)
+  sep = bench.llama_stack_tokens_per_s(**size)
+  fus = bench.llama_stack_tokens_per_s(**size, fused=True)
+  params = 256 * (256 + 2 * 64) + 256 * 256 + 3 * 256 * 512
+  for r in (sep, fus):
+    assert r["bf16_weight_gb"] * 1e9 == 2 * params
+    assert 0 < r["int4_tokens_per_s"] < float("inf") and r["int4_device_ms"] > 0
+  assert abs(fus["int4_weight_gb"] - sep["int4_weight_gb"]) / sep["int4_weight_gb"] < 0.02

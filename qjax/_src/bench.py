@@ -233,17 +233,22 @@ def tune(shapes: Sequence[tuple[int, int]], ms: Sequence[int], fmt: str, *, call
   return entries
 
 
-def llama_stack_tokens_per_s(*, layers: int, hidden: int, inter: int, kv: int, calls: int
-                             ) -> dict[str, float]:
+def llama_stack_tokens_per_s(*, layers: int, hidden: int, inter: int, kv: int, calls: int,
+                             fused: bool = False) -> dict[str, float]:
   """Decode at batch 1 through a Llama-shaped stack of linear layers under one jit.
 
   Each layer: q, k, v, o projections and the SwiGLU MLP (gate, up, down), with a
-  residual; attention itself is left out (it is not a weight matmul). Returns tokens/s
-  of the int4 stack (auto implementation) and of the same stack in bf16, from wall time
-  of repeated jitted steps, and the device time per step.
+  residual; attention itself is left out (it is not a weight matmul). ``fused``: q, k and
+  v as one ``[hidden, hidden + 2 kv]`` matrix and gate and up as one ``[hidden, 2 inter]``,
+  as serving engines store them (the same in both stacks). Returns tokens/s of the int4
+  stack (auto implementation) and of the same stack in bf16, from wall time of repeated
+  jitted steps, and the device time per step.
   """
-  shapes = [(hidden, hidden), (hidden, kv), (hidden, kv), (hidden, hidden),
-            (hidden, inter), (hidden, inter), (inter, hidden)]
+  if fused:
+    shapes = [(hidden, hidden + 2 * kv), (hidden, hidden), (hidden, 2 * inter), (inter, hidden)]
+  else:
+    shapes = [(hidden, hidden), (hidden, kv), (hidden, kv), (hidden, hidden),
+              (hidden, inter), (hidden, inter), (inter, hidden)]
   key = jax.random.key(2)
   qws, bws = [], []
   for layer in range(layers):
@@ -255,12 +260,23 @@ def llama_stack_tokens_per_s(*, layers: int, hidden: int, inter: int, kv: int, c
     bws.append([(jax.random.normal(jax.random.fold_in(lk, i), (k, n), jnp.float32) / 64
                  ).astype(jnp.bfloat16) for i, (k, n) in enumerate(shapes)])
 
+  def projections(h, w, mm):
+    """q, k, v, o's weight, gate(h), up(h) and down's weight of one layer."""
+    if fused:
+      wqkv, wo, wgu, wd = w
+      q, k_, v = jnp.split(mm(h, wqkv), [hidden, hidden + kv], axis=-1)
+      return q, k_, v, wo, lambda a: mm(a, wgu), wd
+    wq, wk, wv, wo, wg, wu, wd = w
+    return mm(h, wq), mm(h, wk), mm(h, wv), wo, lambda a: (mm(a, wg), mm(a, wu)), wd
+
   def step(h, weights, mm):
-    for wq, wk, wv, wo, wg, wu, wd in weights:
-      q, k_, v = mm(h, wq), mm(h, wk), mm(h, wv)
+    for w in weights:
+      q, k_, v, wo, gate_up, wd = projections(h, w, mm)
       attn = q + jnp.tile(k_ + v, hidden // kv)  # stands in for attention
       h = h + mm(attn, wo)
-      h = h + mm(jax.nn.silu(mm(h, wg)) * mm(h, wu), wd)
+      gu = gate_up(h)
+      gate, up = gu if isinstance(gu, tuple) else (gu[..., :inter], gu[..., inter:])
+      h = h + mm(jax.nn.silu(gate) * up, wd)
     return h
 
   int4_step = jax.jit(lambda h, w: step(h, w, dispatch.matmul))
@@ -459,17 +475,18 @@ def run(args) -> int:
   result = {"environment": env, "bandwidth_bytes_per_s": bandwidth,
             "rows": [dataclasses.asdict(r) for r in rows]}
   if args.model:
-    if on_gpu:
-      stack = llama_stack_tokens_per_s(layers=32, hidden=4096, inter=14336, kv=1024, calls=20)
-    else:
-      stack = llama_stack_tokens_per_s(layers=2, hidden=512, inter=1024, kv=128, calls=3)
-    result["llama_stack"] = stack
+    size = (dict(layers=32, hidden=4096, inter=14336, kv=1024, calls=20) if on_gpu else
+            dict(layers=2, hidden=512, inter=1024, kv=128, calls=3))
     print("\nLlama-3-8B-shaped linear stack, batch-1 decode under one jit"
           f"{' (CPU: 2 small layers, labels only)' if not on_gpu else ''}:")
-    print(f"  int4 {stack['int4_tokens_per_s']:.1f} tok/s ({stack['int4_device_ms']:.2f} ms "
-          f"device/step, {stack['int4_weight_gb']:.2f} GB)   bf16 "
-          f"{stack['bf16_tokens_per_s']:.1f} tok/s ({stack['bf16_device_ms']:.2f} ms, "
-          f"{stack['bf16_weight_gb']:.2f} GB)   speedup {stack['speedup']:.2f}x")
+    for fused in (False, True):
+      stack = llama_stack_tokens_per_s(**size, fused=fused)
+      result["llama_stack_fused" if fused else "llama_stack"] = stack
+      label = "fused qkv, gate+up" if fused else "separate q,k,v,gate,up"
+      print(f"  {label:<23} int4 {stack['int4_tokens_per_s']:.1f} tok/s "
+            f"({stack['int4_device_ms']:.2f} ms device/step, {stack['int4_weight_gb']:.2f} GB)"
+            f"   bf16 {stack['bf16_tokens_per_s']:.1f} tok/s ({stack['bf16_device_ms']:.2f} ms, "
+            f"{stack['bf16_weight_gb']:.2f} GB)   speedup {stack['speedup']:.2f}x", flush=True)
   if args.json:
     with open(args.json, "w") as f:
       json.dump(result, f, indent=1)
