@@ -58,7 +58,7 @@ for _fp4_format in (qjax.MXFP4Weight, qjax.NVFP4Weight):
       _fp4_format,
       qjax.Backend(name="pallas_triton", fn=fp4_matmul.fp4_matmul,
                    supported_on=triton_supported,
-                   candidate_configs=fp4_matmul.candidate_configs,
+                   candidate_configs=fp4_matmul.fp4_candidate_configs,
                    # Same bound as INT4 until the FP4 kernel has its own H100 sweeps.
                    auto_max_m=64))
 del _fp4_format

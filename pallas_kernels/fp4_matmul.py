@@ -19,9 +19,10 @@ activations take that f16 widened (exact: every such value is a normal bf16). Th
 column of the f32 partial product, after the dots:
 ``acc += (x_b @ (e2m1_b * 2**-14)) * (2**14 * scale_b)``.
 
-Block scales are decoded from their bytes in the kernel: E8M0 ``e`` is the float32 with
-bits ``e << 23``; e4m3 bits ``s eeee mmm`` become the float16 ``s 0eeee mmm0000000``
-(``= e4m3 * 2**-8``, subnormals included) widened to f32.
+Block scales are decoded from their bytes in the kernel (:mod:`pallas_kernels.fp4_codec`).
+
+One row of x (M = 1) goes to :mod:`pallas_kernels.fp4_gemv` instead: no tensor cores,
+FMAs in registers.
 """
 
 from __future__ import annotations
@@ -39,12 +40,16 @@ from qjax import MXFP4Weight
 from qjax import NVFP4Weight
 from qjax._src import packing
 from pallas_kernels import common
+from pallas_kernels import fp4_codec
+from pallas_kernels import fp4_gemv
 from pallas_kernels import int4_matmul
 
 _load = common.load
 
-E2M1_TO_F16_SCALE = 2.0 ** 14    # the f16 built from E2M1 bits is value * 2**-14
-E4M3_TO_F16_SCALE = 2.0 ** 8     # the f16 built from e4m3 bits is value * 2**-8
+# Re-exported: the MoE kernel and older callers reach them here.
+E2M1_TO_F16_SCALE = fp4_codec.E2M1_TO_F16_SCALE
+E4M3_TO_F16_SCALE = fp4_codec.E4M3_TO_F16_SCALE
+scale_decoder = fp4_codec.scale_decoder
 
 heuristic_config = int4_matmul.heuristic_config
 candidate_configs = int4_matmul.candidate_configs
@@ -65,38 +70,6 @@ def _e2m1_slab(words: jax.Array, j: int, dtype) -> jax.Array:
     return w16
   # Through f32: two plain widen / narrow conversions, both exact here.
   return w16.astype(jnp.float32).astype(dtype)
-
-
-def _e8m0_to_f32(e: jax.Array) -> jax.Array:
-  """uint8 E8M0 bytes -> float32 ``2 ** (e - 127)`` (0: 2**-127, 255: NaN)."""
-  e = e.astype(jnp.uint32)
-  bits = jnp.where(e == 0, 0x00400000, e << 23)
-  bits = jnp.where(e == 255, 0x7FC00000, bits)
-  return lax.bitcast_convert_type(bits.astype(jnp.uint32), jnp.float32)
-
-
-def _e4m3_to_f32_times_2_pow_minus_8(b: jax.Array) -> jax.Array:
-  """uint8 float8_e4m3fn bits -> float32 ``e4m3 * 2**-8`` (0x7F / 0xFF: NaN)."""
-  b = b.astype(jnp.uint32)
-  bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
-  v = lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16).astype(jnp.float32)
-  return jnp.where((b & 0x7F) == 0x7F, jnp.nan, v)
-
-
-def scale_decoder(scale_format: str, global_scale=None):
-  """``(decode, factor)`` for a scale format: ``decode(bytes) * factor`` is the f32
-  multiplier of a block's partial product ``x_b @ (e2m1_b * 2**-14)``.
-
-  ``global_scale`` (NVFP4's tensor scale, a loaded ``[1, 1]`` f32 array) is folded into
-  ``factor``; None for MXFP4.
-  """
-  if scale_format == "e8m0":
-    decode, fixed = _e8m0_to_f32, E2M1_TO_F16_SCALE
-  elif scale_format == "e4m3":
-    decode, fixed = _e4m3_to_f32_times_2_pow_minus_8, E2M1_TO_F16_SCALE * E4M3_TO_F16_SCALE
-  else:
-    raise ValueError(f"{scale_format=} must be 'e8m0' (MXFP4) or 'e4m3' (NVFP4)")
-  return decode, (fixed if global_scale is None else global_scale * fixed)
 
 
 def accumulate_k_tile(acc, words, load_x, load_scale, *, k_tile, tile_k, block_size,
@@ -193,6 +166,9 @@ def fp4_matmul(x: jax.Array, w: MXFP4Weight | NVFP4Weight, *, interpret: bool = 
     poison: for tests: the output buffer starts as NaN (aliased into the kernel), so an
       element the kernel fails to write shows up as NaN.
 
+  At M = 1 the GEMV kernel runs instead (:mod:`pallas_kernels.fp4_gemv`), unless
+  ``config`` asks for tiles of several rows (``block_m > 1``).
+
   Raises:
     NotImplementedError: batched codes (vmap instead).
   """
@@ -207,16 +183,16 @@ def fp4_matmul(x: jax.Array, w: MXFP4Weight | NVFP4Weight, *, interpret: bool = 
   m, k = x.shape
   n = w.shape[1]
   if config is None:
-    config = _lookup_config(w.format_name, m, k, n) or heuristic_config(m, k, n)
+    config = _lookup_config(w.format_name, m, k, n)
+  if fp4_gemv.supports(m, k, w.block_size) and (config is None or config.block_m == 1):
+    # One row: the FMA kernel beats a 1/16-used tensor-core tile (see fp4_gemv).
+    return fp4_gemv.fp4_gemv(x, w, config=config, interpret=interpret, poison=poison)
+  if config is None or config.block_m == 1:
+    config = heuristic_config(m, k, n)
   config = int4_matmul.legalize(config, k, w.tile_k)
   steps = w.codes.shape[0] * 8 // config.block_k
   split_k = config.split_k
-  if isinstance(w, NVFP4Weight):
-    scale_format = "e4m3"
-    scales = lax.bitcast_convert_type(w.scales, jnp.uint8)
-    global_scale = jnp.asarray(w.global_scale, jnp.float32).reshape(1, 1)
-  else:
-    scale_format, scales, global_scale = "e8m0", w.scales, None
+  scale_format, scales, global_scale = fp4_codec.kernel_scales(w)
   kernel = functools.partial(
       _fp4_kernel, m=m, k=k, scale_format=scale_format, block_size=w.block_size,
       tile_k=w.tile_k, block_m=config.block_m, block_n=config.block_n,
@@ -229,3 +205,10 @@ def fp4_matmul(x: jax.Array, w: MXFP4Weight | NVFP4Weight, *, interpret: bool = 
 def _lookup_config(fmt: str, m: int, k: int, n: int) -> KernelConfig | None:
   from qjax._src import tuning  # pylint: disable=g-import-not-at-top
   return tuning.lookup(jax.devices()[0].device_kind, fmt, m, k, n)
+
+
+def fp4_candidate_configs(m: int, k: int, n: int) -> list[KernelConfig]:
+  """The FP4 backend's search space: the GEMV kernel's at M = 1, else the tiled one's."""
+  if m == 1:
+    return fp4_gemv.candidate_configs(k, n)
+  return candidate_configs(m, k, n)

@@ -1,0 +1,341 @@
+"""The M = 1 FP4 kernel (pallas_kernels.fp4_gemv) against the float64 reference.
+
+Both formats (MXFP4 blocks of 32, NVFP4 blocks of 16), every activation dtype, ragged N
+and K off the 128-row tile, random codes (all 16 E2M1 codes, the subnormal and -0
+included) and random scales over a wide range, each loop shape (K-tiles per step,
+split-K, prefetch depth). The reference is ``x @ W`` in float64 with W decoded by
+ml_dtypes (tests/test_fp4.py's ``np_dequantize``). Outputs are poisoned before each run.
+
+On the CPU the kernel runs in interpret mode (the plain-ops word step), and the inline PTX
+word step is checked by a small PTX emulator. On an NVIDIA GPU the compiled kernel runs,
+in both variants ("ptx" and "plain"): ``pytest -k "Gpu or pallas"``.
+"""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import qjax
+from qjax._src import dispatch
+from qjax._src import packing
+from conftest import on_gpu, rel_err, seed_from
+from test_fp4 import np_dequantize, np_e2m1
+
+FORMATS = ("mxfp4", "nvfp4")
+DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+# (K, N): K of one block, K off the 128-row tile (96, 4096 + 32, GPT-OSS's 2880), N of one
+# column, odd N, N off block_n.
+SHAPES = [(32, 1), (32, 130), (96, 7), (96, 2880), (4128, 64), (4128, 7), (2880, 130),
+          (2880, 1), (1024, 2880)]
+
+
+def _gemv():
+  from pallas_kernels import fp4_gemv  # pylint: disable=g-import-not-at-top
+  return fp4_gemv
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def _scale_bytes(rng, fmt, shape, dtype):
+  """Random scale bytes over a wide range that keeps ``x @ W`` finite in ``dtype``.
+
+  MXFP4: E8M0 exponents around 127 (float16 outputs allow a narrower span). NVFP4: any
+  e4m3 magnitude but 0 and NaN (subnormals included), either sign.
+  """
+  if fmt == "mxfp4":
+    lo, hi = (127 - 12, 127 + 3) if dtype == jnp.float16 else (127 - 60, 127 + 60)
+    return rng.integers(lo, hi, shape, dtype=np.uint8)
+  bits = rng.integers(1, 0x7F, shape, dtype=np.uint8)
+  bits |= rng.integers(0, 2, shape, dtype=np.uint8) << 7
+  return bits.view(ml_dtypes.float8_e4m3fn)
+
+
+def make_weight(rng, fmt, k, n, dtype=jnp.float32):
+  """Random codes in the kernel's tile order (every 4-bit pattern is a valid E2M1 code)
+  and random scales."""
+  kp = packing.padded_rows(k, packing.NATIVE_TILE_K)
+  codes = rng.integers(0, 16, (kp, n), dtype=np.uint8)
+  codes[k:] = 0  # padding rows hold code 0
+  words = jnp.asarray(packing.pack_codes(codes, packing.NATIVE_TILE_K))
+  if fmt == "mxfp4":
+    scales = _scale_bytes(rng, fmt, (k // 32, n), dtype)
+    return qjax.MXFP4Weight(codes=words, scales=jnp.asarray(scales), shape=(k, n))
+  scales = _scale_bytes(rng, fmt, (k // 16, n), dtype)
+  span = (-4.0, -3.0) if dtype == jnp.float16 else (-6.0, 3.0)
+  g = np.float32(10.0 ** rng.uniform(*span))
+  return qjax.NVFP4Weight(codes=words, scales=jnp.asarray(scales), global_scale=jnp.float32(g),
+                          shape=(k, n))
+
+
+def make_x(rng, k, dtype):
+  """Standard normal activations, none zero."""
+  x = rng.standard_normal((1, k))
+  x = np.where(np.abs(x) < 1e-3, 1e-3, x)
+  return jnp.asarray(x, dtype)
+
+
+def check(y, x, w, dtype):
+  """Shape, dtype, no poison left, and error < 1e-2 both over the whole row and per
+  column relative to ``sum_k |x_k W_kn|`` (scales differ by up to 2**120 between
+  columns)."""
+  n = w.shape[1]
+  assert y.shape == (1, n) and y.dtype == jnp.dtype(dtype)
+  y = np.asarray(y, np.float64)
+  assert np.isfinite(y).all(), "unwritten (poisoned) or non-finite outputs"
+  xd = np.asarray(x, np.float64)
+  wd = np_dequantize(w)
+  ref = xd @ wd
+  assert rel_err(y, ref) < 1e-2, dtype
+  scale = np.abs(xd) @ np.abs(wd)
+  assert (np.abs(y - ref) <= 1e-2 * scale).all(), dtype
+
+
+# ---------------------------------------------------------------------------- suites
+
+
+class GemvSuite:
+  interpret: bool
+  variant = "ptx"
+
+  def run(self, x, w, config=None, variant=None):
+    fn = _gemv().fp4_gemv
+    return jax.jit(lambda a, b: fn(a, b, config=config, variant=variant or self.variant,
+                                   poison=True, interpret=self.interpret))(x, w)
+
+  @pytest.mark.parametrize("fmt", FORMATS)
+  @pytest.mark.parametrize("k,n", SHAPES, ids=lambda v: str(v))
+  def test_matches_float64(self, request, fmt, k, n):
+    rng = np.random.default_rng(seed_from(request.node.nodeid))
+    for dt in DTYPES:
+      w = make_weight(rng, fmt, k, n, dt)
+      x = make_x(rng, k, dt)
+      check(self.run(x, w), x, w, dt)
+
+  @pytest.mark.parametrize("fmt", FORMATS)
+  @pytest.mark.parametrize("bn,bk,split,depth,warps", [
+      (32, 128, 1, 1, 4), (64, 256, 2, 1, 4), (128, 256, 3, 2, 8), (64, 512, 1, 2, 4),
+      (32, 128, 13, 1, 4), (128, 128, 4, 3, 8)])
+  def test_loop_shapes(self, request, fmt, bn, bk, split, depth, warps):
+    """13 K-tiles (K = 1568, off the tile) and N = 100 under each loop shape (block_k and
+    split_k are fitted to the 13 tiles)."""
+    rng = np.random.default_rng(seed_from(request.node.nodeid))
+    w = make_weight(rng, fmt, 1568, 100, jnp.bfloat16)
+    x = make_x(rng, 1568, jnp.bfloat16)
+    cfg = qjax.KernelConfig(block_m=1, block_n=bn, block_k=bk, split_k=split,
+                            num_warps=warps, num_stages=depth)
+    check(self.run(x, w, cfg), x, w, jnp.bfloat16)
+
+  @pytest.mark.parametrize("fmt", FORMATS)
+  def test_plain_tile_order_is_repacked(self, request, fmt):
+    rng = np.random.default_rng(seed_from(request.node.nodeid))
+    w = make_weight(rng, fmt, 288, 40)
+    x = make_x(rng, 288, jnp.float32)
+    check(self.run(x, w.repack(packing.PLAIN_TILE_K)), x, w, jnp.float32)
+
+  @pytest.mark.parametrize("fmt", FORMATS)
+  def test_matmul_routes_one_row_here(self, request, monkeypatch, fmt):
+    """qjax's FP4 kernel sends M = 1 to the GEMV kernel and M > 1 to the tiled one; both
+    agree with the reference."""
+    fp4_gemv = _gemv()
+    calls = []
+    real = fp4_gemv.fp4_gemv
+
+    def spy(x, w, **kw):
+      calls.append(x.shape)
+      return real(x, w, **kw)
+
+    monkeypatch.setattr(fp4_gemv, "fp4_gemv", spy)
+    rng = np.random.default_rng(seed_from(request.node.nodeid))
+    w = make_weight(rng, fmt, 512, 64, jnp.bfloat16)
+    impl = "interpret" if self.interpret else "pallas"
+    for m in (1, 2):
+      x = jnp.asarray(rng.standard_normal((m, 512)), jnp.bfloat16)
+      y = qjax.matmul(x, w, implementation=impl)
+      assert rel_err(y, np.asarray(x, np.float64) @ np_dequantize(w)) < 1e-2
+    assert calls == [(1, 512)]
+
+  def test_nan_scale_poisons_only_its_column(self, request):
+    rng = np.random.default_rng(seed_from(request.node.nodeid))
+    w = make_weight(rng, "mxfp4", 256, 8)
+    scales = np.asarray(w.scales).copy()
+    scales[3, 5] = 255  # E8M0 NaN
+    w = qjax.MXFP4Weight(codes=w.codes, scales=jnp.asarray(scales), shape=w.shape)
+    y = np.asarray(self.run(make_x(rng, 256, jnp.float32), w))
+    assert np.isnan(y[0, 5]) and np.isfinite(np.delete(y[0], 5)).all()
+
+
+class TestInterpret(GemvSuite):
+  interpret = True
+
+
+@pytest.mark.skipif(not on_gpu(), reason="the compiled Pallas-Triton kernel needs an NVIDIA GPU")
+class TestPallasGpu(GemvSuite):
+  interpret = False
+
+
+@pytest.mark.skipif(not on_gpu(), reason="the compiled Pallas-Triton kernel needs an NVIDIA GPU")
+class TestPallasGpuPlainVariant(GemvSuite):
+  interpret = False
+  variant = "plain"
+
+
+@pytest.mark.skipif(not on_gpu(), reason="the compiled Pallas-Triton kernel needs an NVIDIA GPU")
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("k,n", [(4096, 4096), (2880, 5760), (14336, 4096)])
+def test_pallas_gpu_ptx_matches_plain_variant(request, fmt, k, n):
+  """The inline-PTX and plain-ops word steps compute the same sums (up to FMA rounding)."""
+  rng = np.random.default_rng(seed_from(request.node.nodeid))
+  w = make_weight(rng, fmt, k, n, jnp.bfloat16)
+  x = make_x(rng, k, jnp.float32)
+  fn = _gemv().fp4_gemv
+  ys = [np.asarray(jax.jit(lambda a, b, v=v: fn(a, b, variant=v, poison=True))(x, w),
+                   np.float64) for v in ("ptx", "plain")]
+  scale = np.abs(np.asarray(x, np.float64)) @ np.abs(np_dequantize(w))
+  assert (np.abs(ys[0] - ys[1]) <= 1e-5 * scale).all()
+  check(ys[0].astype(np.float32), x, w, jnp.float32)
+
+
+# ----------------------------------------------------------------------- the PTX step
+
+
+def test_supports_and_bad_arguments():
+  fp4_gemv = _gemv()
+  assert fp4_gemv.supports(1, 2880, 32) and fp4_gemv.supports(1, 4128, 16)
+  assert not fp4_gemv.supports(2, 4096, 32)
+  assert not fp4_gemv.supports(1, 4096, 8) and not fp4_gemv.supports(1, 4096, 48)
+  w = make_weight(np.random.default_rng(0), "mxfp4", 96, 8)
+  with pytest.raises(ValueError, match=r"x \(2, 96\)"):
+    fp4_gemv.fp4_gemv(jnp.ones((2, 96), jnp.bfloat16), w, interpret=True)
+  with pytest.raises(ValueError, match="variant='cuda'"):
+    fp4_gemv.fp4_gemv(jnp.ones((1, 96), jnp.bfloat16), w, variant="cuda", interpret=True)
+  with pytest.raises(TypeError, match="Int4Weight"):
+    fp4_gemv.fp4_gemv(jnp.ones((1, 256)), qjax.quantize(jnp.ones((256, 8))), interpret=True)
+
+
+def test_candidate_configs_are_gemv_configs_at_one_row():
+  from pallas_kernels import fp4_matmul  # pylint: disable=g-import-not-at-top
+  cfgs = fp4_matmul.fp4_candidate_configs(1, 2880, 5760)
+  assert cfgs and all(c.block_m == 1 for c in cfgs) and len(set(cfgs)) == len(cfgs)
+  assert all(c.block_m > 1 for c in fp4_matmul.fp4_candidate_configs(8, 2880, 5760))
+  backend = dispatch.kernels_for_format(qjax.NVFP4Weight)[0]
+  assert backend.candidate_configs(1, 4096, 4096)[0].block_m == 1
+
+
+_PTX_TYPES = {"b32": "u", "b16": "h", "f32": "f"}
+
+
+def emulate_ptx(asm: str, operands: dict) -> np.ndarray:
+  """Runs the subset of PTX the word step uses on numpy arrays; returns ``$0``.
+
+  Checks that every named register is declared with the type its instruction needs.
+  ``operands``: ``{1: uint32 array, 2: float32 array, ...}``. FMAs round once (the exact
+  product and sum in float64, then to float32: double rounding aside, which the
+  tolerances absorb).
+  """
+  types, regs = {}, {}
+
+  def get(tok, kind):
+    if tok.startswith("$"):
+      return regs["$0"] if tok == "$0" else operands[int(tok[1:])]
+    if tok.startswith("0x"):
+      return np.uint32(int(tok, 16))
+    if tok.isdigit():
+      return int(tok)
+    assert types[tok] == kind, (tok, types[tok], kind)
+    return regs[tok]
+
+  def put(tok, kind, value):
+    assert tok == "$0" or types[tok] == kind, (tok, kind)
+    regs[tok] = value
+
+  for line in asm.splitlines():
+    line = line.strip().rstrip(";")
+    if line in ("{", "}"):
+      continue
+    op, rest = line.split(None, 1)
+    if op == ".reg":
+      kind, names = rest.split(None, 1)
+      types.update({name.strip(): _PTX_TYPES[kind[1:]] for name in names.split(",")})
+      continue
+    if op == "mov.b32" and rest.startswith("{"):
+      halves, src = rest[1:].split("}, ")
+      lo, hi = (h.strip() for h in halves.split(","))
+      v = get(src, "u")
+      put(lo, "h", (v & 0xFFFF).astype(np.uint16))
+      put(hi, "h", (v >> 16).astype(np.uint16))
+      continue
+    dst, *args = (a.strip() for a in rest.split(","))
+    if op in ("shl.b32", "shr.u32"):
+      v, amount = get(args[0], "u"), np.uint32(get(args[1], "u"))
+      put(dst, "u", (v << amount) if op == "shl.b32" else (v >> amount))
+    elif op == "mov.b32":
+      put(dst, "u", get(args[0], "u"))
+    elif op == "and.b32":
+      put(dst, "u", get(args[0], "u") & get(args[1], "u"))
+    elif op == "lop3.b32":
+      a, b, c = (np.uint32(0) | get(t, "u") for t in args[:3])
+      lut = int(args[3], 16)
+      out = np.zeros_like(a)
+      for i in range(8):  # truth-table row i: a = bit 2, b = bit 1, c = bit 0
+        if lut >> i & 1:
+          out |= ((a if i & 4 else ~a) & (b if i & 2 else ~b) & (c if i & 1 else ~c))
+      put(dst, "u", out)
+    elif op == "cvt.f32.f16":
+      put(dst, "f", get(args[0], "h").view(np.float16).astype(np.float32))
+    elif op == "mul.rn.f32":
+      a, b = (np.float64(1) * get(t, "f") for t in args)
+      put(dst, "f", (a * b).astype(np.float32))
+    elif op == "fma.rn.f32":
+      a, b, c = (np.float64(1) * get(t, "f") for t in args)
+      put(dst, "f", (a * b + c).astype(np.float32))
+    else:
+      raise AssertionError(f"the emulator does not know {op!r}")
+  return regs["$0"]
+
+
+@pytest.mark.parametrize("block_slabs", [1, 2])
+def test_ptx_word_step_emulated_equals_plain_and_float64(rng, block_slabs):
+  """The inline PTX (run by the emulator), the plain JAX step and float64 agree on random
+  words, every E2M1 code included."""
+  fp4_gemv = _gemv()
+  blocks = 8 // block_slabs
+  shape = (16, 64)
+  words = rng.integers(0, 2**32, shape, dtype=np.uint64).astype(np.uint32)
+  xs = [rng.standard_normal((16, 1)).astype(np.float32) for _ in range(8)]
+  scales = [(2.0 ** rng.integers(-20, 20, (1, 64))).astype(np.float32) for _ in range(blocks)]
+  acc = rng.standard_normal(shape).astype(np.float32)
+
+  asm = fp4_gemv._word_ptx(block_slabs)
+  operands = {1: words}
+  operands.update({2 + j: np.broadcast_to(x, shape) for j, x in enumerate(xs)})
+  operands.update({10 + b: np.broadcast_to(s, shape) for b, s in enumerate(scales)})
+  operands[10 + blocks] = acc
+  emulated = emulate_ptx(asm, operands).astype(np.float64)
+
+  plain = np.asarray(fp4_gemv._word_plain(
+      jnp.asarray(words), [jnp.asarray(x) for x in xs], [jnp.asarray(s) for s in scales],
+      jnp.asarray(acc), block_slabs), np.float64)
+
+  want, bound = acc.astype(np.float64), np.abs(acc).astype(np.float64)
+  for j in range(8):
+    v = np_e2m1((words >> (4 * j)) & 0xF) * 2.0 ** -14
+    term = xs[j].astype(np.float64) * v * scales[j // block_slabs]
+    want, bound = want + term, bound + np.abs(term)
+  assert (np.abs(emulated - want) <= 1e-6 * bound).all()
+  assert (np.abs(plain - want) <= 1e-6 * bound).all()
+
+
+def test_ptx_word_step_is_well_formed():
+  """Each operand appears, $0 is written once and last, and one LOP3 per nibble pair."""
+  fp4_gemv = _gemv()
+  for block_slabs in (1, 2):
+    asm = fp4_gemv._word_ptx(block_slabs)
+    last = 10 + 8 // block_slabs
+    for i in range(last + 1):
+      assert f"${i}" in asm, (block_slabs, i)
+    assert f"${last + 1}" not in asm
+    assert asm.count("lop3.b32") == 4 and asm.count("cvt.f32.f16") == 8
+    assert asm.count("$0") == 1 and asm.splitlines()[-2].startswith("fma.rn.f32 $0")
