@@ -3,7 +3,8 @@ in pinned host memory, and how much of the host-to-device copy the prefetch hide
 
 For each M: the device-busy time of the stacked forward with both passes on the device
 (``t_device``), with pass 2 offloaded (``t_offload``), and the copy term ``t_copy`` = pass-2
-bytes / host-to-device bandwidth measured in the same run. The goal is
+bytes / host-to-device bandwidth measured in the same run (the fastest of
+``COPY_REPEATS`` measurements). The goal is
 ``t_offload <= 1.15 * max(t_device, t_copy)``; the overlap printed is
 ``(t_device + t_copy - t_offload) / min(t_device, t_copy)``: 1 when the smaller term is
 fully hidden, 0 when the two run one after the other. GPU only (memory kinds and the
@@ -24,8 +25,9 @@ from qjax._src import packing
 from qjax._src.codebook import CodebookWeight
 
 GPU_M = (1, 256, 4096)
+COPY_REPEATS = 3
 GPU_LAYERS, GPU_K = 32, 4096
-CPU_M, CPU_LAYERS, CPU_K = (1, 8), 8, 256
+CPU_M, CPU_LAYERS, CPU_K = (1, 8), 16, 256
 
 
 def random_two_pass(key: jax.Array, k: int, n: int, group: int = 128) -> CodebookWeight:
@@ -72,8 +74,15 @@ def run(args) -> int:
   offloaded = offload.stack_layers(ws, offload_pass2=True, group=group)
   del ws
   pass2_bytes = offloaded.pass2_bytes()
-  copy_t = devtime.device_busy_time(_copy_fn(offloaded), [(offloaded,)], calls=calls)
+  # The host-to-device bandwidth varies from run to run (41-53 GB/s on the H100): the copy
+  # term is the fastest of several measurements, so that the ratio is not flattered by a
+  # slow copy measurement.
+  copy_fn = _copy_fn(offloaded)
+  copies = [devtime.device_busy_time(copy_fn, [(offloaded,)], calls=calls)
+            for _ in range(COPY_REPEATS)]
+  copy_t = min(copies, key=lambda t: t.us)
   bandwidth = pass2_bytes / (copy_t.us * 1e-6)
+  print(f"# copy measurements: {', '.join(f'{t.us:.0f}' for t in copies)} us; fastest kept")
   print(f"# pass-2 bytes {pass2_bytes / 2**20:.1f} MiB; host-to-device {bandwidth / 1e9:.1f} "
         f"GB/s measured ({copy_t.us:.0f} us, {copy_t.source})")
   print(f"# weights in device memory: {on_device.device_bytes() / 2**20:.1f} MiB both passes, "
