@@ -106,3 +106,12 @@ def test_llama_stack_fused_and_separate_hold_the_same_weights():
     assert r["bf16_weight_gb"] * 1e9 == 2 * params
     assert 0 < r["int4_tokens_per_s"] < float("inf") and r["int4_device_ms"] > 0
   assert abs(fus["int4_weight_gb"] - sep["int4_weight_gb"]) / sep["int4_weight_gb"] < 0.02
+
+
+def test_bench_offload_smoke_on_cpu(capsys):
+  """`qjax bench --offload` runs its CPU smoke form with a chosen prefetch group."""
+  assert cli.main(["bench", "--offload", "--offload-group", "4", "--m", "1", "--calls", "3"]) == 0
+  out = capsys.readouterr().out
+  assert "CPU run: wall-clock smoke test" in out
+  assert "4 layers per scan step, 2 carried (3 steps, 4 tail layers)" in out
+  assert "copy measurements:" in out and "worst offload/max" in out
