@@ -149,7 +149,7 @@ def _word_plain(words, xs, scales, acc, block_slabs):
   return acc
 
 
-def _word(words, xs, scales, acc, *, block_slabs: int, use_ptx: bool):
+def word_step(words, xs, scales, acc, *, block_slabs: int, use_ptx: bool):
   """``acc + sum_b s_b * sum_{j in b} x_j * (e2m1_j * 2**-14)`` per code word.
 
   Shapes: words ``[16, bn]`` uint32; xs 8 x ``[16, 1]`` float32 (slab ``j``'s x values);
@@ -172,7 +172,7 @@ def _word(words, xs, scales, acc, *, block_slabs: int, use_ptx: bool):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class Plan:
   """Static parameters of one launch.
 
   Attributes:
@@ -205,7 +205,50 @@ class _Plan:
     return _TILE_K // self.block_size
 
 
-def _gemv_kernel(xt_ref, w_ref, s_ref, g_ref, o_ref, *, plan: _Plan):
+def accumulate(plan: Plan, pid_k, load_words, load_x, load_scale) -> jax.Array:
+  """The K loop of one program: ``[16, block_n]`` float32 partial sums over K split
+  ``pid_k`` (``steps * tiles_per_step`` K-tiles), loads running ``depth`` steps ahead.
+
+  The loaders give one K-tile's operands (masked as the caller needs):
+    load_words(t): ``[16, block_n]`` uint32 code words of K-tile ``t``.
+    load_x(row): ``[16, 1]`` float32 x values of rows ``row .. row + 15``.
+    load_scale(g): ``[1, block_n]`` float32 multiplier of scale block row ``g`` (decoded
+      scale times :func:`fp4_codec.scale_decoder`'s factor).
+
+  Summing the result over its first axis gives the program's ``[1, block_n]`` output.
+  """
+
+  def fetch(i):
+    """Words, x slabs and block multipliers of loop step ``i`` (clamped: the prefetch past
+    the last step re-reads it)."""
+    i = jnp.minimum(i, plan.steps - 1)
+    data = []
+    for u in range(plan.tiles_per_step):
+      t = (pid_k * plan.steps + i) * plan.tiles_per_step + u
+      words = load_words(t)
+      xs = tuple(load_x(t * _TILE_K + j * _SLAB) for j in range(8))
+      scales = tuple(load_scale(t * plan.blocks_per_tile + b)
+                     for b in range(plan.blocks_per_tile))
+      data.append((words, xs, scales))
+    return tuple(data)
+
+  def compute(data, acc):
+    for words, xs, scales in data:
+      acc = word_step(words, xs, scales, acc, block_slabs=plan.block_slabs,
+                  use_ptx=plan.use_ptx)
+    return acc
+
+  def step(i, carry):
+    ahead, acc = carry
+    return ahead[1:] + (fetch(i + plan.depth),), compute(ahead[0], acc)
+
+  first = tuple(fetch(d) for d in range(plan.depth))
+  _, acc = lax.fori_loop(0, plan.steps, step,
+                         (first, jnp.zeros((_SLAB, plan.block_n), _f32)))
+  return acc
+
+
+def _gemv_kernel(xt_ref, w_ref, s_ref, g_ref, o_ref, *, plan: Plan):
   """One ``[1, block_n]`` output slice over ``steps * tiles_per_step`` K-tiles.
 
   Refs: xt ``[K, 1]`` bf16 / f16 / f32; w ``[Kp // 8, N]`` uint32 (tile order 128);
@@ -223,6 +266,10 @@ def _gemv_kernel(xt_ref, w_ref, s_ref, g_ref, o_ref, *, plan: _Plan):
   decode, factor = fp4_codec.scale_decoder(plan.scale_format,
                                            None if g_ref is None else g_ref[...])
 
+  def load_words(t):
+    return common.load(w_ref.at[pl.ds(t * _SLAB, _SLAB), pl.ds(n0, bn)],
+                       n_mask[None, :] if n_ragged else None)
+
   def load_x(row):
     """``[16, 1]`` f32 x values of rows ``row ..`` (0 past K)."""
     mask = ((row + jnp.arange(_SLAB)) < plan.k)[:, None] if k_ragged else None
@@ -233,33 +280,7 @@ def _gemv_kernel(xt_ref, w_ref, s_ref, g_ref, o_ref, *, plan: _Plan):
     mask = (n_mask[None, :] & (g < num_blocks)) if (n_ragged or k_ragged) else None
     return decode(common.load(s_ref.at[pl.ds(g, 1), pl.ds(n0, bn)], mask)) * factor
 
-  def fetch(i):
-    """Words, x slabs and block multipliers of loop step ``i`` (clamped: the prefetch past
-    the last step re-reads it)."""
-    i = jnp.minimum(i, plan.steps - 1)
-    data = []
-    for u in range(plan.tiles_per_step):
-      t = (pid_k * plan.steps + i) * plan.tiles_per_step + u
-      words = common.load(w_ref.at[pl.ds(t * _SLAB, _SLAB), pl.ds(n0, bn)],
-                          n_mask[None, :] if n_ragged else None)
-      xs = tuple(load_x(t * _TILE_K + j * _SLAB) for j in range(8))
-      scales = tuple(load_scale(t * plan.blocks_per_tile + b)
-                     for b in range(plan.blocks_per_tile))
-      data.append((words, xs, scales))
-    return tuple(data)
-
-  def compute(data, acc):
-    for words, xs, scales in data:
-      acc = _word(words, xs, scales, acc, block_slabs=plan.block_slabs,
-                  use_ptx=plan.use_ptx)
-    return acc
-
-  def step(i, carry):
-    ahead, acc = carry
-    return ahead[1:] + (fetch(i + plan.depth),), compute(ahead[0], acc)
-
-  first = tuple(fetch(d) for d in range(plan.depth))
-  _, acc = lax.fori_loop(0, plan.steps, step, (first, jnp.zeros((_SLAB, bn), _f32)))
+  acc = accumulate(plan, pid_k, load_words, load_x, load_scale)
   out = jnp.sum(acc, axis=0, keepdims=True)  # [1, bn]
   common.store_tile(o_ref, out, m0=0, n0=n0, block_m=1, block_n=bn, pid_k=pid_k,
                     split_k=plan.split_k, mask=n_mask[None, :] if n_ragged else None)
@@ -349,7 +370,7 @@ def fp4_gemv(x: jax.Array, w: MXFP4Weight | NVFP4Weight, *,
   config = config or heuristic_config(k, n)
   tps, split, steps = _loop_shape(config, w.codes.shape[0] // _SLAB)
   scale_format, scales, global_scale = fp4_codec.kernel_scales(w)
-  plan = _Plan(k=k, block_size=w.block_size, scale_format=scale_format,
+  plan = Plan(k=k, block_size=w.block_size, scale_format=scale_format,
                block_n=config.block_n, tiles_per_step=tps, steps=steps, split_k=split,
                depth=min(max(1, config.num_stages), steps),
                use_ptx=variant == "ptx" and not interpret)

@@ -339,3 +339,19 @@ def test_ptx_word_step_is_well_formed():
     assert f"${last + 1}" not in asm
     assert asm.count("lop3.b32") == 4 and asm.count("cvt.f32.f16") == 8
     assert asm.count("$0") == 1 and asm.splitlines()[-2].startswith("fma.rn.f32 $0")
+
+
+# sha256 of _word_ptx(block_slabs) as validated on the H100 (the MoE GEMV kernel shares it).
+_VALIDATED_PTX_SHA256 = {
+    1: "fa86bafd0529f8055f9a7f9f67f262980b7b6930812ddbe151c011d4d848e78c",
+    2: "509d302da5ee12c310f663d355869ef6fb5ed434bbff9f5526525a49fb5cf1a0",
+}
+
+
+@pytest.mark.parametrize("block_slabs", [1, 2])
+def test_ptx_word_step_text_is_unchanged(block_slabs):
+  """The word step's PTX is byte for byte the one validated on the GPU; a deliberate
+  change must update the hash here (and be validated again)."""
+  import hashlib  # pylint: disable=g-import-not-at-top
+  asm = _gemv()._word_ptx(block_slabs)
+  assert hashlib.sha256(asm.encode()).hexdigest() == _VALIDATED_PTX_SHA256[block_slabs]
