@@ -11,6 +11,7 @@ from pallas_kernels import codebook_matmul as codebook_matmul
 from pallas_kernels import gguf_matmul as gguf_matmul
 from pallas_kernels import fp4_matmul as fp4_matmul
 from pallas_kernels import fp4_moe as fp4_moe
+from pallas_kernels import fp4_moe_gemv as fp4_moe_gemv
 from pallas_kernels import int4_matmul as int4_matmul
 from qjax._src import gguf_formats as _gguf_formats
 from qjax._src import gguf_tiled as _gguf_tiled
@@ -68,6 +69,15 @@ qjax.register_moe_kernel(
     qjax.MXFP4Weight,
     qjax.Backend(name="pallas_triton", fn=fp4_moe.mxfp4_moe_matmul,
                  supported_on=triton_supported))
+# The per-pair GEMV MoE kernel (decode): only when asked for by name, e.g.
+# qjax.moe_matmul(..., implementation="pallas:pallas_triton_gemv"), until H100 measurements
+# decide when it should replace the grouped kernel (fp4_moe_gemv.supports is the candidate
+# rule). qjax bench --moe times it in its "gemv" column.
+qjax.register_moe_kernel(
+    qjax.MXFP4Weight,
+    qjax.Backend(name=fp4_moe_gemv.BACKEND_NAME, fn=fp4_moe_gemv.mxfp4_moe_gemv,
+                 supported_on=triton_supported),
+    by_name_only=True)
 qjax.register_kernel(
     qjax.CodebookWeight,
     qjax.Backend(name="pallas_triton", fn=codebook_matmul.codebook_matmul,

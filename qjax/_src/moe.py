@@ -11,7 +11,9 @@ Implementations share the canonical form ``fn(rows [R, K], w, pair_rows [P], pai
 ``pair_experts[p]``. The XLA reference lives here; the fused Pallas kernel (grouped GEMM over
 the pairs sorted by expert, reading only the selected experts' weights) registers itself
 from ``pallas_kernels`` with :func:`register_moe_kernel`. Implementation names are those of
-:func:`qjax.matmul`: None (best available), "xla", "pallas", "interpret".
+:func:`qjax.matmul`: None (best available), "xla", "pallas", "interpret"; and, for a
+kernel registered under a second name (such as the per-pair GEMV kernel, only chosen when
+asked for), "pallas:NAME" / "interpret:NAME".
 
 :func:`group_by_expert` is the routing metadata both share: the pairs sorted by expert, each
 expert's group of rows, and a table of row tiles that a grouped-GEMM grid walks.
@@ -31,6 +33,7 @@ from qjax._src import fp4
 
 _MOE_XLA: dict[type, Callable[..., jax.Array]] = {}
 _MOE_KERNELS: dict[type, list[dispatch.Backend]] = {}
+_BY_NAME_ONLY: set[tuple[type, str]] = set()  # (format, backend name): never picked by default
 
 
 def register_moe_xla(format_cls: type, fn: Callable[..., jax.Array]) -> None:
@@ -39,11 +42,20 @@ def register_moe_xla(format_cls: type, fn: Callable[..., jax.Array]) -> None:
   _MOE_XLA[format_cls] = fn
 
 
-def register_moe_kernel(format_cls: type, backend: dispatch.Backend) -> None:
+def register_moe_kernel(format_cls: type, backend: dispatch.Backend, *,
+                        by_name_only: bool = False) -> None:
   """Registers a kernel whose ``backend.fn(rows, w, pair_rows, pair_experts, *, interpret,
-  config=None)`` follows the canonical form; later registrations of one name replace it."""
+  config=None)`` follows the canonical form; later registrations of one name replace it.
+
+  ``by_name_only``: the kernel runs only when asked for by name
+  (``implementation="pallas:NAME"`` or ``"interpret:NAME"``), never for None / "pallas" /
+  "interpret" (for kernels being measured before they become a default).
+  """
   backends = [b for b in _MOE_KERNELS.get(format_cls, []) if b.name != backend.name]
   _MOE_KERNELS[format_cls] = backends + [backend]
+  _BY_NAME_ONLY.discard((format_cls, backend.name))
+  if by_name_only:
+    _BY_NAME_ONLY.add((format_cls, backend.name))
 
 
 def moe_kernels_for_format(format_cls: type) -> list[dispatch.Backend]:
@@ -182,27 +194,55 @@ def _check(x: jax.Array, w: Any, expert_ids: jax.Array) -> None:
                        f"[0, {e}) for weights of {e} experts")
 
 
-def resolve_moe(w: Any, implementation: str | None) -> tuple[str, Callable[..., jax.Array]]:
-  """The implementation name and canonical ``fn(rows, w, pair_rows, pair_experts)``."""
+def _split_implementation(implementation: str | None) -> tuple[str | None, str | None]:
+  """``(mode, backend name)``: "pallas:NAME" -> ("pallas", "NAME"), "interpret:NAME" ->
+  ("interpret", "NAME"), anything else -> (implementation, None)."""
+  if implementation is not None and ":" in implementation:
+    mode, _, name = implementation.partition(":")
+    if mode in ("pallas", "interpret") and name:
+      return mode, name
+    raise ValueError(f"{implementation=}: a kernel chosen by name is 'pallas:NAME' or "
+                     "'interpret:NAME'")
   if implementation not in (None, *dispatch.IMPLEMENTATIONS):
-    raise ValueError(f"{implementation=} must be None or one of {dispatch.IMPLEMENTATIONS}")
+    raise ValueError(f"{implementation=} must be None, one of {dispatch.IMPLEMENTATIONS}, "
+                     "or 'pallas:NAME' / 'interpret:NAME' for a registered MoE kernel")
+  return implementation, None
+
+
+def resolve_moe(w: Any, implementation: str | None) -> tuple[str, Callable[..., jax.Array]]:
+  """The implementation name and canonical ``fn(rows, w, pair_rows, pair_experts)``.
+
+  ``implementation``: None (the first registered kernel that runs here, else XLA), "xla",
+  "pallas" / "interpret" (the first registered kernel), or "pallas:NAME" /
+  "interpret:NAME" (the registered kernel of that name, including those registered
+  ``by_name_only``, which the other choices skip).
+  """
+  mode, name = _split_implementation(implementation)
   fmt = type(w)
   xla = _MOE_XLA.get(fmt)
-  kernels = moe_kernels_for_format(fmt) if implementation != "xla" else []
-  if implementation in ("pallas", "interpret"):
+  kernels = moe_kernels_for_format(fmt) if mode != "xla" else []
+  if name is not None:
+    kernels = [b for b in kernels if b.name == name]
+    if not kernels:
+      known = [b.name for b in moe_kernels_for_format(fmt)]
+      raise NotImplementedError(f"no MoE kernel named {name!r} is registered for "
+                                f"{fmt.__name__}; registered: {known}")
+  else:
+    kernels = [b for b in kernels if (fmt, b.name) not in _BY_NAME_ONLY]
+  if mode in ("pallas", "interpret"):
     if not kernels:
       raise NotImplementedError(
           f"no Pallas MoE kernel is registered for {fmt.__name__}; use implementation='xla' "
           "(is the pallas_kernels package installed?)")
     backend = kernels[0]
-    interpret = implementation == "interpret"
+    interpret = mode == "interpret"
     if not interpret and not backend.supported_on(dispatch.default_device()):
       raise NotImplementedError(
           f"the {backend.name} MoE kernel does not run on "
           f"{dispatch.default_device().device_kind!r}; use implementation='interpret' or 'xla'")
     return f"{backend.name}{'-interpret' if interpret else ''}", (
         lambda *a: backend.fn(*a, interpret=interpret))
-  if implementation is None:
+  if mode is None:
     for backend in kernels:
       if backend.supported_on(dispatch.default_device()):
         return backend.name, lambda *a, b=backend: b.fn(*a, interpret=False)
@@ -222,7 +262,10 @@ def moe_matmul(x: jax.Array, w: Any, expert_ids: jax.Array, *,
       ``[E, K // 32, N]``, logical shape ``(K, N)``.
     expert_ids: ``[T, top_k]`` integers in ``[0, E)``; an expert may appear for any
       number of tokens, or none.
-    implementation: None (best available), "xla", "pallas" or "interpret".
+    implementation: None (best available), "xla", "pallas" or "interpret"; or
+      "pallas:NAME" / "interpret:NAME" for the registered MoE kernel of that name (e.g.
+      "pallas:pallas_triton_gemv", the per-pair GEMV kernel for decode, which the other
+      choices do not pick yet).
 
   Returns:
     ``[T, top_k, N]`` in x's dtype, accumulated in float32.
