@@ -246,6 +246,25 @@ def test_cli_generate_json():
   assert "tokens/s" in err and "matmul implementation: xla" in err
 
 
+def test_cli_generate_tensor_parallel_matches_one_device():
+  """--devices 3 (SmolLM2's 9 heads, 3 KV heads, 1536 MLP units split 3 ways) generates
+  the same greedy tokens as one device; a count that does not divide, or more devices
+  than the machine has, is one line on stderr and exit code 2."""
+  if jax.device_count() < 3:
+    pytest.skip("needs 3 devices (tests/conftest.py sets 8 CPU devices)")
+  args = ["generate", "--prompt", PROMPT, "--max-new-tokens", "12", "--json"]
+  rc, one, err = _cli(args)
+  assert rc == 0, err
+  rc, three, err = _cli(args + ["--devices", "3"])
+  assert rc == 0, err
+  assert "tensor-parallel over 3 devices" in err
+  assert json.loads(three)["generated_ids"] == json.loads(one)["generated_ids"]
+  for count, message in (("2", "heads"), (str(jax.device_count() + 1), "--devices=")):
+    rc, out, err = _cli(args + ["--devices", count])
+    assert rc == 2 and message in err, (count, err)
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
 def test_cli_bad_files(tmp_path):
   bad = tmp_path / "bad.gguf"
   bad.write_bytes(b"not a gguf file at all")

@@ -435,6 +435,57 @@ def llama_case(scan_layers: bool):
   return cfg, params, tokens
 
 
+def test_load_gguf_experts_split_reads_only_each_devices_experts(tmp_path, monkeypatch):
+  """A GPT-OSS-style 3-D MXFP4 tensor (GGUF dims [K, N, E]) split by expert: each device
+  reads only its experts from the memory map, and the placed weight equals load_gguf's."""
+  gguf = pytest.importorskip("gguf")
+  from qjax._src import sharded_load  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(seed_from("gguf-experts"))
+  e, n, k = 8, 24, 96
+  w = (rng.standard_normal((e, n, k)) * rng.uniform(1e-3, 10.0, (e, n, 1))).astype(np.float32)
+  raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.MXFP4)  # [E, N, K // 32 * 17]
+  path = tmp_path / "experts.gguf"
+  writer = gguf.GGUFWriter(str(path), "llama")
+  writer.add_tensor("blk.0.ffn_gate_exps.weight", raw,
+                    raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+
+  reads = []
+  original = sharded_load.BlockFieldView.__getitem__
+
+  def spy(self, idx):
+    out = original(self, idx)
+    reads.append(out.shape[0])
+    return out
+
+  monkeypatch.setattr(sharded_load.BlockFieldView, "__getitem__", spy)
+  mesh = _mesh(4)
+  f = qjax.load_gguf_sharded(path, mesh, "tp", {"blk.0.ffn_gate_exps.weight": "expert"},
+                             wrap=True)
+  sw = f.tensors["blk.0.ffn_gate_exps.weight"]
+  assert sw.format_cls is qjax.GGUFMXFP4 and sw.global_shape == (k, n)
+  assert _shard_shapes(sw.arrays["e"]) == {(2, n, k // 32)}
+  assert _shard_shapes(sw.arrays["qs"]) == {(2, n, k // 32, 16)}
+  assert reads and set(reads) == {e // 4}  # never the whole stack
+  whole = qjax.load_gguf(path, progress=False).tensors["blk.0.ffn_gate_exps.weight"]
+  np.testing.assert_array_equal(np.asarray(_dequantize(sw.weight())),
+                                np.asarray(_dequantize(whole)))
+  with pytest.raises(ValueError, match="E=8 experts do not split evenly over 3"):
+    qjax.load_gguf_sharded(path, _mesh(3), "tp", {"blk.0.ffn_gate_exps.weight": "expert"})
+
+
+def test_block_field_view_takes_slices_only():
+  from qjax._src import sharded_load  # pylint: disable=g-import-not-at-top
+  field = gf.GGUFMXFP4.block_fields[0]
+  view = sharded_load.BlockFieldView(np.zeros((2, 3, 4, 17), np.uint8), field)
+  assert view.shape[:3] == (2, 3, 4) and view[0:1].shape[:3] == (1, 3, 4)
+  with pytest.raises(TypeError, match="slices only"):
+    view[0]
+
+
 def test_llama_tensor_parallel_logits_match_single_device():
   """Four devices, unrolled layers: the logits of a forward pass."""
   import flax_layers  # pylint: disable=g-import-not-at-top

@@ -140,6 +140,10 @@ def _add_generate(sub) -> None:
                  "Pallas interpret mode, slow, for tests)")
   p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="activation "
                  "and KV-cache dtype (default float32 on CPU, bfloat16 on accelerators)")
+  p.add_argument("--devices", type=int, default=1, metavar="N", help="run tensor-parallel "
+                 "over the first N devices (attention heads, KV heads and the MLP split N "
+                 "ways; they must divide by N, and a quantized row split must keep whole "
+                 "blocks, as the error says); default 1")
 
   def run(args):
     from qjax._src import generate  # pylint: disable=g-import-not-at-top

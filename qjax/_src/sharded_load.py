@@ -94,30 +94,38 @@ def load_sharded(path: str | os.PathLike, mesh: jax.sharding.Mesh, axis: Any,
 class BlockFieldView:
   """One field of a GGUF block tensor, read lazily from the file's bytes.
 
-  Indexing returns a numpy array of only the indexed block rows and blocks, so a device's
-  slice is read from the memory map without reading the rest of the tensor.
+  Indexing (with slices, as ``jax.make_array_from_callback`` does) returns a numpy array
+  of only the indexed experts, block rows and blocks, so a device's slice is read from the
+  memory map without reading the rest of the tensor.
 
   Attributes:
-    shape: ``(N, K // block_size, *tail)``; dtype: the field's dtype.
+    shape: ``(*leading, N, K // block_size, *tail)``; dtype: the field's dtype.
   """
 
   def __init__(self, blocks: np.ndarray, field: Any):
-    self._blocks = blocks  # [N, nb, type_size] uint8 (a memory-map view)
+    self._blocks = blocks  # [*leading, N, nb, type_size] uint8 (a memory-map view)
     self._field = field
-    self.shape = (*blocks.shape[:2], *field.tail)
+    self._grid = blocks.ndim - 1  # leading axes + N + nb
+    self.shape = (*blocks.shape[:-1], *field.tail)
     self.dtype = np.dtype(field.dtype)
     self.ndim = len(self.shape)
 
   def __getitem__(self, idx: Any) -> np.ndarray:
     idx = idx if isinstance(idx, tuple) else (idx,)
     idx = idx + (slice(None),) * (self.ndim - len(idx))
+    if not all(isinstance(i, slice) for i in idx):
+      raise TypeError(f"BlockFieldView takes slices only, got {idx}")
     f = self._field
-    part = np.ascontiguousarray(self._blocks[idx[0], idx[1], f.offset:f.offset + f.nbytes])
-    out = part.view(self.dtype).reshape(*part.shape[:2], *f.tail)
-    return out[(slice(None), slice(None), *idx[2:])]
+    byte_range = slice(f.offset, f.offset + f.nbytes)
+    part = np.ascontiguousarray(self._blocks[(*idx[:self._grid], byte_range)])
+    out = part.view(self.dtype).reshape(*part.shape[:-1], *f.tail)
+    return out[(*(slice(None),) * self._grid, *idx[self._grid:])]
 
 
-def _lazy_block_weight(t: Any, qname: str, shape: tuple[int, int]) -> Any:
+def _lazy_block_weight(t: Any, qname: str, shape: tuple[int, int],
+                       leading: tuple[int, ...] = ()) -> Any:
+  """A block weight whose fields read ``t``'s bytes on indexing; ``leading``: expert axes
+  in numpy order (GGUF dims ``[K, N, E]`` give ``(E,)``)."""
   cls = gf.BLOCK_FORMATS[qname]
   k, n = shape
   if k % cls.block_size:
@@ -125,10 +133,12 @@ def _lazy_block_weight(t: Any, qname: str, shape: tuple[int, int]) -> Any:
                      f"{cls.block_size}")
   nb = k // cls.block_size
   raw = np.asarray(t.data)
-  if raw.size != n * nb * cls.type_size:
-    raise ValueError(f"{qname} of shape (K={k}, N={n}) needs {n * nb * cls.type_size} bytes, "
+  count = int(np.prod(leading, dtype=np.int64)) * n * nb * cls.type_size
+  if raw.size != count:
+    what = f"{leading} x " if leading else ""
+    raise ValueError(f"{qname} of shape {what}(K={k}, N={n}) needs {count} bytes, "
                      f"got {raw.size}")
-  blocks = raw.reshape(-1).view(np.uint8).reshape(n, nb, cls.type_size)
+  blocks = raw.reshape(-1).view(np.uint8).reshape(*leading, n, nb, cls.type_size)
   fields = {f.name: BlockFieldView(blocks, f) for f in cls.block_fields}
   return cls(**fields, shape=(k, n))
 
@@ -137,10 +147,12 @@ def load_gguf_sharded(path: str | os.PathLike, mesh: jax.sharding.Mesh, axis: An
                       modes: Modes, *, wrap: bool = False) -> Any:
   """A GGUF file's tensors placed across ``mesh``, read slice by slice from the file.
 
-  Block-quantized 2-D tensors (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) stay in their block
-  layout (:class:`qjax.GGUFQ4_K`, ...); each device's slice (whole block rows column-wise,
-  whole blocks row-wise) is read straight from the memory-mapped file. Other tensors are
-  read as :func:`qjax.load_gguf` reads them and placed by their mode.
+  Block-quantized 2-D tensors (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4) stay in their
+  block layout (:class:`qjax.GGUFQ4_K`, ...); each device's slice (whole block rows
+  column-wise, whole blocks row-wise) is read straight from the memory-mapped file. So are
+  MXFP4 tensors of more than 2 dims (GPT-OSS's MoE experts, one stacked
+  :class:`qjax.GGUFMXFP4`): split by "expert", each device reads only its experts. Other
+  tensors are read as :func:`qjax.load_gguf` reads them and placed by their mode.
 
   Args:
     path: the ``.gguf`` file.
@@ -162,6 +174,9 @@ def load_gguf_sharded(path: str | os.PathLike, mesh: jax.sharding.Mesh, axis: An
     try:
       if len(shape) == 2 and qname in gf.BLOCK_FORMATS:
         value = _lazy_block_weight(t, qname, shape)
+      elif len(shape) > 2 and qname in gf.LEADING_AXES_TYPES:
+        # Stacked experts (GGUF dims [K, N, E]): an expert split reads only its experts.
+        value = _lazy_block_weight(t, qname, shape[:2], tuple(reversed(shape[2:])))
       else:
         value = gguf_io._load_tensor(t, path, False)  # pylint: disable=protected-access
       tensors[t.name] = place_tensor(t.name, value, mesh, axis,
