@@ -106,11 +106,7 @@ def _word_ptx(block_slabs: int) -> str:
     for half, j in (("h0", i), ("h1", i + 4)):
       p = f"fp{j // block_slabs}"
       lines.append(f"cvt.f32.f16 fv, {half};")
-      if p in started:
-        lines.append(f"fma.rn.f32 {p}, ${2 + j}, fv, {p};")
-      else:
-        lines.append(f"mul.rn.f32 {p}, ${2 + j}, fv;")
-        started.add(p)
+      lines.append(int4_gemv.ptx_multiply_add(p, f"${2 + j}", "fv", started))
   previous = acc
   for b in range(blocks):
     dst = "$0" if b == blocks - 1 else "fr"  # $0 may share a register with an input
@@ -289,14 +285,6 @@ def _gemv_kernel(xt_ref, w_ref, s_ref, g_ref, o_ref, *, plan: Plan):
 # --------------------------------------------------------------------------- configs
 
 
-# Programs a launch aims for: about 7 per SM of an H100 (the INT4 GEMV kernel's sweep).
-_TARGET_PROGRAMS = 896
-
-
-def _divisor_near(count: int, target: float) -> int:
-  return min((d for d in range(1, count + 1) if count % d == 0), key=lambda d: abs(d - target))
-
-
 def heuristic_config(k: int, n: int) -> KernelConfig:
   """The INT4 GEMV kernel's heuristic (:func:`int4_gemv.heuristic_config`): the codes
   have the same layout and bytes per weight. No FP4 sweep has been run yet."""
@@ -311,24 +299,12 @@ def candidate_configs(k: int, n: int) -> list[KernelConfig]:
   for bn, tps, depth, warps in ((64, 2, 1, 8), (64, 2, 3, 4), (128, 2, 1, 4)):
     if tiles % tps:
       continue
-    split = _divisor_near(tiles // tps, _TARGET_PROGRAMS / -(-n // bn))
+    split = int4_gemv.divisor_near(tiles // tps, int4_gemv.TARGET_PROGRAMS / -(-n // bn))
     cfg = KernelConfig(block_m=1, block_n=bn, block_k=_TILE_K * tps, split_k=split,
                        num_warps=warps, num_stages=depth)
     if cfg not in out:
       out.append(cfg)
   return out
-
-
-def _loop_shape(config: KernelConfig, tiles: int) -> tuple[int, int, int]:
-  """``(tiles_per_step, split_k, steps)`` fitted to ``tiles`` K-tiles: tiles per step
-  from ``block_k`` halved until it divides, split_k lowered until it divides."""
-  tps = max(1, config.block_k // _TILE_K)
-  while tiles % tps:
-    tps //= 2
-  split = max(1, min(config.split_k, tiles // tps))
-  while (tiles // tps) % split:
-    split -= 1
-  return tps, split, tiles // tps // split
 
 
 # ------------------------------------------------------------------------------- API
@@ -368,7 +344,7 @@ def fp4_gemv(x: jax.Array, w: MXFP4Weight | NVFP4Weight, *,
   if w.tile_k != _TILE_K:
     w = w.repack(_TILE_K)
   config = config or heuristic_config(k, n)
-  tps, split, steps = _loop_shape(config, w.codes.shape[0] // _SLAB)
+  tps, split, steps = int4_gemv.loop_shape(config, w.codes.shape[0] // _SLAB)
   scale_format, scales, global_scale = fp4_codec.kernel_scales(w)
   plan = Plan(k=k, block_size=w.block_size, scale_format=scale_format,
                block_n=config.block_n, tiles_per_step=tps, steps=steps, split_k=split,

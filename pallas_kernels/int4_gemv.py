@@ -59,6 +59,15 @@ def supports(m: int, k: int, group_size: int) -> bool:
   return group_size % _SLAB == 0 and (_TILE_K % group_size == 0 or group_size % _TILE_K == 0)
 
 
+def ptx_multiply_add(acc: str, a: str, b: str, started: set[str]) -> str:
+  """The PTX line ``acc = a * b`` the first time ``acc`` is written (recorded in
+  ``started``), ``acc = a * b + acc`` (one FMA) after that."""
+  if acc in started:
+    return f"fma.rn.f32 {acc}, {a}, {b}, {acc};"
+  started.add(acc)
+  return f"mul.rn.f32 {acc}, {a}, {b};"
+
+
 @functools.lru_cache(maxsize=None)
 def _chunk_ptx(planes: tuple[int, ...]) -> str:
   """PTX: ``$0 = (256 p_even + 16 p_odd - c) * s + acc`` for one word ``$1``.
@@ -74,11 +83,7 @@ def _chunk_ptx(planes: tuple[int, ...]) -> str:
     acc = ("pe", "po")[j % 2]
     lines.append(f"and.b32 t, a{j // 2}, {_MASKS[j % 2]:#010x};")
     lines.append(f"or.b32 t, t, {_ONE:#010x};")
-    if acc in started:
-      lines.append(f"fma.rn.f32 {acc}, ${2 + idx}, t, {acc};")
-    else:
-      lines.append(f"mul.rn.f32 {acc}, ${2 + idx}, t;")
-      started.add(acc)
+    lines.append(ptx_multiply_add(acc, f"${2 + idx}", "t", started))
   c, s, a = (f"${2 + len(planes) + i}" for i in range(3))
   if "pe" in started:
     lines.append("mul.rn.f32 pe, pe, 0f43800000;")  # 256
@@ -190,21 +195,34 @@ def _gemv_kernel(xt_ref, w_ref, s_ref, z_ref, b_ref, o_ref, *, k, group_size, bl
 
 
 # Programs a launch aims for: about 7 per SM of an H100 (H100 sweep, 2026-11-23).
-_TARGET_PROGRAMS = 896
+TARGET_PROGRAMS = 896
 
 
-def _divisor_near(count: int, target: float) -> int:
+def divisor_near(count: int, target: float) -> int:
+  """The divisor of ``count`` closest to ``target``."""
   return min((d for d in range(1, count + 1) if count % d == 0), key=lambda d: abs(d - target))
+
+
+def loop_shape(config: KernelConfig, tiles: int) -> tuple[int, int, int]:
+  """``(tiles_per_step, split_k, steps)`` fitted to ``tiles`` K-tiles: tiles per step
+  from ``block_k`` halved until it divides, split_k lowered until it divides."""
+  tps = max(1, config.block_k // _TILE_K)
+  while tiles % tps:
+    tps //= 2
+  split = max(1, min(config.split_k, tiles // tps))
+  while (tiles // tps) % split:
+    split -= 1
+  return tps, split, tiles // tps // split
 
 
 def heuristic_config(k: int, n: int) -> KernelConfig:
   """64 columns and two K-tiles per step, loads one step ahead, 4 warps, split-K to about
-  ``_TARGET_PROGRAMS`` programs (the region the H100 sweep found best for all four
+  ``TARGET_PROGRAMS`` programs (the region the H100 sweep found best for all four
   Llama shapes)."""
   tiles = -(-k // _TILE_K)
   tps = 2 if tiles % 2 == 0 else 1
   cols = -(-n // 64)
-  split = _divisor_near(tiles // tps, _TARGET_PROGRAMS / cols)
+  split = divisor_near(tiles // tps, TARGET_PROGRAMS / cols)
   return KernelConfig(block_m=1, block_n=64, block_k=_TILE_K * tps, split_k=split,
                       num_warps=4, num_stages=1)
 
@@ -219,7 +237,7 @@ def candidate_configs(k: int, n: int) -> list[KernelConfig]:
       continue
     cols = -(-n // bn)
     for target in (448, 896, 1792):
-      split = _divisor_near(tiles // tps, target / cols)
+      split = divisor_near(tiles // tps, target / cols)
       cfg = KernelConfig(block_m=1, block_n=bn, block_k=_TILE_K * tps, split_k=split,
                          num_warps=warps, num_stages=depth)
       if cfg not in out:
@@ -245,14 +263,7 @@ def int4_gemv(x: jax.Array, w: Int4Weight, *, config: KernelConfig | None = None
   if w.tile_k != _TILE_K:
     w = w.repack(_TILE_K)
   config = config or heuristic_config(k, n)
-  tiles = w.codes.shape[0] // _SLAB
-  tps = max(1, config.block_k // _TILE_K)
-  while tiles % tps:
-    tps //= 2
-  split = max(1, min(config.split_k, tiles // tps))
-  while (tiles // tps) % split:
-    split -= 1
-  steps = tiles // tps // split
+  tps, split, steps = loop_shape(config, w.codes.shape[0] // _SLAB)
   config = KernelConfig(block_m=1, block_n=config.block_n, block_k=_TILE_K * tps,
                         split_k=split, num_warps=config.num_warps,
                         num_stages=max(1, config.num_stages))

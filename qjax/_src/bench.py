@@ -261,11 +261,11 @@ def llama_stack_tokens_per_s(*, layers: int, hidden: int, inter: int, kv: int, c
                  ).astype(jnp.bfloat16) for i, (k, n) in enumerate(shapes)])
 
   def projections(h, w, mm):
-    """q, k, v, o's weight, gate(h), up(h) and down's weight of one layer."""
+    """q, k, v, o's weight, ``gate_up(a) -> (gate, up)`` and down's weight of a layer."""
     if fused:
       wqkv, wo, wgu, wd = w
       q, k_, v = jnp.split(mm(h, wqkv), [hidden, hidden + kv], axis=-1)
-      return q, k_, v, wo, lambda a: mm(a, wgu), wd
+      return q, k_, v, wo, lambda a: jnp.split(mm(a, wgu), 2, axis=-1), wd
     wq, wk, wv, wo, wg, wu, wd = w
     return mm(h, wq), mm(h, wk), mm(h, wv), wo, lambda a: (mm(a, wg), mm(a, wu)), wd
 
@@ -274,8 +274,7 @@ def llama_stack_tokens_per_s(*, layers: int, hidden: int, inter: int, kv: int, c
       q, k_, v, wo, gate_up, wd = projections(h, w, mm)
       attn = q + jnp.tile(k_ + v, hidden // kv)  # stands in for attention
       h = h + mm(attn, wo)
-      gu = gate_up(h)
-      gate, up = gu if isinstance(gu, tuple) else (gu[..., :inter], gu[..., inter:])
+      gate, up = gate_up(h)
       h = h + mm(jax.nn.silu(gate) * up, wd)
     return h
 

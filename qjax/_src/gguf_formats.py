@@ -124,9 +124,10 @@ class GGUFBlockWeight(formats.QuantizedWeight):
     return cls(**fields, shape=tuple(int(d) for d in shape))
 
   @classmethod
-  def split_blocks(cls, raw: Any, shape: tuple[int, int], leading: tuple[int, ...] = ()
-                   ) -> dict[str, np.ndarray]:
-    """Splits stored bytes into the numpy block fields (views of contiguous copies)."""
+  def block_grid(cls, raw: Any, shape: tuple[int, int], leading: tuple[int, ...] = ()
+                 ) -> np.ndarray:
+    """Stored bytes as ``[*leading, N, K // block_size, type_size]`` uint8, a view (no
+    copy of a contiguous buffer or memory map), after checking K and the byte count."""
     k, n = (int(d) for d in shape)
     leading = tuple(int(d) for d in leading)
     if k % cls.block_size:
@@ -141,11 +142,18 @@ class GGUFBlockWeight(formats.QuantizedWeight):
       raise ValueError(
           f"{cls.__name__} of shape {what}(K={k}, N={n}) needs {rows * nb * cls.type_size} "
           f"bytes, got {raw.size} (array shape {raw.shape})")
-    blocks = raw.reshape(*leading, n, nb, cls.type_size)
+    return raw.reshape(*leading, n, nb, cls.type_size)
+
+  @classmethod
+  def split_blocks(cls, raw: Any, shape: tuple[int, int], leading: tuple[int, ...] = ()
+                   ) -> dict[str, np.ndarray]:
+    """Splits stored bytes into the numpy block fields (views of contiguous copies)."""
+    blocks = cls.block_grid(raw, shape, leading)
+    grid = blocks.shape[:-1]
     out = {}
     for f in cls.block_fields:
       part = np.ascontiguousarray(blocks[..., f.offset:f.offset + f.nbytes])
-      out[f.name] = part.view(f.dtype).reshape(*leading, n, nb, *f.tail)
+      out[f.name] = part.view(f.dtype).reshape(*grid, *f.tail)
     return out
 
   def to_bytes(self) -> np.ndarray:

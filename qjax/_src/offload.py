@@ -248,6 +248,12 @@ def make_stacked_forward(layer_fn: Callable[[jax.Array, jax.Array], jax.Array] =
       h = layer(h, first, second)
     return h
 
-  if compiler_options is None and jax.devices()[0].platform == "gpu":
-    compiler_options = GPU_COMPILER_OPTIONS
+  if compiler_options is None:
+    compiler_options = default_compiler_options()
   return jax.jit(forward, compiler_options=compiler_options)
+
+
+def default_compiler_options() -> dict[str, Any]:
+  """The stacked forward's XLA options on this machine: :data:`GPU_COMPILER_OPTIONS` on a
+  GPU, none elsewhere."""
+  return dict(GPU_COMPILER_OPTIONS) if jax.devices()[0].platform == "gpu" else {}

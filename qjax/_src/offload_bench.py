@@ -62,9 +62,8 @@ def run(args) -> int:
   calls = max(3, min(args.calls, 10))
   print(f"# qjax bench --offload on {jax.devices()[0].device_kind}, jax {jax.__version__}")
   forward = offload.make_stacked_forward()
-  options = offload.GPU_COMPILER_OPTIONS if on_gpu else {}
   print(f"# {layers} layers of {k}x{k} two-pass codebook weights (group 128); forward "
-        f"compiled with {options}")
+        f"compiled with {offload.default_compiler_options()}")
   if not on_gpu:
     print("# CPU run: wall-clock smoke test of the code path, not offload figures")
   keys = jax.random.split(jax.random.key(0), layers)

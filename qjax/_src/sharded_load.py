@@ -127,20 +127,9 @@ def _lazy_block_weight(t: Any, qname: str, shape: tuple[int, int],
   """A block weight whose fields read ``t``'s bytes on indexing; ``leading``: expert axes
   in numpy order (GGUF dims ``[K, N, E]`` give ``(E,)``)."""
   cls = gf.BLOCK_FORMATS[qname]
-  k, n = shape
-  if k % cls.block_size:
-    raise ValueError(f"K={k} (row length) must be a multiple of the {qname} block size "
-                     f"{cls.block_size}")
-  nb = k // cls.block_size
-  raw = np.asarray(t.data)
-  count = int(np.prod(leading, dtype=np.int64)) * n * nb * cls.type_size
-  if raw.size != count:
-    what = f"{leading} x " if leading else ""
-    raise ValueError(f"{qname} of shape {what}(K={k}, N={n}) needs {count} bytes, "
-                     f"got {raw.size}")
-  blocks = raw.reshape(-1).view(np.uint8).reshape(*leading, n, nb, cls.type_size)
+  blocks = cls.block_grid(t.data, shape, leading)  # a view of the memory map
   fields = {f.name: BlockFieldView(blocks, f) for f in cls.block_fields}
-  return cls(**fields, shape=(k, n))
+  return cls(**fields, shape=tuple(int(d) for d in shape))
 
 
 def load_gguf_sharded(path: str | os.PathLike, mesh: jax.sharding.Mesh, axis: Any,
