@@ -48,12 +48,13 @@ from qjax._src import packing
 from pallas_kernels import common
 from pallas_kernels import fp4_codec
 from pallas_kernels import fp4_gemv
+from pallas_kernels import int4_gemv
 
 _f32 = jnp.float32
 _TILE_K = packing.NATIVE_TILE_K
 _SLAB = _TILE_K // 8  # rows per nibble plane of a K-tile
 # Programs a launch aims for: about 7 per SM of an H100, as the GEMV kernels.
-_TARGET_PROGRAMS = 896
+_TARGET_PROGRAMS = int4_gemv.TARGET_PROGRAMS
 # Pairs up to which the kernel is meant to be used: each pair reads its expert in full,
 # so past decode sizes the grouped kernel, which reads each selected expert once, wins.
 MAX_PAIRS = 64
