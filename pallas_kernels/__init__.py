@@ -69,15 +69,15 @@ qjax.register_moe_kernel(
     qjax.MXFP4Weight,
     qjax.Backend(name="pallas_triton", fn=fp4_moe.mxfp4_moe_matmul,
                  supported_on=triton_supported))
-# The per-pair GEMV MoE kernel (decode): only when asked for by name, e.g.
-# qjax.moe_matmul(..., implementation="pallas:pallas_triton_gemv"), until H100 measurements
-# decide when it should replace the grouped kernel (fp4_moe_gemv.supports is the candidate
-# rule). qjax bench --moe times it in its "gemv" column.
+# The per-pair GEMV MoE kernel serves decode-sized calls (up to fp4_moe_gemv.MAX_PAIRS
+# (token, expert) pairs): on the H100, 128 experts of 2880x2880, top-4, it took 16.5 / 50 /
+# 161 us at 1 / 4 / 16 tokens against the grouped kernel's 91 / 141 / 291 us, and lost at
+# 64 tokens (611 against 537 us); BENCHMARKS.md.
 qjax.register_moe_kernel(
     qjax.MXFP4Weight,
     qjax.Backend(name=fp4_moe_gemv.BACKEND_NAME, fn=fp4_moe_gemv.mxfp4_moe_gemv,
                  supported_on=triton_supported),
-    by_name_only=True)
+    auto_when=lambda num_pairs, w: fp4_moe_gemv.supports(num_pairs, w.shape[0], w.block_size))
 qjax.register_kernel(
     qjax.CodebookWeight,
     qjax.Backend(name="pallas_triton", fn=codebook_matmul.codebook_matmul,

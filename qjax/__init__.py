@@ -59,6 +59,7 @@ from qjax._src.moe import register_moe_xla as register_moe_xla
 from qjax._src.codebook import CodebookWeight as CodebookWeight
 from qjax._src.codebook import quantize_codebook as quantize_codebook
 from qjax._src.offload import LayerStack as LayerStack
+from qjax._src.offload import PackedPass2 as PackedPass2
 from qjax._src.offload import make_stacked_forward as make_stacked_forward
 from qjax._src.offload import place_pass2 as place_pass2
 from qjax._src.offload import stack_layers as stack_layers

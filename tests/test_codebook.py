@@ -278,7 +278,7 @@ def test_stacked_forward_matches_layer_loop(request, offload, num, group):
   assert len(stack.second_rest) == (g - c if scanned else 0)
   assert len(stack.second_next) == (c if scanned else 0)
   for w in stack._seconds():
-    assert w.codes.sharding.memory_kind == kind
+    assert w.words.sharding.memory_kind == kind
   if scanned:
     assert stack.first_body.codes.shape[:2] == (scanned, g)
     assert stack.first_body.codes.sharding.memory_kind == "device"
@@ -292,7 +292,27 @@ def test_stacked_forward_matches_layer_loop(request, offload, num, group):
   if offload:
     on_device = qjax.stack_layers(ws, offload_pass2=False, group=group)
     assert stack.device_bytes() + stack.pass2_bytes() == on_device.device_bytes()
-    assert stack.pass2_bytes() == sum(w.second_pass().nbytes for w in ws)
+    # One buffer per layer: pass 2's arrays, each padded to whole 4-byte words.
+    assert stack.pass2_bytes() == sum(-(-a.nbytes // 4) * 4 for w in ws
+                                      for a in (w.codes2, w.norms2, w.codebook2))
+
+
+@pytest.mark.parametrize("k,n,group,norm_dtype", [
+    (256, 33, 128, jnp.bfloat16), (192, 7, 64, jnp.float16), (128, 5, 64, jnp.float32)])
+def test_packed_pass2_round_trip_is_bit_exact(request, k, n, group, norm_dtype):
+  """PackedPass2 (one copy per layer in the prefetch) gives back pass 2's arrays bit for
+  bit, odd byte counts included (f16 norms of 3 * 7 values pad to whole words)."""
+  w = qjax.quantize_codebook(gaussian(request.node.nodeid, k, n), passes=2, group=group,
+                             norm_dtype=norm_dtype)
+  packed = qjax.PackedPass2.pack(w)
+  assert packed.words.dtype == jnp.uint32 and packed.words.ndim == 1
+  assert packed.nbytes == sum(-(-a.nbytes // 4) * 4 for a in (w.codes2, w.norms2, w.codebook2))
+  back = jax.jit(lambda p, f: p.attach(f))(packed, w.first_pass())
+  for field in ("codes", "norms", "codebook", "codes2", "norms2", "codebook2"):
+    a, b = getattr(back, field), getattr(w, field)
+    assert a.dtype == b.dtype and a.shape == b.shape, field
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+  assert back.shape == w.shape and back.seed == w.seed
 
 
 def test_stack_layers_rejects_one_pass_and_mixed_seeds(request):

@@ -297,14 +297,26 @@ def test_supports_and_bad_arguments():
                        interpret=True)
 
 
-def test_default_routing_is_unchanged():
-  """The GEMV kernel runs only when named: None / "pallas" / "interpret" keep the grouped
-  kernel; unknown names and malformed choices are named in the error."""
+def test_default_routing_by_pairs(request):
+  """None / "pallas" / "interpret" pick the GEMV kernel for 1 to MAX_PAIRS (token, expert)
+  pairs and the grouped kernel past that (or when the pair count is not known); both give
+  the float64 result through moe_matmul. Unknown names and malformed choices are named in
+  the error."""
   mod = _mod()
-  w = make_experts(np.random.default_rng(0), 4, 64, 32)
-  assert qjax.moe_implementation_name(w, "interpret") == "pallas_triton-interpret"
-  assert qjax.moe_implementation_name(w, "xla") == "xla"
-  assert qjax.moe_implementation_name(w) == ("pallas_triton" if on_gpu() else "xla")
+  rng = np.random.default_rng(seed_from(request.node.nodeid))
+  w = make_experts(rng, 4, 64, 32)
+  gemv, grouped = mod.BACKEND_NAME, "pallas_triton"
+  for pairs, name in ((1, gemv), (mod.MAX_PAIRS, gemv), (mod.MAX_PAIRS + 1, grouped),
+                      (None, grouped)):
+    assert qjax.moe_implementation_name(w, "interpret", pairs) == name + "-interpret"
+    assert qjax.moe_implementation_name(w, None, pairs) == (name if on_gpu() else "xla")
+    assert qjax.moe_implementation_name(w, "xla", pairs) == "xla"
+  for t in (3, mod.MAX_PAIRS // 2 + 1):  # 6 pairs: GEMV; MAX_PAIRS + 2 pairs: grouped
+    ids = rng.integers(0, 4, (t, 2)).astype(np.int32)
+    x = make_rows(rng, t, 64, jnp.float32)
+    y = qjax.moe_matmul(x, w, jnp.asarray(ids), implementation="interpret")
+    check(y.reshape(2 * t, 32), x, w, np.arange(2 * t, dtype=np.int32) // 2,
+          ids.reshape(-1), jnp.float32)
   names = [b.name for b in moe.moe_kernels_for_format(qjax.MXFP4Weight)]
   assert names == ["pallas_triton", mod.BACKEND_NAME]
   with pytest.raises(NotImplementedError, match="'nope'.*registered: "):

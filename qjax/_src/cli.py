@@ -83,9 +83,9 @@ def _add_bench(sub) -> None:
                  "Llama-3-8B-shaped stack of linear layers, int4 vs bf16")
   p.add_argument("--moe", action="store_true", help="instead, time qjax.moe_matmul on MXFP4 "
                  "experts (GPU default: 128 experts of 2880x2880, top-4, tokens 1,4,16,64; "
-                 "--m sets the tokens, the first of --shapes KxN the expert shape): the fused "
-                 "kernel, the per-pair GEMV kernel, their XLA reference, and dequantizing "
-                 "every expert first, against the bandwidth floor of the selected experts' "
+                 "--m sets the tokens, the first of --shapes KxN the expert shape): the kernel "
+                 "moe_matmul picks, the grouped and the per-pair GEMV kernels each, their "
+                 "XLA reference, and dequantizing every expert first, against the bandwidth floor of the selected experts' "
                  "bytes")
   p.add_argument("--moe-experts", type=int, help="experts for --moe (default GPU 128, CPU 8)")
   p.add_argument("--moe-top-k", type=int, help="experts per token for --moe (default GPU 4, "

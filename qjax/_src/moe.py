@@ -34,6 +34,8 @@ from qjax._src import fp4
 _MOE_XLA: dict[type, Callable[..., jax.Array]] = {}
 _MOE_KERNELS: dict[type, list[dispatch.Backend]] = {}
 _BY_NAME_ONLY: set[tuple[type, str]] = set()  # (format, backend name): never picked by default
+# (format, backend name) -> auto_when(num_pairs, w): picked by default only where it holds
+_AUTO_WHEN: dict[tuple[type, str], Callable[[int, Any], bool]] = {}
 
 
 def register_moe_xla(format_cls: type, fn: Callable[..., jax.Array]) -> None:
@@ -43,19 +45,27 @@ def register_moe_xla(format_cls: type, fn: Callable[..., jax.Array]) -> None:
 
 
 def register_moe_kernel(format_cls: type, backend: dispatch.Backend, *,
-                        by_name_only: bool = False) -> None:
+                        by_name_only: bool = False,
+                        auto_when: Callable[[int, Any], bool] | None = None) -> None:
   """Registers a kernel whose ``backend.fn(rows, w, pair_rows, pair_experts, *, interpret,
   config=None)`` follows the canonical form; later registrations of one name replace it.
 
   ``by_name_only``: the kernel runs only when asked for by name
   (``implementation="pallas:NAME"`` or ``"interpret:NAME"``), never for None / "pallas" /
   "interpret" (for kernels being measured before they become a default).
+  ``auto_when(num_pairs, w)``: for a kernel that is the fast path only for some calls
+  (e.g. decode, a few (token, expert) pairs): None / "pallas" / "interpret" pick it, ahead
+  of the kernels registered without a rule, exactly when it returns True.
   """
   backends = [b for b in _MOE_KERNELS.get(format_cls, []) if b.name != backend.name]
   _MOE_KERNELS[format_cls] = backends + [backend]
-  _BY_NAME_ONLY.discard((format_cls, backend.name))
+  key = (format_cls, backend.name)
+  _BY_NAME_ONLY.discard(key)
+  _AUTO_WHEN.pop(key, None)
   if by_name_only:
-    _BY_NAME_ONLY.add((format_cls, backend.name))
+    _BY_NAME_ONLY.add(key)
+  if auto_when is not None:
+    _AUTO_WHEN[key] = auto_when
 
 
 def moe_kernels_for_format(format_cls: type) -> list[dispatch.Backend]:
@@ -209,13 +219,16 @@ def _split_implementation(implementation: str | None) -> tuple[str | None, str |
   return implementation, None
 
 
-def resolve_moe(w: Any, implementation: str | None) -> tuple[str, Callable[..., jax.Array]]:
+def resolve_moe(w: Any, implementation: str | None, num_pairs: int | None = None
+                ) -> tuple[str, Callable[..., jax.Array]]:
   """The implementation name and canonical ``fn(rows, w, pair_rows, pair_experts)``.
 
   ``implementation``: None (the first registered kernel that runs here, else XLA), "xla",
   "pallas" / "interpret" (the first registered kernel), or "pallas:NAME" /
   "interpret:NAME" (the registered kernel of that name, including those registered
-  ``by_name_only``, which the other choices skip).
+  ``by_name_only``, which the other choices skip). Without a name, kernels registered with
+  ``auto_when`` come first and count only where ``auto_when(num_pairs, w)`` holds (never
+  when ``num_pairs`` is None).
   """
   mode, name = _split_implementation(implementation)
   fmt = type(w)
@@ -229,6 +242,10 @@ def resolve_moe(w: Any, implementation: str | None) -> tuple[str, Callable[..., 
                                 f"{fmt.__name__}; registered: {known}")
   else:
     kernels = [b for b in kernels if (fmt, b.name) not in _BY_NAME_ONLY]
+    ruled = [b for b in kernels if (fmt, b.name) in _AUTO_WHEN]
+    chosen = [b for b in ruled
+              if num_pairs is not None and _AUTO_WHEN[fmt, b.name](num_pairs, w)]
+    kernels = chosen + [b for b in kernels if b not in ruled]
   if mode in ("pallas", "interpret"):
     if not kernels:
       raise NotImplementedError(
@@ -263,9 +280,9 @@ def moe_matmul(x: jax.Array, w: Any, expert_ids: jax.Array, *,
     expert_ids: ``[T, top_k]`` integers in ``[0, E)``; an expert may appear for any
       number of tokens, or none.
     implementation: None (best available), "xla", "pallas" or "interpret"; or
-      "pallas:NAME" / "interpret:NAME" for the registered MoE kernel of that name (e.g.
-      "pallas:pallas_triton_gemv", the per-pair GEMV kernel for decode, which the other
-      choices do not pick yet).
+      "pallas:NAME" / "interpret:NAME" for the registered MoE kernel of that name
+      ("pallas:pallas_triton", the grouped kernel; "pallas:pallas_triton_gemv", the
+      per-pair GEMV kernel, which None / "pallas" pick for decode-sized calls).
 
   Returns:
     ``[T, top_k, N]`` in x's dtype, accumulated in float32.
@@ -285,8 +302,8 @@ def moe_matmul(x: jax.Array, w: Any, expert_ids: jax.Array, *,
   if isinstance(w, sharded):
     return w.moe_matmul(x, expert_ids, implementation=implementation)
   _check(x, w, expert_ids)
-  _, fn = resolve_moe(w, implementation)
   t, top_k = expert_ids.shape
+  _, fn = resolve_moe(w, implementation, t * top_k)
   pair_experts = expert_ids.reshape(-1).astype(jnp.int32)
   if x.ndim == 2:
     rows, pair_rows = x, jnp.arange(t * top_k, dtype=jnp.int32) // top_k
@@ -296,6 +313,8 @@ def moe_matmul(x: jax.Array, w: Any, expert_ids: jax.Array, *,
   return y.reshape(t, top_k, w.shape[1])
 
 
-def moe_implementation_name(w: Any, implementation: str | None = None) -> str:
-  """The implementation ``moe_matmul`` would run for ``w`` on this machine."""
-  return resolve_moe(w, implementation)[0]
+def moe_implementation_name(w: Any, implementation: str | None = None,
+                            num_pairs: int | None = None) -> str:
+  """The implementation ``moe_matmul`` would run for ``w`` on this machine, for a call
+  with ``num_pairs`` = tokens x top_k (None: a call no decode rule applies to)."""
+  return resolve_moe(w, implementation, num_pairs)[0]

@@ -7,7 +7,9 @@ with :func:`make_stacked_forward`: a ``lax.scan`` over groups of layers whose st
 pass 2 of the coming layers (``jax.device_put`` to the device memory space, which XLA
 turns into asynchronous host-to-device copies on their own streams) while the current
 layers compute: prefetch into separate buffers, scheduled by XLA (:class:`LayerStack`
-says how the buffers are arranged so that no copy waits for a layer to finish reading).
+says how the buffers are arranged so that no copy waits for a layer to finish reading),
+each layer's pass 2 packed into one buffer (:class:`PackedPass2`) so that it moves with
+one copy.
 The forward is compiled without command buffers and with the latency-hiding scheduler on
 a GPU (:data:`GPU_COMPILER_OPTIONS`), under which the copies overlap the kernels.
 """
@@ -15,6 +17,7 @@ a GPU (:data:`GPU_COMPILER_OPTIONS`), under which the copies overlap the kernels
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Sequence
 
 import jax
@@ -62,8 +65,70 @@ def place_pass2(tree: Any, memory_kind: str = "pinned_host") -> Any:
   return jax.tree.map(move, tree, is_leaf=lambda v: isinstance(v, CodebookWeight))
 
 
-def _to_device(w: CodebookWeight) -> CodebookWeight:
-  return jax.tree.map(lambda a: jax.device_put(a, jax.memory.Space.Device), w)
+def _to_device(tree: Any) -> Any:
+  return jax.tree.map(lambda a: jax.device_put(a, jax.memory.Space.Device), tree)
+
+
+_PASS2_FIELDS = ("codes2", "norms2", "codebook2")
+
+
+def _as_words(a: jax.Array) -> jax.Array:
+  """``a``'s bytes, flattened, as ``[ceil(bytes / 4)]`` uint32 (zero-padded)."""
+  b = a if a.dtype.itemsize == 1 else jax.lax.bitcast_convert_type(a, jnp.uint8)
+  b = b.reshape(-1)
+  b = jnp.pad(b, (0, -b.size % 4))
+  return jax.lax.bitcast_convert_type(b.reshape(-1, 4), jnp.uint32)
+
+
+def _from_words(words: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+  """Inverse of :func:`_as_words` for one array (no leading axes)."""
+  dtype = jnp.dtype(dtype)
+  size = math.prod(shape) * dtype.itemsize
+  b = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(-1)[:size]
+  if dtype.itemsize > 1:
+    b = b.reshape(-1, dtype.itemsize)
+  return jax.lax.bitcast_convert_type(b, dtype).reshape(shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedPass2:
+  """Pass 2 of one layer (``codes2``, ``norms2``, ``codebook2``) in one uint32 buffer.
+
+  The prefetch moves each layer's pass 2 with one host-to-device copy instead of three: on
+  the H100 each copy on the copy stream is followed by a few microseconds of idle time, and
+  the two small copies (norms, codebook) per layer added up to about 10 % of the copy time.
+
+  Attributes:
+    words: ``[*lead, W]`` uint32: codes2's words, then norms2's bytes, then codebook2's,
+      each zero-padded to whole words; ``lead`` are stacking axes (scan steps).
+    parts: static ``((shape, dtype name), ...)`` of codes2, norms2, codebook2 of one layer.
+  """
+  words: jax.Array
+  parts: tuple[tuple[tuple[int, ...], str], ...]
+
+  @classmethod
+  def pack(cls, w: CodebookWeight) -> "PackedPass2":
+    """Pass 2 of the two-pass weight ``w`` (no leading axes), bit for bit."""
+    arrays = [getattr(w, f) for f in _PASS2_FIELDS]
+    return cls(words=jnp.concatenate([_as_words(a) for a in arrays]),
+               parts=tuple((tuple(a.shape), jnp.dtype(a.dtype).name) for a in arrays))
+
+  def attach(self, first: CodebookWeight) -> CodebookWeight:
+    """``first`` (pass 1 of one layer) with this pass 2 as its residual pass; ``words``
+    must have no leading axes."""
+    arrays, offset = {}, 0
+    for field, (shape, dtype) in zip(_PASS2_FIELDS, self.parts):
+      n = -(-math.prod(shape) * jnp.dtype(dtype).itemsize // 4)
+      arrays[field] = _from_words(self.words[offset:offset + n], shape, dtype)
+      offset += n
+    return dataclasses.replace(first, **arrays)
+
+  @property
+  def nbytes(self) -> int:
+    return self.words.nbytes
+
+
+jax.tree_util.register_dataclass(PackedPass2, data_fields=["words"], meta_fields=["parts"])
 
 
 DEFAULT_GROUP = 8
@@ -93,23 +158,24 @@ class LayerStack:
 
   Attributes, with ``S = L // G - 1`` scanned groups and ``T = L - S * G`` tail layers:
     first_body: pass 1 of the scanned groups; arrays ``[S, G, ...]``, or None if S = 0.
-    second_rest: ``G - C`` weights, pass 2 of layers ``C .. G-1`` of each scanned group;
-      arrays ``[S, ...]``.
-    second_next: ``C`` weights, pass 2 of the first ``C`` layers of the group after each
-      scanned group (the tail's first ``C`` after the last); arrays ``[S, ...]``.
-    second_head: ``C`` weights, pass 2 of layers ``0 .. C-1``.
+    second_rest: ``G - C`` :class:`PackedPass2`, pass 2 of layers ``C .. G-1`` of each
+      scanned group; words ``[S, W]``.
+    second_next: ``C`` :class:`PackedPass2`, pass 2 of the first ``C`` layers of the group
+      after each scanned group (the tail's first ``C`` after the last); words ``[S, W]``.
+    second_head: ``C`` :class:`PackedPass2`, pass 2 of layers ``0 .. C-1``.
     first_tail: ``T`` weights, pass 1 of the tail layers.
-    second_tail: ``T - C`` weights, pass 2 of the tail's layers after its first ``C``.
+    second_tail: ``T - C`` :class:`PackedPass2`, pass 2 of the tail's layers after its
+      first ``C``.
     group: ``G``; ``carried``: ``C``.
-  All ``second_*`` arrays live in pinned host memory when pass 2 is offloaded; at most
+  All ``second_*`` words live in pinned host memory when pass 2 is offloaded; at most
   ``G + C`` layers' pass 2 are on the device at once, as prefetch buffers.
   """
   first_body: CodebookWeight | None
-  second_rest: tuple[CodebookWeight, ...]
-  second_next: tuple[CodebookWeight, ...]
-  second_head: tuple[CodebookWeight, ...]
+  second_rest: tuple[PackedPass2, ...]
+  second_next: tuple[PackedPass2, ...]
+  second_head: tuple[PackedPass2, ...]
   first_tail: tuple[CodebookWeight, ...]
-  second_tail: tuple[CodebookWeight, ...]
+  second_tail: tuple[PackedPass2, ...]
   group: int
 
   @property
@@ -124,7 +190,7 @@ class LayerStack:
   def num_layers(self) -> int:
     return self.scanned_groups * self.group + len(self.first_tail)
 
-  def _seconds(self) -> list[CodebookWeight]:
+  def _seconds(self) -> list[PackedPass2]:
     return [*self.second_head, *self.second_next, *self.second_rest, *self.second_tail]
 
   def pass2_bytes(self) -> int:
@@ -184,7 +250,7 @@ def stack_layers(layers: Sequence[CodebookWeight], *, offload_pass2: bool = True
   c = max(g // 2, 1)
   scanned = max(num // g - 1, 0)
   firsts = [w.first_pass() for w in layers]
-  seconds = [_to_device(w.second_pass()) for w in layers]
+  seconds = [PackedPass2.pack(_to_device(w)) for w in layers]
   steps = range(scanned)
   by_step = lambda j: put(_stack([seconds[s * g + j] for s in steps]))
   tail = range(scanned * g, num)
@@ -223,7 +289,7 @@ def make_stacked_forward(layer_fn: Callable[[jax.Array, jax.Array], jax.Array] =
   """
 
   def layer(h, first, second):
-    y = dispatch.matmul(h, first.with_second_pass(second), implementation=implementation)
+    y = dispatch.matmul(h, second.attach(first), implementation=implementation)
     return layer_fn(h, y)
 
   def forward(stack: LayerStack, x: jax.Array) -> jax.Array:
@@ -239,6 +305,10 @@ def make_stacked_forward(layer_fn: Callable[[jax.Array, jax.Array], jax.Array] =
         carried_next = [_to_device(w) for w in next_host]  # nothing reads these slots now
         for j, second in enumerate(rest, start=len(carried)):
           h = layer(h, _take(firsts, j), second)
+        # Ties the carried copies to the step's last layer, so that moving them into the
+        # loop-carried buffers is not scheduled ahead of the layers (M = 1 on the H100:
+        # 5971 -> 5810 us for 32 layers of 4096x4096).
+        h, carried_next = jax.lax.optimization_barrier((h, carried_next))
         return (h, carried_next), None
 
       (h, carried), _ = jax.lax.scan(
