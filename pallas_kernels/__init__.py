@@ -71,8 +71,8 @@ qjax.register_moe_kernel(
                  supported_on=triton_supported))
 # The per-pair GEMV MoE kernel serves decode-sized calls (up to fp4_moe_gemv.MAX_PAIRS
 # (token, expert) pairs): on the H100, 128 experts of 2880x2880, top-4, it took 16.5 / 50 /
-# 161 us at 1 / 4 / 16 tokens against the grouped kernel's 91 / 141 / 291 us, and lost at
-# 64 tokens (611 against 537 us); BENCHMARKS.md.
+# 161 / 311 us at 1 / 4 / 16 / 32 tokens against the grouped kernel's 91 / 141 / 291 /
+# 427 us, and lost at 64 tokens (611 against 540 us); BENCHMARKS.md.
 qjax.register_moe_kernel(
     qjax.MXFP4Weight,
     qjax.Backend(name=fp4_moe_gemv.BACKEND_NAME, fn=fp4_moe_gemv.mxfp4_moe_gemv,

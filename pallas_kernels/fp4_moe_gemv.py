@@ -57,7 +57,9 @@ _SLAB = _TILE_K // 8  # rows per nibble plane of a K-tile
 _TARGET_PROGRAMS = int4_gemv.TARGET_PROGRAMS
 # Pairs up to which the kernel is meant to be used: each pair reads its expert in full,
 # so past decode sizes the grouped kernel, which reads each selected expert once, wins.
-MAX_PAIRS = 64
+# H100, 128 experts of 2880x2880, top-4: 311 against 427 us at 128 pairs, 611 against
+# 540 us at 256 (BENCHMARKS.md).
+MAX_PAIRS = 128
 
 # The name qjax.moe_matmul selects it by: implementation="pallas:" + BACKEND_NAME.
 BACKEND_NAME = "pallas_triton_gemv"

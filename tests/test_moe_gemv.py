@@ -278,8 +278,8 @@ def test_loop_shape_covers_each_tile_once(tiles):
 
 def test_supports_and_bad_arguments():
   mod = _mod()
-  assert mod.supports(1, 2880) and mod.supports(64, 2880) and mod.supports(4, 64, 32)
-  assert not mod.supports(65, 2880) and not mod.supports(0, 2880)
+  assert mod.supports(1, 2880) and mod.supports(mod.MAX_PAIRS, 2880) and mod.supports(4, 64, 32)
+  assert not mod.supports(mod.MAX_PAIRS + 1, 2880) and not mod.supports(0, 2880)
   assert not mod.supports(4, 2880, 16) and not mod.supports(4, 48)
   rng = np.random.default_rng(0)
   w = make_experts(rng, 4, 96, 8)
