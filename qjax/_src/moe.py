@@ -12,8 +12,9 @@ Implementations share the canonical form ``fn(rows [R, K], w, pair_rows [P], pai
 the pairs sorted by expert, reading only the selected experts' weights) registers itself
 from ``pallas_kernels`` with :func:`register_moe_kernel`. Implementation names are those of
 :func:`qjax.matmul`: None (best available), "xla", "pallas", "interpret"; and, for a
-kernel registered under a second name (such as the per-pair GEMV kernel, only chosen when
-asked for), "pallas:NAME" / "interpret:NAME".
+registered kernel by name, "pallas:NAME" / "interpret:NAME". A kernel may register a rule
+for when it is the default (``auto_when``): the per-pair GEMV kernel serves decode-sized
+calls, the grouped kernel the rest.
 
 :func:`group_by_expert` is the routing metadata both share: the pairs sorted by expert, each
 expert's group of rows, and a table of row tiles that a grouped-GEMM grid walks.
