@@ -313,6 +313,8 @@ def test_packed_pass2_round_trip_is_bit_exact(request, k, n, group, norm_dtype):
     assert a.dtype == b.dtype and a.shape == b.shape, field
     np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
   assert back.shape == w.shape and back.seed == w.seed
+  with pytest.raises(ValueError, match="passes=2"):
+    qjax.PackedPass2.pack(w.first_pass())
 
 
 def test_stack_layers_rejects_one_pass_and_mixed_seeds(request):

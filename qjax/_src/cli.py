@@ -85,8 +85,8 @@ def _add_bench(sub) -> None:
                  "experts (GPU default: 128 experts of 2880x2880, top-4, tokens 1,4,16,64; "
                  "--m sets the tokens, the first of --shapes KxN the expert shape): the kernel "
                  "moe_matmul picks, the grouped and the per-pair GEMV kernels each, their "
-                 "XLA reference, and dequantizing every expert first, against the bandwidth floor of the selected experts' "
-                 "bytes")
+                 "XLA reference, and dequantizing every expert first, against the bandwidth "
+                 "floor of the selected experts' bytes")
   p.add_argument("--moe-experts", type=int, help="experts for --moe (default GPU 128, CPU 8)")
   p.add_argument("--moe-top-k", type=int, help="experts per token for --moe (default GPU 4, "
                  "CPU 2)")

@@ -109,6 +109,11 @@ class PackedPass2:
   @classmethod
   def pack(cls, w: CodebookWeight) -> "PackedPass2":
     """Pass 2 of the two-pass weight ``w`` (no leading axes), bit for bit."""
+    if w.codes2 is None or w.codes2.ndim != 2:
+      raise ValueError(
+          "PackedPass2.pack needs one two-pass weight without leading axes, got codes2 "
+          f"{None if w.codes2 is None else w.codes2.shape}; quantize with passes=2 and pack "
+          "each layer separately")
     arrays = [getattr(w, f) for f in _PASS2_FIELDS]
     return cls(words=jnp.concatenate([_as_words(a) for a in arrays]),
                parts=tuple((tuple(a.shape), jnp.dtype(a.dtype).name) for a in arrays))
