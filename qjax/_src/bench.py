@@ -344,8 +344,9 @@ def bench_moe(tokens: int, *, experts: int, k: int, n: int, top_k: int, bandwidt
     and gathers included.
   * gemv: the per-pair GEMV kernel (``implementation="pallas:pallas_triton_gemv"``).
   * xla: its XLA reference (gathered experts, or every expert and ragged_dot).
-  * dequant_all: every expert dequantized to bf16 first, then the selected ones' dense
-    matmuls.
+  * dequant_all: every expert dequantized to bf16 first (materialized: an optimization
+    barrier stops XLA from dequantizing only the gathered ones), then the selected ones'
+    dense matmuls.
 
   The floor counts the packed codes and scales of the distinct selected experts, x and
   the output, over the copy bandwidth. Routings rotate (a new random one per call) so
@@ -369,8 +370,11 @@ def bench_moe(tokens: int, *, experts: int, k: int, n: int, top_k: int, bandwidt
       "grouped": lambda x_, w_, i_: dispatch_moe(x_, w_, i_, f"{mode}:{MOE_GROUPED_BACKEND}"),
       "gemv": lambda x_, w_, i_: dispatch_moe(x_, w_, i_, f"{mode}:{MOE_GEMV_BACKEND}"),
       "xla": lambda x_, w_, i_: dispatch_moe(x_, w_, i_, "xla"),
+      # The barrier keeps XLA from fusing the gather into the dequantization (which would
+      # dequantize only the selected experts): this is the "dequantize every expert, then
+      # multiply" program the MoE kernels replace.
       "dequant_all": lambda x_, w_, i_: jnp.einsum(
-          "tk,tjkn->tjn", x_, w_.dequantize(x_.dtype)[i_],
+          "tk,tjkn->tjn", x_, jax.lax.optimization_barrier(w_.dequantize(x_.dtype))[i_],
           preferred_element_type=jnp.float32).astype(x_.dtype),
   }
   times, source = {}, "trace"
