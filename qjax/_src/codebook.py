@@ -109,19 +109,6 @@ class CodebookWeight(formats.QuantizedWeight):
     """Pass 1 alone (a one-pass weight)."""
     return dataclasses.replace(self, codes2=None, norms2=None, codebook2=None)
 
-  def second_pass(self) -> "CodebookWeight":
-    """Pass 2 alone, as a one-pass weight with its own seed."""
-    if self.codes2 is None:
-      raise ValueError("this CodebookWeight has one pass; quantize with passes=2")
-    return dataclasses.replace(self, codes=self.codes2, norms=self.norms2,
-                               codebook=self.codebook2, codes2=None, norms2=None,
-                               codebook2=None, seed=self.seed + 1)
-
-  def with_second_pass(self, second: "CodebookWeight") -> "CodebookWeight":
-    """Pass 1 of this weight joined with the one-pass weight ``second`` as pass 2."""
-    return dataclasses.replace(self, codes2=second.codes, norms2=second.norms,
-                               codebook2=second.codebook)
-
   def dequantize(self) -> jax.Array:
     """``[K, N]`` float32."""
     if self.codes.ndim != 2:
