@@ -34,7 +34,6 @@ from qjax._src import fp4
 
 _MOE_XLA: dict[type, Callable[..., jax.Array]] = {}
 _MOE_KERNELS: dict[type, list[dispatch.Backend]] = {}
-_BY_NAME_ONLY: set[tuple[type, str]] = set()  # (format, backend name): never picked by default
 # (format, backend name) -> auto_when(num_pairs, w): picked by default only where it holds
 _AUTO_WHEN: dict[tuple[type, str], Callable[[int, Any], bool]] = {}
 
@@ -46,25 +45,20 @@ def register_moe_xla(format_cls: type, fn: Callable[..., jax.Array]) -> None:
 
 
 def register_moe_kernel(format_cls: type, backend: dispatch.Backend, *,
-                        by_name_only: bool = False,
                         auto_when: Callable[[int, Any], bool] | None = None) -> None:
   """Registers a kernel whose ``backend.fn(rows, w, pair_rows, pair_experts, *, interpret,
   config=None)`` follows the canonical form; later registrations of one name replace it.
 
-  ``by_name_only``: the kernel runs only when asked for by name
-  (``implementation="pallas:NAME"`` or ``"interpret:NAME"``), never for None / "pallas" /
-  "interpret" (for kernels being measured before they become a default).
   ``auto_when(num_pairs, w)``: for a kernel that is the fast path only for some calls
   (e.g. decode, a few (token, expert) pairs): None / "pallas" / "interpret" pick it, ahead
-  of the kernels registered without a rule, exactly when it returns True.
+  of the kernels registered without a rule, exactly when it returns True. A rule that
+  always returns False leaves the kernel to be asked for by name
+  (``implementation="pallas:NAME"`` or ``"interpret:NAME"``), e.g. while it is measured.
   """
   backends = [b for b in _MOE_KERNELS.get(format_cls, []) if b.name != backend.name]
   _MOE_KERNELS[format_cls] = backends + [backend]
   key = (format_cls, backend.name)
-  _BY_NAME_ONLY.discard(key)
   _AUTO_WHEN.pop(key, None)
-  if by_name_only:
-    _BY_NAME_ONLY.add(key)
   if auto_when is not None:
     _AUTO_WHEN[key] = auto_when
 
@@ -226,10 +220,9 @@ def resolve_moe(w: Any, implementation: str | None, num_pairs: int | None = None
 
   ``implementation``: None (the first registered kernel that runs here, else XLA), "xla",
   "pallas" / "interpret" (the first registered kernel), or "pallas:NAME" /
-  "interpret:NAME" (the registered kernel of that name, including those registered
-  ``by_name_only``, which the other choices skip). Without a name, kernels registered with
-  ``auto_when`` come first and count only where ``auto_when(num_pairs, w)`` holds (never
-  when ``num_pairs`` is None).
+  "interpret:NAME" (the registered kernel of that name, whatever its rule). Without a
+  name, kernels registered with ``auto_when`` come first and count only where
+  ``auto_when(num_pairs, w)`` holds (never when ``num_pairs`` is None).
   """
   mode, name = _split_implementation(implementation)
   fmt = type(w)
@@ -242,7 +235,6 @@ def resolve_moe(w: Any, implementation: str | None, num_pairs: int | None = None
       raise NotImplementedError(f"no MoE kernel named {name!r} is registered for "
                                 f"{fmt.__name__}; registered: {known}")
   else:
-    kernels = [b for b in kernels if (fmt, b.name) not in _BY_NAME_ONLY]
     ruled = [b for b in kernels if (fmt, b.name) in _AUTO_WHEN]
     chosen = [b for b in ruled
               if num_pairs is not None and _AUTO_WHEN[fmt, b.name](num_pairs, w)]
