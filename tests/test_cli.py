@@ -110,7 +110,8 @@ def test_llama_stack_fused_and_separate_hold_the_same_weights():
 
 def test_bench_offload_smoke_on_cpu(capsys):
   """`qjax bench --offload` runs its CPU smoke form with a chosen prefetch group."""
-  assert cli.main(["bench", "--offload", "--offload-group", "4", "--m", "1", "--calls", "3"]) == 0
+  assert cli.main(["bench", "--offload", "--offload-group", "4", "--offload-carried", "2",
+                   "--m", "1", "--calls", "3"]) == 0
   out = capsys.readouterr().out
   assert "CPU run: wall-clock smoke test" in out
   assert "4 layers per scan step, 2 carried (3 steps, 4 tail layers)" in out

@@ -261,17 +261,19 @@ def test_quantize_time_offload_switch(request):
   assert q.codes.sharding.memory_kind == "device"
 
 
-@pytest.mark.parametrize("offload,num,group", [
-    (False, 4, 4), (True, 4, 4), (True, 4, 1), (True, 7, 2), (False, 9, 4), (True, 11, 3),
-    (True, 3, 8), (True, 17, 8), (True, 16, 5)])
-def test_stacked_forward_matches_layer_loop(request, offload, num, group):
+@pytest.mark.parametrize("offload,num,group,carried", [
+    (False, 4, 4, None), (True, 4, 4, 2), (True, 4, 1, None), (True, 7, 2, None),
+    (True, 7, 2, 1), (False, 9, 4, 2), (True, 11, 3, 1), (True, 11, 3, None),
+    (True, 3, 8, None), (True, 17, 8, 4), (True, 16, 5, 2), (True, 32, 2, None)])
+def test_stacked_forward_matches_layer_loop(request, offload, num, group, carried):
   rng = np.random.default_rng(seed_from(request.node.nodeid))
   ws = [qjax.quantize_codebook(rng.standard_normal((128, 128)).astype(np.float32),
                                passes=2, seed=3) for _ in range(num)]
-  stack = qjax.stack_layers(ws, offload_pass2=offload, group=group)
+  stack = qjax.stack_layers(ws, offload_pass2=offload, group=group, carried=carried)
   kind = "pinned_host" if offload else "device"
   g = min(group, num)
-  c, scanned = max(g // 2, 1), max(num // g - 1, 0)
+  c = g if carried is None else carried
+  scanned = (num - c) // g
   assert stack.num_layers == num and stack.group == g and stack.scanned_groups == scanned
   assert stack.carried == c == len(stack.second_head)
   assert len(stack.first_tail) == num - scanned * g == len(stack.second_tail) + c
@@ -290,7 +292,7 @@ def test_stacked_forward_matches_layer_loop(request, offload, num, group):
     h = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + 1e-6)
   assert rel_err(y, h) < 1e-4
   if offload:
-    on_device = qjax.stack_layers(ws, offload_pass2=False, group=group)
+    on_device = qjax.stack_layers(ws, offload_pass2=False, group=group, carried=carried)
     assert stack.device_bytes() + stack.pass2_bytes() == on_device.device_bytes()
     # One buffer per layer: pass 2's arrays, each padded to whole 4-byte words.
     assert stack.pass2_bytes() == sum(-(-a.nbytes // 4) * 4 for w in ws
@@ -328,6 +330,8 @@ def test_stack_layers_rejects_one_pass_and_mixed_seeds(request):
   w3 = [qjax.quantize_codebook(gaussian(request.node.nodeid, 128, 8), passes=2)] * 2
   with pytest.raises(ValueError, match="group=0"):
     qjax.stack_layers(w3, group=0)
+  with pytest.raises(ValueError, match=r"carried=3 must be an int in \[1, 2\]"):
+    qjax.stack_layers(w3, group=2, carried=3)
 
 
 # ----------------------------------------------------------------------- flax layers

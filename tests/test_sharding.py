@@ -105,6 +105,22 @@ def test_split_matmul_matches_single_device(case, mode, n):
     assert y.sharding.spec == P(None, "tp")  # each device holds its columns
 
 
+@pytest.mark.parametrize("case", [*WEIGHTS, "codebook-two-pass"])
+def test_ahead_of_time_lower_and_compile(case):
+  """``jax.jit(f).lower(w, x).compile()`` (AOT, as used to read a schedule or shard ahead
+  of time) on every format: lowering rebuilds the weight from ArgInfo stand-ins, which
+  the format's shape checks must let through."""
+  if case == "codebook-two-pass":
+    w = _codebook(_normal(np.random.default_rng(7), (256, 24)), group=128, passes=2)
+    x = jnp.asarray(np.random.default_rng(8).standard_normal((3, 256)), jnp.float32)
+  else:
+    w, x, _, _ = weight_case(case)
+  single = _matmul(x, w, implementation="xla")
+  compiled = jax.jit(lambda w, x: qjax.matmul(x, w, implementation="xla")).lower(w, x).compile()
+  y = compiled(w, x)
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(single))
+
+
 @pytest.mark.parametrize("mode", ["column", "row"])
 @pytest.mark.parametrize("case", ["int4-g128", "nvfp4", "gguf-q4_k-tiled", "gguf-q6_k-blocks"])
 def test_plain_jit_with_named_shardings(case, mode):

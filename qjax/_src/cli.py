@@ -97,6 +97,9 @@ def _add_bench(sub) -> None:
   p.add_argument("--offload-group", type=int, default=None, metavar="G",
                  help="with --offload: layers per scan step of the prefetch (default "
                       "qjax's, see qjax.stack_layers)")
+  p.add_argument("--offload-carried", type=int, default=None, metavar="C",
+                 help="with --offload: layers per scan step whose pass 2 the previous step "
+                      "prefetched (default G: all of them; see qjax.stack_layers)")
 
   def run(args):
     if args.offload:

@@ -86,9 +86,11 @@ class QuantizedWeight:
     raise NotImplementedError
 
   def _leaves_concrete_2d(self) -> bool:
-    """True when every leaf is an array whose shapes can be validated."""
+    """True when every leaf is an array whose shapes can be validated (not, e.g., the
+    ``ArgInfo`` stand-ins that ``jax.jit(f).lower(...)`` rebuilds a weight from)."""
     leaves = jax.tree_util.tree_leaves(self)
-    return bool(leaves) and all(hasattr(a, "shape") and hasattr(a, "dtype") for a in leaves)
+    return bool(leaves) and all(
+        hasattr(a, "shape") and hasattr(a, "dtype") and hasattr(a, "ndim") for a in leaves)
 
 
 def is_quantized(x: Any) -> bool:

@@ -136,7 +136,9 @@ class PackedPass2:
 jax.tree_util.register_dataclass(PackedPass2, data_fields=["words"], meta_fields=["parts"])
 
 
-DEFAULT_GROUP = 8
+# Layers per scan step, and how many of them are prefetched by the previous step
+# (LayerStack): double buffering by pairs, the fastest of the layouts measured.
+DEFAULT_GROUP = 2
 
 # Compiler options of the stacked forward on the GPU, measured on the H100 (32 layers of
 # 4096x4096, BENCHMARKS.md): with XLA's command buffers (CUDA graphs) the while loop's
@@ -151,17 +153,27 @@ class LayerStack:
   """``L >= 2`` two-pass codebook layers of one shape, arranged for the prefetching scan.
 
   The layers are cut into groups of ``G`` (``group``); each step of the scan computes one
-  group. Pass 2 of a group's first ``C = G // 2`` layers is loop-carried: the previous
-  step copied it. At the start of a step the copies of the group's other ``G - C`` layers
-  begin, each into its own buffer, while the first ``C`` layers compute; once those are
-  done, the copies of the next group's first ``C`` layers begin (into the carried buffers,
-  which nothing reads any more) while the other ``G - C`` layers compute. So a copy never
-  waits for a layer to finish reading its buffer, and copies are in flight across the
-  step boundary. (With one layer per step, XLA can start the copy into the carried buffer
-  only after the layer that reads it, and copy and compute alternate instead of
-  overlapping.) The last ``G + L % G`` layers (the tail) run after the scan.
+  group. Pass 2 of a group's first ``C`` layers (``carried``, ``1 <= C <= G``) is
+  loop-carried: the previous step copied it. At the start of a step the copies of the
+  group's other ``G - C`` layers begin, each into its own buffer, while the first ``C``
+  layers compute; the copies of the next group's first ``C`` layers begin then too, into
+  new buffers that become the next step's carried ones. So a copy never waits for a layer
+  to finish reading its buffer, and the step's compute runs while the next step's pass 2
+  is in flight. The default, ``C = G = 2``, is plain double buffering by pairs of layers:
+  each step computes two layers from carried buffers while the next two are copied.
+  The last ``T`` layers (the tail, ``C <= T < C + G``) run after the scan; its first
+  ``C`` layers' pass 2 arrives with the last step's carried copies, the other ``T - C``
+  are copied in the tail. With ``(L - C) % G == 0`` the tail is just the carried layers
+  and copies nothing itself.
 
-  Attributes, with ``S = L // G - 1`` scanned groups and ``T = L - S * G`` tail layers:
+  What the choices gave on the H100 (32 layers of 4096x4096, M = 1, offloaded forward over
+  the copy time; BENCHMARKS.md): ``G, C = 2, 2``: 1.109; ``4, 4``: 1.131; ``1, 1``: 1.136;
+  ``8, 4``: 1.150; ``6, 2``: 1.146; ``10, 2``: 1.180. With ``C < G`` XLA issues all of a
+  step's copies at its start and the host-to-device engine serves them in an order that
+  makes the step's later layers wait for the next step's copies; with more layers per step
+  the tail drains longer after the last copy.
+
+  Attributes, with ``S = (L - C) // G`` scanned groups and ``T = L - S * G`` tail layers:
     first_body: pass 1 of the scanned groups; arrays ``[S, G, ...]``, or None if S = 0.
     second_rest: ``G - C`` :class:`PackedPass2`, pass 2 of layers ``C .. G-1`` of each
       scanned group; words ``[S, W]``.
@@ -225,13 +237,14 @@ def _stack(ws: Sequence[CodebookWeight]) -> CodebookWeight:
 
 
 def stack_layers(layers: Sequence[CodebookWeight], *, offload_pass2: bool = True,
-                 group: int = DEFAULT_GROUP) -> LayerStack:
+                 group: int = DEFAULT_GROUP, carried: int | None = None) -> LayerStack:
   """Arranges two-pass layers for :func:`make_stacked_forward`, pass 2 in pinned host
   memory (``offload_pass2=True``) or on the device (for comparison).
 
-  ``group``: layers per scan step (see :class:`LayerStack`); up to ``1.5 * group`` layers'
-  pass 2 are on the device at once as prefetch buffers. BENCHMARKS.md has what it gave on
-  the H100.
+  ``group``: layers per scan step; ``carried``: how many of a step's layers get their
+  pass 2 from the previous step (default ``group``: all of them); see :class:`LayerStack`. Up to
+  ``group + carried`` layers' pass 2 are on the device at once as prefetch buffers.
+  BENCHMARKS.md has what the choices gave on the H100.
   """
   if len(layers) < 2:
     raise ValueError(f"stack_layers needs at least 2 layers, got {len(layers)}")
@@ -252,8 +265,11 @@ def stack_layers(layers: Sequence[CodebookWeight], *, offload_pass2: bool = True
   _check_memory_kind(kind)
   put = lambda w: jax.tree.map(lambda a: _put(a, kind), w)
   num, g = len(layers), min(group, len(layers))
-  c = max(g // 2, 1)
-  scanned = max(num // g - 1, 0)
+  c = g if carried is None else carried
+  if not isinstance(c, int) or not 1 <= c <= g:
+    raise ValueError(f"carried={carried!r} must be an int in [1, {g}] (the group of {g} "
+                     "layers per scan step); leave it None to carry the whole group")
+  scanned = max((num - c) // g, 0)
   firsts = [w.first_pass() for w in layers]
   seconds = [PackedPass2.pack(_to_device(w)) for w in layers]
   steps = range(scanned)
@@ -307,7 +323,7 @@ def make_stacked_forward(layer_fn: Callable[[jax.Array, jax.Array], jax.Array] =
         rest = [_to_device(w) for w in rest_host]  # own buffers: copied while h computes
         for j, second in enumerate(carried):
           h = layer(h, _take(firsts, j), second)
-        carried_next = [_to_device(w) for w in next_host]  # nothing reads these slots now
+        carried_next = [_to_device(w) for w in next_host]  # the next step's carried buffers
         for j, second in enumerate(rest, start=len(carried)):
           h = layer(h, _take(firsts, j), second)
         # Ties the carried copies to the step's last layer, so that moving them into the

@@ -69,8 +69,9 @@ def run(args) -> int:
   keys = jax.random.split(jax.random.key(0), layers)
   ws = [random_two_pass(kk, k, k) for kk in keys]
   group = args.offload_group or offload.DEFAULT_GROUP
-  on_device = offload.stack_layers(ws, offload_pass2=False, group=group)
-  offloaded = offload.stack_layers(ws, offload_pass2=True, group=group)
+  carried = getattr(args, "offload_carried", None)
+  on_device = offload.stack_layers(ws, offload_pass2=False, group=group, carried=carried)
+  offloaded = offload.stack_layers(ws, offload_pass2=True, group=group, carried=carried)
   del ws
   pass2_bytes = offloaded.pass2_bytes()
   # The host-to-device bandwidth varies from run to run (41-53 GB/s on the H100): the copy
