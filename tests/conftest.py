@@ -31,6 +31,11 @@ def on_gpu() -> bool:
   return jax.devices()[0].platform == "gpu"
 
 
+# Compiled-kernel tests: they run on the GPU machine (BUILD.md) and skip elsewhere.
+needs_gpu = pytest.mark.skipif(not on_gpu(),
+                               reason="the compiled Pallas-Triton kernel needs an NVIDIA GPU")
+
+
 def rel_err(y, ref) -> float:
   y = np.asarray(y, np.float64)
   ref = np.asarray(ref, np.float64)

@@ -15,7 +15,7 @@ import qjax
 from qjax._src import codebook_tables
 from qjax._src import packing
 from qjax._src import rotation
-from conftest import on_gpu, rel_err, seed_from, smollm2_path
+from conftest import needs_gpu, rel_err, seed_from, smollm2_path
 
 
 def gaussian(name, k, n):
@@ -217,7 +217,7 @@ class TestInterpret(CodebookMatmulSuite):
     assert rel_err(qjax.matmul(x, w, implementation="interpret"), reference(x, w)) < 1e-2
 
 
-@pytest.mark.skipif(not on_gpu(), reason="the compiled Pallas-Triton kernel needs an NVIDIA GPU")
+@needs_gpu
 class TestPallasGpu(CodebookMatmulSuite):
 
   def run(self, x, w):

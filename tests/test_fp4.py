@@ -14,7 +14,7 @@ import pytest
 import qjax
 from qjax._src import fp4
 from qjax._src import packing
-from conftest import on_gpu, rel_err, seed_from
+from conftest import needs_gpu, rel_err, seed_from
 
 E2M1_GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
@@ -381,7 +381,7 @@ class TestInterpret(MatmulSuite):
       assert err.max() < 1e-2, dt
 
 
-@pytest.mark.skipif(not on_gpu(), reason="the compiled Pallas-Triton kernel needs an NVIDIA GPU")
+@needs_gpu
 class TestPallasGpu(MatmulSuite):
 
   def run(self, x, w):

@@ -20,7 +20,7 @@ import pytest
 import qjax
 from qjax._src import dispatch
 from qjax._src import packing
-from conftest import on_gpu, rel_err, seed_from
+from conftest import needs_gpu, rel_err, seed_from
 from test_fp4 import np_dequantize, np_e2m1
 
 FORMATS = ("mxfp4", "nvfp4")
@@ -171,18 +171,18 @@ class TestInterpret(GemvSuite):
   interpret = True
 
 
-@pytest.mark.skipif(not on_gpu(), reason="the compiled Pallas-Triton kernel needs an NVIDIA GPU")
+@needs_gpu
 class TestPallasGpu(GemvSuite):
   interpret = False
 
 
-@pytest.mark.skipif(not on_gpu(), reason="the compiled Pallas-Triton kernel needs an NVIDIA GPU")
+@needs_gpu
 class TestPallasGpuPlainVariant(GemvSuite):
   interpret = False
   variant = "plain"
 
 
-@pytest.mark.skipif(not on_gpu(), reason="the compiled Pallas-Triton kernel needs an NVIDIA GPU")
+@needs_gpu
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("k,n", [(4096, 4096), (2880, 5760), (14336, 4096)])
 def test_pallas_gpu_ptx_matches_plain_variant(request, fmt, k, n):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import qjax
-from conftest import on_gpu, rel_err, seed_from
+from conftest import needs_gpu, rel_err, seed_from
 from qjax._src import gguf_formats as gf
 from qjax._src import gguf_tiled
 
@@ -200,7 +200,7 @@ class TestGGUFInterpret(GGUFMatmulSuite):
       assert rel_err(y, np.asarray(x, np.float64) @ wd) < 1e-2, cfg
 
 
-@pytest.mark.skipif(not on_gpu(), reason="the compiled Pallas-Triton kernel needs an NVIDIA GPU")
+@needs_gpu
 class TestGGUFPallasGpu(GGUFMatmulSuite):
 
   def run(self, x, w):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import qjax
-from conftest import on_gpu, rel_err, seed_from
+from conftest import needs_gpu, rel_err, seed_from
 from test_matmul import reference
 
 # (K, N, group_size): odd N, K off the 128-row tile, every group layout.
@@ -112,6 +112,6 @@ class TestInterpret(GemvSuite):
   interpret = True
 
 
-@pytest.mark.skipif(not on_gpu(), reason="the compiled Pallas-Triton kernel needs an NVIDIA GPU")
+@needs_gpu
 class TestPallasGpu(GemvSuite):
   interpret = False

@@ -13,7 +13,7 @@ from qjax._src import dispatch
 from qjax._src import int4
 from qjax._src import marlin_layout as ml
 from qjax._src import packing
-from conftest import on_gpu, rel_err
+from conftest import needs_gpu, rel_err
 
 # ------------------------------------------------------------- reference Marlin packer
 # A transcription, in numpy, of the packing procedure published in IST-DASLab/marlin
@@ -158,7 +158,7 @@ def test_round_trip_bit_exact(rng, k, n, g, symmetric):
     np.testing.assert_array_equal(np.asarray(again.qweight), np.asarray(lay.qweight))
 
 
-_GPU = pytest.mark.skipif(not on_gpu(), reason="the compiled Pallas kernel needs an NVIDIA GPU")
+_GPU = needs_gpu
 IMPLEMENTATIONS = ["xla", "interpret", pytest.param("pallas", marks=_GPU)]
 
 

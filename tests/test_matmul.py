@@ -16,7 +16,7 @@ import pytest
 
 import qjax
 from qjax._src import packing
-from conftest import on_gpu, rel_err, seed_from
+from conftest import needs_gpu, on_gpu, rel_err, seed_from
 
 MS = (1, 3, 16, 100, 257)
 SHAPES = ((256, 384), (4096, 4096), (4096, 11008))
@@ -135,7 +135,7 @@ class TestInterpret(MatmulSuite):
     assert rel_err(y, reference(x, w)) < 1e-2
 
 
-@pytest.mark.skipif(not on_gpu(), reason="the compiled Pallas-Triton kernel needs an NVIDIA GPU")
+@needs_gpu
 class TestPallasGpu(MatmulSuite):
 
   def run(self, x, w):

@@ -9,7 +9,7 @@ import pytest
 
 import qjax
 from qjax._src import moe
-from conftest import on_gpu, rel_err, seed_from
+from conftest import needs_gpu, rel_err, seed_from
 from test_fp4 import np_dequantize
 
 # ------------------------------------------------------------------ numpy references
@@ -304,7 +304,7 @@ def test_moe_block_leading_axes_and_param_check(rng):
 # ----------------------------------------------------------------------- the GPU suite
 
 
-@pytest.mark.skipif(not on_gpu(), reason="the compiled Pallas-Triton kernel needs an NVIDIA GPU")
+@needs_gpu
 class TestPallasGpu(MoESuite):
 
   def run(self, x, w, ids):

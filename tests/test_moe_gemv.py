@@ -20,7 +20,7 @@ import pytest
 import qjax
 from qjax._src import moe
 from qjax._src import packing
-from conftest import on_gpu, rel_err, seed_from
+from conftest import needs_gpu, on_gpu, rel_err, seed_from
 from test_fp4 import np_dequantize
 
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -192,18 +192,18 @@ class TestInterpret(MoEGemvSuite):
   interpret = True
 
 
-@pytest.mark.skipif(not on_gpu(), reason="the compiled Pallas-Triton kernel needs an NVIDIA GPU")
+@needs_gpu
 class TestPallasGpu(MoEGemvSuite):
   interpret = False
 
 
-@pytest.mark.skipif(not on_gpu(), reason="the compiled Pallas-Triton kernel needs an NVIDIA GPU")
+@needs_gpu
 class TestPallasGpuPlainVariant(MoEGemvSuite):
   interpret = False
   variant = "plain"
 
 
-@pytest.mark.skipif(not on_gpu(), reason="the compiled Pallas-Triton kernel needs an NVIDIA GPU")
+@needs_gpu
 @pytest.mark.parametrize("t", [1, 4, 16])
 @pytest.mark.parametrize("e", [32, 128])
 def test_pallas_gpu_gpt_oss_shape_both_variants(request, t, e):
