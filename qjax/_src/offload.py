@@ -242,9 +242,9 @@ def stack_layers(layers: Sequence[CodebookWeight], *, offload_pass2: bool = True
   memory (``offload_pass2=True``) or on the device (for comparison).
 
   ``group``: layers per scan step; ``carried``: how many of a step's layers get their
-  pass 2 from the previous step (default ``group``: all of them); see :class:`LayerStack`. Up to
-  ``group + carried`` layers' pass 2 are on the device at once as prefetch buffers.
-  BENCHMARKS.md has what the choices gave on the H100.
+  pass 2 from the previous step (default ``group``: all of them); see
+  :class:`LayerStack`. Up to ``group + carried`` layers' pass 2 are on the device at once
+  as prefetch buffers. BENCHMARKS.md has what the choices gave on the H100.
   """
   if len(layers) < 2:
     raise ValueError(f"stack_layers needs at least 2 layers, got {len(layers)}")
