@@ -116,7 +116,8 @@ def test_ahead_of_time_lower_and_compile(case):
   else:
     w, x, _, _ = weight_case(case)
   single = _matmul(x, w, implementation="xla")
-  compiled = jax.jit(lambda w, x: qjax.matmul(x, w, implementation="xla")).lower(w, x).compile()
+  f = jax.jit(lambda w, x: qjax.matmul(x, w, implementation="xla"))
+  compiled = f.lower(w, x).compile()
   y = compiled(w, x)
   np.testing.assert_array_equal(np.asarray(y), np.asarray(single))
 
