@@ -108,6 +108,18 @@ def test_llama_stack_fused_and_separate_hold_the_same_weights():
   assert abs(fus["int4_weight_gb"] - sep["int4_weight_gb"]) / sep["int4_weight_gb"] < 0.02
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--offload-group", "2", "--offload-carried", "5"],
+     "--offload-carried 5 must be between 1 and the group (2"),
+    (["--offload-carried", "0"], "--offload-carried 0 must be between 1"),
+    (["--offload-group", "-3"], "--offload-group -3 must be at least 1"),
+    (["--offload-group", "0"], "--offload-group 0 must be at least 1")])
+def test_bench_offload_refuses_bad_prefetch_layout(capsys, flags, message):
+  with pytest.raises(SystemExit) as e:
+    cli.main(["bench", "--offload", *flags])
+  assert e.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_bench_offload_smoke_on_cpu(capsys):
   """`qjax bench --offload` runs its CPU smoke form with a chosen prefetch group."""
   assert cli.main(["bench", "--offload", "--offload-group", "4", "--offload-carried", "2",

@@ -103,7 +103,14 @@ def _add_bench(sub) -> None:
 
   def run(args):
     if args.offload:
+      from qjax._src import offload  # pylint: disable=g-import-not-at-top
       from qjax._src import offload_bench  # pylint: disable=g-import-not-at-top
+      group = offload.DEFAULT_GROUP if args.offload_group is None else args.offload_group
+      if group < 1:
+        p.error(f"--offload-group {group} must be at least 1")
+      if args.offload_carried is not None and not 1 <= args.offload_carried <= group:
+        p.error(f"--offload-carried {args.offload_carried} must be between 1 and the "
+                f"group ({group}; --offload-group)")
       return offload_bench.run(args)
     from qjax._src import bench  # pylint: disable=g-import-not-at-top
     return bench.run(args)

@@ -68,7 +68,7 @@ def run(args) -> int:
     print("# CPU run: wall-clock smoke test of the code path, not offload figures")
   keys = jax.random.split(jax.random.key(0), layers)
   ws = [random_two_pass(kk, k, k) for kk in keys]
-  group = args.offload_group or offload.DEFAULT_GROUP
+  group = offload.DEFAULT_GROUP if args.offload_group is None else args.offload_group
   carried = getattr(args, "offload_carried", None)
   on_device = offload.stack_layers(ws, offload_pass2=False, group=group, carried=carried)
   offloaded = offload.stack_layers(ws, offload_pass2=True, group=group, carried=carried)
