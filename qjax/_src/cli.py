@@ -105,7 +105,9 @@ def _add_bench(sub) -> None:
     if args.offload:
       from qjax._src import offload  # pylint: disable=g-import-not-at-top
       from qjax._src import offload_bench  # pylint: disable=g-import-not-at-top
-      group = offload.DEFAULT_GROUP if args.offload_group is None else args.offload_group
+      if args.offload_group is None:
+        args.offload_group = offload.DEFAULT_GROUP
+      group = args.offload_group
       if group < 1:
         p.error(f"--offload-group {group} must be at least 1")
       if args.offload_carried is not None and not 1 <= args.offload_carried <= group:

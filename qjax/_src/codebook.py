@@ -90,7 +90,7 @@ class CodebookWeight(formats.QuantizedWeight):
         want[name + "2"] = (shape, dtypes)
     for name, (shape, dtypes) in want.items():
       a = getattr(self, name)
-      if (tuple(a.shape[len(a.shape) - len(shape):]) != shape
+      if (tuple(a.shape[a.ndim - len(shape):]) != shape
           or jnp.dtype(a.dtype) not in [jnp.dtype(d) for d in dtypes]):
         raise ValueError(
             f"CodebookWeight.{name} must be {shape} of dtype "

@@ -68,10 +68,10 @@ def run(args) -> int:
     print("# CPU run: wall-clock smoke test of the code path, not offload figures")
   keys = jax.random.split(jax.random.key(0), layers)
   ws = [random_two_pass(kk, k, k) for kk in keys]
-  group = offload.DEFAULT_GROUP if args.offload_group is None else args.offload_group
-  carried = getattr(args, "offload_carried", None)
-  on_device = offload.stack_layers(ws, offload_pass2=False, group=group, carried=carried)
-  offloaded = offload.stack_layers(ws, offload_pass2=True, group=group, carried=carried)
+  # The CLI has checked the layout and filled in the default group.
+  layout = dict(group=args.offload_group, carried=args.offload_carried)
+  on_device = offload.stack_layers(ws, offload_pass2=False, **layout)
+  offloaded = offload.stack_layers(ws, offload_pass2=True, **layout)
   del ws
   pass2_bytes = offloaded.pass2_bytes()
   # The host-to-device bandwidth varies from run to run (41-53 GB/s on the H100): the copy
