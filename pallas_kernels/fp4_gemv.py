@@ -288,7 +288,7 @@ def _gemv_kernel(xt_ref, w_ref, s_ref, g_ref, o_ref, *, plan: Plan):
 def heuristic_config(k: int, n: int) -> KernelConfig:
   """The INT4 GEMV kernel's heuristic (:func:`int4_gemv.heuristic_config`): the codes
   have the same layout and bytes per weight. No FP4 sweep has been run yet."""
-  return int4_gemv.heuristic_config(k, n)
+  return int4_gemv.heuristic_config(k, n, single_tile_steps=False)
 
 
 def candidate_configs(k: int, n: int) -> list[KernelConfig]:

@@ -11,14 +11,16 @@ Here every weight costs about three instructions, all in registers:
 * Codes arrive in the kernel-native tile order (``qjax._src.packing``, tile_k = 128):
   nibble ``j`` of word ``r`` of a K-tile is row ``16 j + r``. A thread holds whole words.
 * Four shifts per word put nibbles ``2i`` and ``2i + 1`` at mantissa bits 15 and 19;
-  an and/or (one LOP3) per nibble then builds ``v = 1 + q / 256`` or ``v = 1 + q / 16``,
-  exactly, as a float32; one FFMA per nibble accumulates ``x * v`` into an even and an
-  odd sum. The multiply stays exact enough (``x * q`` keeps at least 16 bits) and the
-  constant part is removed once per word:
-  ``sum_j x_j q_j = 256 (p_even - x_even) + 16 (p_odd - x_odd)``.
-* The per-word tail ``(256 p_even + 16 p_odd - c) * s + acc`` (``c`` folds the constant
-  parts and the zero point) is part of the same inline PTX, so the compiler cannot split
-  the fused multiply-adds (Triton through XLA emits ``mul.rn`` / ``add.rn`` for ``a * b + c``).
+  one LOP3 per nibble, ``(a & mask) | bits``, then builds ``v = 256 + q`` (even nibbles)
+  or ``v = 16 + q`` (odd) exactly as a float32, and one FFMA per nibble accumulates
+  ``x * v`` (exact products; the sum keeps ``x * q`` to about 16 bits).
+* The sum starts from ``-c``, ``c = sum_j (W_j + z) x_j`` (``W_j`` = 256 or 16; ``z``
+  the zero point, 8 when symmetric), computed once per row of x and step by an FMA
+  chain, so the word's tail is one FFMA: ``acc += (sum_j x_j v_j - c) * s``. The word's
+  whole recipe is one inline-PTX block: the compiler can neither split the FMAs (Triton
+  through XLA emits ``mul.rn`` / ``add.rn`` for ``a * b + c``) nor leave the and / or
+  unfused (ptxas did, 2026-11-23 ncu source counters: 2 LOP3 per weight, 5.8
+  instructions per weight in all, 4.4 after the LOP3 and the folded ``W``).
 * Loads run ``num_stages`` loop steps ahead, carried in registers (Triton does not
   software-pipeline loads that feed no dot). Split-K gives enough programs to fill the GPU.
 
@@ -31,6 +33,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -46,8 +49,10 @@ _SLAB = _TILE_K // 8  # rows per nibble plane of a K-tile
 # Word shifts that put nibbles 2i and 2i + 1 at mantissa bits 15 and 19.
 _SHIFTS = {0: ("shl.b32", 15), 1: ("shl.b32", 7), 2: ("shr.u32", 1), 3: ("shr.u32", 9)}
 _MASKS = (0x00078000, 0x00780000)  # bits 15..18 (even nibbles), 19..22 (odd nibbles)
-_ONE = 0x3F800000  # 1.0f
-_WEIGHT = (256.0, 16.0)  # 1 / (value of the nibble's lowest bit), even / odd
+# With these exponents the nibble's float is ``W + q`` exactly: 256 + q (even), 16 + q (odd).
+_BASES = (0x43800000, 0x41800000)  # 256.0f, 16.0f
+_WEIGHT = (256.0, 16.0)  # W: the value of a nibble's float with q = 0, even / odd
+_LOP3_A_AND_B_OR_C = 0xEA  # LOP3 truth table of (a & b) | c (a = 0xF0, b = 0xCC, c = 0xAA)
 
 
 def supports(m: int, k: int, group_size: int) -> bool:
@@ -68,54 +73,55 @@ def ptx_multiply_add(acc: str, a: str, b: str, started: set[str]) -> str:
   return f"mul.rn.f32 {acc}, {a}, {b};"
 
 
+def _f32_hex(value: float) -> str:
+  """A float32 immediate in PTX's exact hex form (``0f43800000`` is 256)."""
+  return f"0f{np.float32(value).view(np.uint32):08X}"
+
+
 @functools.lru_cache(maxsize=None)
 def _chunk_ptx(planes: tuple[int, ...]) -> str:
-  """PTX: ``$0 = (256 p_even + 16 p_odd - c) * s + acc`` for one word ``$1``.
+  """PTX: ``$0 = (sum_j x_j v_j - c) * s + acc`` for one word ``$1``.
 
-  Operands: ``$2 ..`` the x values of ``planes``, then ``c``, ``s``, ``acc``.
+  Operands: ``$2 ..`` the x values of ``planes``, then ``c``, ``s``, ``acc``. ``v_j`` is
+  built by one LOP3 (``(a & mask) | bits of W``; ptxas does not fuse a separate ``and``
+  and ``or``) and the sum starts from ``-c``, so each nibble costs one LOP3 and one FFMA
+  and the word's tail one FFMA.
   """
-  lines = ["{", ".reg .b32 a0, a1, a2, a3, t;", ".reg .f32 pe, po;"]
+  lines = ["{", ".reg .b32 a0, a1, a2, a3, t;", ".reg .f32 p;"]
   for i in sorted({j // 2 for j in planes}):
     op, amount = _SHIFTS[i]
     lines.append(f"{op} a{i}, $1, {amount};")
-  started = set()
-  for idx, j in enumerate(planes):
-    acc = ("pe", "po")[j % 2]
-    lines.append(f"and.b32 t, a{j // 2}, {_MASKS[j % 2]:#010x};")
-    lines.append(f"or.b32 t, t, {_ONE:#010x};")
-    lines.append(ptx_multiply_add(acc, f"${2 + idx}", "t", started))
   c, s, a = (f"${2 + len(planes) + i}" for i in range(3))
-  if "pe" in started:
-    lines.append("mul.rn.f32 pe, pe, 0f43800000;")  # 256
-    if "po" in started:
-      lines.append("fma.rn.f32 pe, po, 0f41800000, pe;")  # + 16 po
-  else:
-    lines.append("mul.rn.f32 pe, po, 0f41800000;")
-  lines += [f"sub.rn.f32 pe, pe, {c};", f"fma.rn.f32 $0, pe, {s}, {a};", "}"]
+  lines.append(f"neg.f32 p, {c};")
+  for idx, j in enumerate(planes):
+    lines.append(f"lop3.b32 t, a{j // 2}, {_MASKS[j % 2]:#010x}, {_BASES[j % 2]:#010x}, "
+                 f"{_LOP3_A_AND_B_OR_C:#04x};")
+    lines.append(f"fma.rn.f32 p, ${2 + idx}, t, p;")
+  lines += [f"fma.rn.f32 $0, p, {s}, {a};", "}"]
   return "\n".join(lines)
 
 
-def _chunk_reference(words, xs, planes, c, s, acc):
-  """The PTX chunk's math in JAX ops (interpret mode); same values up to FMA rounding."""
-  total = None
-  for x, j in zip(xs, planes):
-    op, amount = _SHIFTS[j // 2]
-    a = (words << amount) if op.startswith("shl") else (words >> amount)
-    v = lax.bitcast_convert_type((a & jnp.uint32(_MASKS[j % 2])) | jnp.uint32(_ONE), _f32)
-    term = x * v * _WEIGHT[j % 2]
-    total = term if total is None else total + term
-  return (total - c) * s + acc
+def _nibble_values(words, j):
+  """``W_j + q_j`` as float32, from the bits as the PTX builds them (interpret mode)."""
+  op, amount = _SHIFTS[j // 2]
+  a = (words << amount) if op.startswith("shl") else (words >> amount)
+  return lax.bitcast_convert_type((a & jnp.uint32(_MASKS[j % 2])) | jnp.uint32(_BASES[j % 2]),
+                                  _f32)
 
 
 def _chunk(words, xs, planes, c, s, acc, interpret):
-  """``acc + (256 sum_even x_j v_j + 16 sum_odd x_j v_j - c) * s`` over the planes ``j``
-  of one group chunk, ``v_j`` the exact ``1 + q / 256`` or ``1 + q / 16`` of nibble ``j``.
+  """``acc + (sum_j x_j v_j - c) * s`` over the planes ``j`` of one group chunk, ``v_j =
+  W_j + q_j`` exactly (``W_j`` = 256 or 16): the caller's ``c`` removes ``sum_j W_j x_j``
+  and the zero point.
 
   Shapes: words ``[16, bn]`` uint32; xs ``[16, 1]`` float32 each; c ``[16, 1]`` or
   ``[16, bn]``; s ``[1, bn]``; acc ``[16, bn]`` float32.
   """
   if interpret:
-    return _chunk_reference(words, xs, planes, c, s, acc)
+    total = -c
+    for x, j in zip(xs, planes):
+      total = total + x * _nibble_values(words, j)
+    return total * s + acc
   shape = words.shape
   args = ([words] + [jnp.broadcast_to(x, shape) for x in xs]
           + [jnp.broadcast_to(c, shape), jnp.broadcast_to(s, shape), acc])
@@ -123,6 +129,27 @@ def _chunk(words, xs, planes, c, s, acc, interpret):
   [out] = plgpu.elementwise_inline_asm(
       _chunk_ptx(tuple(planes)), args=args, constraints=constraints, pack=1,
       result_shape_dtypes=[jax.ShapeDtypeStruct(shape, _f32)])
+  return out
+
+
+@functools.lru_cache(maxsize=None)
+def _weighted_sum_ptx(weights: tuple[float, ...]) -> str:
+  """PTX: ``$0 = sum_i $(i + 1) * weights[i]``, one FMA per term."""
+  lines = ["{", ".reg .f32 p;", f"mul.rn.f32 p, $1, {_f32_hex(weights[0])};"]
+  lines += [f"fma.rn.f32 p, ${i + 1}, {_f32_hex(w)}, p;" for i, w in enumerate(weights) if i]
+  lines += ["mov.f32 $0, p;", "}"]
+  return "\n".join(lines)
+
+
+def _weighted_sum(xs, weights, interpret):
+  """``sum_i xs[i] * weights[i]`` (constant weights) over same-shaped float32 arrays: one
+  FMA chain in PTX on the GPU (Triton would emit a multiply and an add per term)."""
+  if interpret:
+    return functools.reduce(lambda a, v: a + v, [x * w for x, w in zip(xs, weights)])
+  [out] = plgpu.elementwise_inline_asm(
+      _weighted_sum_ptx(tuple(weights)), args=list(xs),
+      constraints="=f," + ",".join(["f"] * len(xs)), pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(xs[0].shape, _f32)])
   return out
 
 
@@ -172,10 +199,14 @@ def _gemv_kernel(xt_ref, w_ref, s_ref, z_ref, b_ref, o_ref, *, k, group_size, bl
     for words, xs, rows in data:
       for planes, (s, z, b) in zip(chunks, rows):
         px = [xs[j] for j in planes]
-        xsum = functools.reduce(lambda a, v: a + v, px)
-        c = functools.reduce(lambda a, v: a + v, [x * _WEIGHT[j % 2] for x, j in zip(px, planes)])
-        if b is None:
-          c = c + xsum * (8.0 if z is None else z)
+        weights = [_WEIGHT[j % 2] for j in planes]
+        if z is None and b is None:  # symmetric: q - 8
+          c = _weighted_sum(px, [w + 8.0 for w in weights], interpret)
+        else:
+          c = _weighted_sum(px, weights, interpret)
+          xsum = functools.reduce(lambda a, v: a + v, px)
+          if z is not None:
+            c = c + xsum * z
         acc = _chunk(words, px, planes, c, s, acc, interpret)
         if b is not None:
           acc = acc + xsum * b
@@ -215,14 +246,18 @@ def loop_shape(config: KernelConfig, tiles: int) -> tuple[int, int, int]:
   return tps, split, tiles // tps // split
 
 
-def heuristic_config(k: int, n: int) -> KernelConfig:
-  """64 columns and two K-tiles per step, loads one step ahead, 4 warps, split-K to about
-  ``TARGET_PROGRAMS`` programs (the region the H100 sweep found best for all four
-  Llama shapes)."""
+def heuristic_config(k: int, n: int, *, single_tile_steps: bool = True) -> KernelConfig:
+  """64 columns, loads one step ahead, 4 warps, split-K to about ``TARGET_PROGRAMS``
+  programs. One K-tile per loop step (H100 sweep of 2026-11-23 17:38 UTC: 49.8 against
+  53.5 us at 8192x28672), except where that leaves a program two steps or fewer: then its
+  whole share loads at once, as one step of two tiles (4096x4096: 6.6 against 7.3 us).
+  ``single_tile_steps=False`` keeps two tiles per step throughout (the FP4 kernel's
+  measured setting)."""
   tiles = -(-k // _TILE_K)
-  tps = 2 if tiles % 2 == 0 else 1
   cols = -(-n // 64)
-  split = divisor_near(tiles // tps, TARGET_PROGRAMS / cols)
+  tps, split = 1, divisor_near(tiles, TARGET_PROGRAMS / cols)
+  if tiles % 2 == 0 and (not single_tile_steps or tiles // split <= 2):
+    tps, split = 2, divisor_near(tiles // 2, TARGET_PROGRAMS / cols)
   return KernelConfig(block_m=1, block_n=64, block_k=_TILE_K * tps, split_k=split,
                       num_warps=4, num_stages=1)
 
@@ -231,8 +266,8 @@ def candidate_configs(k: int, n: int) -> list[KernelConfig]:
   """The tuner's search space at M = 1."""
   tiles = -(-k // _TILE_K)
   out = []
-  for bn, tps, depth, warps in ((64, 2, 1, 4), (64, 2, 2, 4), (64, 4, 1, 4), (128, 2, 1, 8),
-                                (128, 2, 2, 8), (128, 1, 1, 8), (32, 2, 1, 4)):
+  for bn, tps, depth, warps in ((64, 1, 1, 4), (64, 2, 1, 4), (64, 2, 2, 4), (128, 2, 1, 8),
+                                (128, 1, 1, 8), (32, 2, 1, 4), (32, 1, 1, 4)):
     if tiles % tps:
       continue
     cols = -(-n // bn)

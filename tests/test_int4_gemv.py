@@ -104,7 +104,8 @@ def test_ptx_chunk_is_well_formed():
     for i in range(len(planes) + 5):  # $0 out, $1 word, x planes, c, s, acc
       assert f"${i}" in asm, (planes, i)
     assert f"${len(planes) + 5}" not in asm
-    assert asm.count("and.b32") == len(planes)
+    assert asm.count("lop3.b32") == len(planes)  # one LOP3 and one FMA per nibble
+    assert asm.count("fma.rn.f32 p,") == len(planes)
     assert asm.count("fma.rn.f32 $0") == 1
 
 
