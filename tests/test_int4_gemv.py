@@ -116,3 +116,37 @@ class TestInterpret(GemvSuite):
 @needs_gpu
 class TestPallasGpu(GemvSuite):
   interpret = False
+
+
+@pytest.mark.parametrize("planes", [tuple(range(8)), (0, 1, 2, 3), (4, 5, 6, 7), (2, 3),
+                                    (6, 7), (1,), (4,)])
+def test_ptx_chunk_computes_its_contract(planes):
+  """The chunk's PTX, emulated bit for bit (ptx_emulator), equals
+  ``acc + s * (sum_j x_j (W_j + q_j) - c)`` with ``q_j`` nibble ``j`` of the word: the
+  shifts, masks and exponent bases put every nibble where the docstring says."""
+  import ptx_emulator  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import int4_gemv  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(seed_from(f"ptx-chunk-{planes}"))
+  shape = (64,)
+  words = rng.integers(0, 2**32, shape, dtype=np.uint64).astype(np.uint32)
+  xs = [rng.standard_normal(shape) for _ in planes]
+  c, s, acc = rng.standard_normal(shape), rng.uniform(0.5, 2, shape), rng.standard_normal(shape)
+  ops = {"$1": words, **{f"${2 + i}": x for i, x in enumerate(xs)}}
+  ops.update({f"${2 + len(planes)}": c, f"${3 + len(planes)}": s, f"${4 + len(planes)}": acc})
+  got = ptx_emulator.run(int4_gemv._chunk_ptx(planes), ops, shape)["$0"]
+  total = -c
+  for x, j in zip(xs, planes):
+    q = (words >> np.uint32(4 * j)) & np.uint32(0xF)
+    total = total + x * (int4_gemv._WEIGHT[j % 2] + q)
+  np.testing.assert_allclose(got, acc + s * total, rtol=1e-12, atol=1e-12)
+
+
+def test_weighted_sum_ptx_is_the_weighted_sum():
+  import ptx_emulator  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import int4_gemv  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(seed_from("weighted-sum"))
+  weights = (264.0, 24.0, 264.0, 24.0, 256.0, 16.0, 0.5, -3.0)
+  xs = [rng.standard_normal((32,)) for _ in weights]
+  got = ptx_emulator.run(int4_gemv._weighted_sum_ptx(weights),
+                         {f"${i + 1}": x for i, x in enumerate(xs)}, (32,))["$0"]
+  np.testing.assert_allclose(got, sum(w * x for w, x in zip(weights, xs)), rtol=1e-12)

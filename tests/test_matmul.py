@@ -153,3 +153,25 @@ def test_pallas_without_gpu_says_so():
   w = qjax.quantize(np.ones((128, 8), np.float32))
   with pytest.raises(NotImplementedError, match="interpret"):
     qjax.matmul(jnp.ones((1, 128), jnp.bfloat16), w, implementation="pallas")
+
+
+@pytest.mark.parametrize("nibble", range(8))
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_pair_ptx_decodes_both_words(nibble, dtype):
+  """The tiled kernel's two-weights-per-LOP3 PTX, emulated bit for bit: the low half of
+  the result is ``C + q`` of the first word's nibble, the high half of the second's, for
+  every nibble position (the PRMT selector and the odd-nibble shift)."""
+  import ptx_emulator  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import int4_matmul as km  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(seed_from(f"pair-ptx-{nibble}"))
+  a, b = (rng.integers(0, 2**32, (256,), dtype=np.uint64).astype(np.uint32) for _ in "ab")
+  dt = jnp.dtype(dtype)
+  got = ptx_emulator.run(km._pair_ptx(nibble, km._MAGIC_PAIR[dt]), {"$1": a, "$2": b},
+                         a.shape)["$0"]
+  halves = [(got & np.uint32(0xFFFF)).astype(np.uint16), (got >> np.uint32(16)).astype(np.uint16)]
+  magic_bits, offset = km._MAGIC[dt]
+  for half, word in zip(halves, (a, b)):
+    q = ((word >> np.uint32(4 * nibble)) & np.uint32(0xF)).astype(np.float64)
+    values = np.asarray(jnp.asarray(half).view(dt), np.float64)
+    np.testing.assert_array_equal(values, offset + q)
+    assert (half & ~np.uint16(0xF) == magic_bits).all()
