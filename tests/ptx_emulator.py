@@ -1,98 +1,109 @@
-"""A tiny emulator of the inline-PTX subset the kernels emit, for checking their logic on
-the CPU (interpret mode runs the kernels' JAX formulas, never the PTX strings).
+"""An emulator of the inline-PTX subset the kernels emit, to check their logic on the CPU
+(interpret mode runs the kernels' JAX formulas, never the PTX strings).
 
-Values are numpy arrays: 32-bit registers as uint32, float registers as float64 (the
-FMAs are then exact or nearly so, so results compare with a float64 formula). Covered:
-``shl.b32``, ``shr.u32``, ``and.b32``, ``or.b32``, ``lop3.b32``, ``prmt.b32`` (default
-mode), ``neg.f32``, ``mul.rn.f32``, ``fma.rn.f32``, ``mov.b32`` / ``mov.f32``; float
-immediates ``0fXXXXXXXX``; ``.reg`` declarations and braces are skipped.
+Values are numpy arrays. Every named register must be declared (``.reg``) with the type
+its instruction needs, or the other 32-bit type (PTX lets a ``.b32`` register serve as an
+``.f32`` operand and back; the bits are reinterpreted). Covered: ``shl.b32``, ``shr.u32``, ``and.b32``, ``lop3.b32``,
+``prmt.b32`` (default mode), ``mov.b32`` (also the ``{lo, hi}`` split into two b16),
+``cvt.f32.f16``, ``neg.f32``, ``mov.f32``, ``mul.rn.f32`` and ``fma.rn.f32`` (the exact
+product and sum in float64, then one rounding to float32: double rounding aside, which
+tolerances absorb); immediates ``0x..`` (integers) and ``0f..`` (float32 bits).
 """
-
-import re
 
 import numpy as np
 
-
-def _bits_to_f64(u: np.ndarray) -> np.ndarray:
-  return np.asarray(u, np.uint32).view(np.float32).astype(np.float64)
-
-
-def _f64_to_bits(f: np.ndarray) -> np.ndarray:
-  return np.asarray(f, np.float64).astype(np.float32).view(np.uint32)
+_PTX_TYPES = {"b32": "u", "b16": "h", "f32": "f"}
 
 
 def _lop3(a, b, c, lut):
   out = np.zeros_like(a)
-  for bit in range(8):  # LUT index = (a << 2) | (b << 1) | c, per bit lane
-    if lut >> bit & 1:
-      ta = a if bit & 4 else ~a
-      tb = b if bit & 2 else ~b
-      tc = c if bit & 1 else ~c
-      out |= ta & tb & tc
+  for i in range(8):  # truth-table row i: a = bit 2, b = bit 1, c = bit 0
+    if lut >> i & 1:
+      out |= ((a if i & 4 else ~a) & (b if i & 2 else ~b) & (c if i & 1 else ~c))
   return out
 
 
 def _prmt(a, b, selector):
-  pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+  pool = [(a >> np.uint32(8 * i)) & np.uint32(0xFF) for i in range(4)]
+  pool += [(b >> np.uint32(8 * i)) & np.uint32(0xFF) for i in range(4)]
   out = np.zeros_like(a)
   for i in range(4):
-    nib = (selector >> (4 * i)) & 0xF
-    assert nib < 8, "sign-replicate selectors are not emulated"
-    out |= pool[nib] << (8 * i)
+    index = (selector >> (4 * i)) & 0xF
+    assert index < 8, "the sign-replicating PRMT selectors are not emulated"
+    out |= pool[index] << np.uint32(8 * i)
   return out
 
 
-def run(ptx: str, operands: dict[str, np.ndarray], shape) -> dict[str, np.ndarray]:
-  """Runs ``ptx`` with ``operands`` (``{"$1": array, ...}``: uint32 arrays for ``r``
-  operands, float arrays for ``f`` ones) and returns the register file (``"$0"`` is the
-  result: uint32 for integer ops, float64 for float ops)."""
-  regs = {k: (np.asarray(v, np.uint32) if np.asarray(v).dtype == np.uint32
-              else np.asarray(v, np.float64)) for k, v in operands.items()}
+def emulate(asm: str, operands: dict) -> np.ndarray:
+  """Runs ``asm`` and returns ``$0``.
 
-  def ival(tok):
-    if tok in regs:
-      v = regs[tok]
-      return v if v.dtype == np.uint32 else _f64_to_bits(v)
-    return np.full(shape, int(tok, 0), np.uint32)
+  ``operands``: ``{1: uint32 array, 2: float32 array, ...}`` for ``$1, $2, ...`` (uint32
+  for ``r`` constraints, float32 for ``f``); arrays broadcast together.
+  """
+  types, regs = {}, {}
 
-  def fval(tok):
-    if tok in regs:
-      v = regs[tok]
-      return v if v.dtype == np.float64 else _bits_to_f64(v)
+  def get(tok, kind):
+    if tok.startswith("$"):
+      v = regs["$0"] if tok == "$0" else operands[int(tok[1:])]
+      return np.asarray(v, np.uint32 if kind == "u" else np.float32)
+    if tok.startswith("0x"):
+      return np.uint32(int(tok, 16))
     if tok.startswith("0f"):
-      return np.full(shape, _bits_to_f64(np.uint32(int(tok[2:], 16))), np.float64)
-    return np.full(shape, float(tok), np.float64)
+      return np.uint32(int(tok[2:], 16)).view(np.float32)
+    if tok.isdigit():
+      return int(tok)
+    have = types[tok]
+    if {have, kind} == {"u", "f"}:  # PTX lets a 32-bit register serve as either type
+      return regs[tok].view(np.float32 if kind == "f" else np.uint32)
+    assert have == kind, (tok, have, kind)
+    return regs[tok]
 
-  for line in ptx.splitlines():
-    line = line.strip()
-    if line in ("{", "}") or line.startswith(".reg"):
+  def put(tok, kind, value):
+    assert tok == "$0" or types[tok] == kind, (tok, kind)
+    regs[tok] = value
+
+  for line in asm.splitlines():
+    line = line.strip().rstrip(";")
+    if line in ("{", "}"):
       continue
-    m = re.fullmatch(r"([a-z0-9.]+)\s+(.*);", line)
-    assert m, f"cannot parse PTX line {line!r}"
-    op, args = m.group(1), [t.strip() for t in m.group(2).split(",")]
-    d = args[0]
-    if op == "shl.b32":
-      regs[d] = ival(args[1]) << np.uint32(int(args[2]))
-    elif op == "shr.u32":
-      regs[d] = ival(args[1]) >> np.uint32(int(args[2]))
+    op, rest = line.split(None, 1)
+    if op == ".reg":
+      kind, names = rest.split(None, 1)
+      types.update({name.strip(): _PTX_TYPES[kind[1:]] for name in names.split(",")})
+      continue
+    if op == "mov.b32" and rest.startswith("{"):
+      halves, src = rest[1:].split("}, ")
+      lo, hi = (h.strip() for h in halves.split(","))
+      v = get(src, "u")
+      put(lo, "h", (v & 0xFFFF).astype(np.uint16))
+      put(hi, "h", (v >> 16).astype(np.uint16))
+      continue
+    dst, *args = (a.strip() for a in rest.split(","))
+    if op in ("shl.b32", "shr.u32"):
+      v, amount = get(args[0], "u"), np.uint32(get(args[1], "u"))
+      put(dst, "u", (v << amount) if op == "shl.b32" else (v >> amount))
+    elif op == "mov.b32":
+      put(dst, "u", get(args[0], "u"))
     elif op == "and.b32":
-      regs[d] = ival(args[1]) & ival(args[2])
-    elif op == "or.b32":
-      regs[d] = ival(args[1]) | ival(args[2])
+      put(dst, "u", get(args[0], "u") & get(args[1], "u"))
     elif op == "lop3.b32":
-      regs[d] = _lop3(ival(args[1]), ival(args[2]), ival(args[3]), int(args[4], 0))
+      a, b, c = (np.uint32(0) | get(t, "u") for t in args[:3])
+      put(dst, "u", _lop3(a, b, c, int(args[3], 16)))
     elif op == "prmt.b32":
-      regs[d] = _prmt(ival(args[1]), ival(args[2]), int(args[3], 0))
+      a, b = (np.uint32(0) | get(t, "u") for t in args[:2])
+      put(dst, "u", _prmt(a, b, int(args[2], 16)))
+    elif op == "cvt.f32.f16":
+      put(dst, "f", get(args[0], "h").view(np.float16).astype(np.float32))
     elif op == "neg.f32":
-      regs[d] = -fval(args[1])
+      put(dst, "f", -get(args[0], "f"))
+    elif op == "mov.f32":
+      put(dst, "f", np.float32(1) * get(args[0], "f"))
     elif op == "mul.rn.f32":
-      regs[d] = fval(args[1]) * fval(args[2])
+      a, b = (np.float64(1) * get(t, "f") for t in args)
+      put(dst, "f", (a * b).astype(np.float32))
     elif op == "fma.rn.f32":
-      regs[d] = fval(args[1]) * fval(args[2]) + fval(args[3])
-    elif op in ("mov.f32",):
-      regs[d] = fval(args[1])
-    elif op in ("mov.b32",):
-      regs[d] = regs[args[1]].copy()
+      a, b, c = (np.float64(1) * get(t, "f") for t in args)
+      put(dst, "f", (a * b + c).astype(np.float32))
     else:
-      raise AssertionError(f"PTX op {op!r} is not emulated")
-  return regs
+      raise AssertionError(f"the emulator does not know {op!r}")
+  return regs["$0"]

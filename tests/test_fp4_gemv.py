@@ -20,6 +20,7 @@ import pytest
 import qjax
 from qjax._src import dispatch
 from qjax._src import packing
+import ptx_emulator
 from conftest import needs_gpu, rel_err, seed_from
 from test_fp4 import np_dequantize, np_e2m1
 
@@ -224,78 +225,6 @@ def test_candidate_configs_are_gemv_configs_at_one_row():
   assert backend.candidate_configs(1, 4096, 4096)[0].block_m == 1
 
 
-_PTX_TYPES = {"b32": "u", "b16": "h", "f32": "f"}
-
-
-def emulate_ptx(asm: str, operands: dict) -> np.ndarray:
-  """Runs the subset of PTX the word step uses on numpy arrays; returns ``$0``.
-
-  Checks that every named register is declared with the type its instruction needs.
-  ``operands``: ``{1: uint32 array, 2: float32 array, ...}``. FMAs round once (the exact
-  product and sum in float64, then to float32: double rounding aside, which the
-  tolerances absorb).
-  """
-  types, regs = {}, {}
-
-  def get(tok, kind):
-    if tok.startswith("$"):
-      return regs["$0"] if tok == "$0" else operands[int(tok[1:])]
-    if tok.startswith("0x"):
-      return np.uint32(int(tok, 16))
-    if tok.isdigit():
-      return int(tok)
-    assert types[tok] == kind, (tok, types[tok], kind)
-    return regs[tok]
-
-  def put(tok, kind, value):
-    assert tok == "$0" or types[tok] == kind, (tok, kind)
-    regs[tok] = value
-
-  for line in asm.splitlines():
-    line = line.strip().rstrip(";")
-    if line in ("{", "}"):
-      continue
-    op, rest = line.split(None, 1)
-    if op == ".reg":
-      kind, names = rest.split(None, 1)
-      types.update({name.strip(): _PTX_TYPES[kind[1:]] for name in names.split(",")})
-      continue
-    if op == "mov.b32" and rest.startswith("{"):
-      halves, src = rest[1:].split("}, ")
-      lo, hi = (h.strip() for h in halves.split(","))
-      v = get(src, "u")
-      put(lo, "h", (v & 0xFFFF).astype(np.uint16))
-      put(hi, "h", (v >> 16).astype(np.uint16))
-      continue
-    dst, *args = (a.strip() for a in rest.split(","))
-    if op in ("shl.b32", "shr.u32"):
-      v, amount = get(args[0], "u"), np.uint32(get(args[1], "u"))
-      put(dst, "u", (v << amount) if op == "shl.b32" else (v >> amount))
-    elif op == "mov.b32":
-      put(dst, "u", get(args[0], "u"))
-    elif op == "and.b32":
-      put(dst, "u", get(args[0], "u") & get(args[1], "u"))
-    elif op == "lop3.b32":
-      a, b, c = (np.uint32(0) | get(t, "u") for t in args[:3])
-      lut = int(args[3], 16)
-      out = np.zeros_like(a)
-      for i in range(8):  # truth-table row i: a = bit 2, b = bit 1, c = bit 0
-        if lut >> i & 1:
-          out |= ((a if i & 4 else ~a) & (b if i & 2 else ~b) & (c if i & 1 else ~c))
-      put(dst, "u", out)
-    elif op == "cvt.f32.f16":
-      put(dst, "f", get(args[0], "h").view(np.float16).astype(np.float32))
-    elif op == "mul.rn.f32":
-      a, b = (np.float64(1) * get(t, "f") for t in args)
-      put(dst, "f", (a * b).astype(np.float32))
-    elif op == "fma.rn.f32":
-      a, b, c = (np.float64(1) * get(t, "f") for t in args)
-      put(dst, "f", (a * b + c).astype(np.float32))
-    else:
-      raise AssertionError(f"the emulator does not know {op!r}")
-  return regs["$0"]
-
-
 @pytest.mark.parametrize("block_slabs", [1, 2])
 def test_ptx_word_step_emulated_equals_plain_and_float64(rng, block_slabs):
   """The inline PTX (run by the emulator), the plain JAX step and float64 agree on random
@@ -313,7 +242,7 @@ def test_ptx_word_step_emulated_equals_plain_and_float64(rng, block_slabs):
   operands.update({2 + j: np.broadcast_to(x, shape) for j, x in enumerate(xs)})
   operands.update({10 + b: np.broadcast_to(s, shape) for b, s in enumerate(scales)})
   operands[10 + blocks] = acc
-  emulated = emulate_ptx(asm, operands).astype(np.float64)
+  emulated = ptx_emulator.emulate(asm, operands).astype(np.float64)
 
   plain = np.asarray(fp4_gemv._word_plain(
       jnp.asarray(words), [jnp.asarray(x) for x in xs], [jnp.asarray(s) for s in scales],
