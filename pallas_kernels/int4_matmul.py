@@ -16,8 +16,9 @@ Dequantization in registers, without a lookup table and without a multiply per w
 f16). On the GPU two weights at a time, in inline PTX: one PRMT gathers the byte holding
 the nibble from two adjacent words, one LOP3 masks it and ors in the magic of both
 halves (:func:`_pair_ptx`; H100, M = 16, 8192x28672: 75.2 us against 98.1 with the
-shift / and / or / narrowing of Pallas ops). The constant ``C``, the zero point or bias and the group scale are applied to the
-f32 partial products after the dots, once per group and column:
+shift / and / or / narrowing of Pallas ops). The constant ``C``, the zero point or bias
+and the group scale are applied to the f32 partial products after the dots, once per
+group and column:
 ``acc += (x_g @ (C + q_g) - (C + z_g) * sum(x_g)) * s_g``, or with biases
 ``acc += (x_g @ (C + q_g)) * s_g + (b_g - C * s_g) * sum(x_g)``.
 """
@@ -69,7 +70,15 @@ def _pair_ptx(nibble: int, magic_pair: int) -> str:
   return "\n".join(lines)
 
 
-def _slab_to_float(words: jax.Array, nibble: int, dtype, paired: bool) -> tuple[jax.Array, float]:
+def pairs_fit(slab: int, block_n: int, num_warps: int) -> bool:
+  """Whether every thread holds an even number of a ``[slab, block_n]`` tile's words, as
+  the paired PTX (two elements per instance) needs: ``slab * block_n`` a multiple of
+  ``2 * 32 * num_warps``."""
+  return (slab * block_n) % (64 * num_warps) == 0
+
+
+def _slab_to_float(words: jax.Array, nibble: int, dtype,
+                   paired: bool) -> tuple[jax.Array, float]:
   """Nibble ``nibble`` of every word ``[R, C]`` uint32 -> (C + q in ``dtype``, C), exactly;
   with ``paired`` (GPU, bf16 / f16) two weights per PRMT + LOP3 in inline PTX."""
   dtype = jnp.dtype(dtype)
@@ -248,7 +257,8 @@ def int4_matmul(x: jax.Array, w: Int4Weight, *, interpret: bool = False,
       _int4_kernel, m=m, k=k, group_size=w.group_size, tile_k=w.tile_k,
       block_m=config.block_m, block_n=config.block_n, block_k=config.block_k,
       steps_per_split=steps // split_k, split_k=split_k,
-      paired=PAIRED_PTX and not interpret and config.block_n % 2 == 0)
+      paired=(PAIRED_PTX and not interpret
+              and pairs_fit(w.tile_k // 8, config.block_n, config.num_warps)))
   return common.launch(kernel, [x, w.codes, w.scales, w.zeros, w.biases], m=m, n=n,
                        dtype=x.dtype, config=config, interpret=interpret, poison=poison,
                        name="qjax_int4_matmul")

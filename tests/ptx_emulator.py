@@ -3,11 +3,12 @@
 
 Values are numpy arrays. Every named register must be declared (``.reg``) with the type
 its instruction needs, or the other 32-bit type (PTX lets a ``.b32`` register serve as an
-``.f32`` operand and back; the bits are reinterpreted). Covered: ``shl.b32``, ``shr.u32``, ``and.b32``, ``lop3.b32``,
-``prmt.b32`` (default mode), ``mov.b32`` (also the ``{lo, hi}`` split into two b16),
-``cvt.f32.f16``, ``neg.f32``, ``mov.f32``, ``mul.rn.f32`` and ``fma.rn.f32`` (the exact
-product and sum in float64, then one rounding to float32: double rounding aside, which
-tolerances absorb); immediates ``0x..`` (integers) and ``0f..`` (float32 bits).
+``.f32`` operand and back; the bits are reinterpreted). Covered: ``shl.b32``,
+``shr.u32``, ``and.b32``, ``lop3.b32``, ``prmt.b32`` (default mode), ``mov.b32`` (also
+the ``{lo, hi}`` split into two b16), ``cvt.f32.f16``, ``neg.f32``, ``mov.f32``,
+``mul.rn.f32`` and ``fma.rn.f32`` (the exact product and sum in float64, then one
+rounding to float32: double rounding aside, which tolerances absorb); immediates ``0x..``
+(integers) and ``0f..`` (float32 bits).
 """
 
 import numpy as np

@@ -167,13 +167,20 @@ def test_pair_ptx_decodes_both_words(nibble, dtype):
   a, b = (rng.integers(0, 2**32, (256,), dtype=np.uint64).astype(np.uint32) for _ in "ab")
   dt = jnp.dtype(dtype)
   got = ptx_emulator.emulate(km._pair_ptx(nibble, km._MAGIC_PAIR[dt]), {1: a, 2: b})
-  halves = [(got & np.uint32(0xFFFF)).astype(np.uint16), (got >> np.uint32(16)).astype(np.uint16)]
+  halves = [(got & np.uint32(0xFFFF)).astype(np.uint16),
+            (got >> np.uint32(16)).astype(np.uint16)]
   magic_bits, offset = km._MAGIC[dt]
   for half, word in zip(halves, (a, b)):
     q = ((word >> np.uint32(4 * nibble)) & np.uint32(0xF)).astype(np.float64)
     values = np.asarray(jnp.asarray(half).view(dt), np.float64)
     np.testing.assert_array_equal(values, offset + q)
     assert (half & ~np.uint16(0xF) == magic_bits).all()
+
+
+def test_pairs_fit_needs_an_even_share_per_thread():
+  from pallas_kernels import int4_matmul as km  # pylint: disable=g-import-not-at-top
+  assert km.pairs_fit(16, 32, 4) and km.pairs_fit(16, 64, 4) and km.pairs_fit(16, 32, 8)
+  assert not km.pairs_fit(16, 16, 8) and not km.pairs_fit(16, 8, 4)
 
 
 def test_pair_ptx_text_is_the_validated_one():
