@@ -173,3 +173,34 @@ def test_ptx_text_is_the_validated_one():
   import hashlib  # pylint: disable=g-import-not-at-top
   assert hashlib.sha256(_ptx_texts().encode()).hexdigest() == (
       "3c7a64caef741953b257605c7e994e1e41de9701bb0530bf345ceef516f407fc")
+
+
+@pytest.mark.parametrize("k,n,tps,split", [
+    (8192, 28672, 1, 2), (4096, 14336, 1, 4), (14336, 4096, 1, 14),  # one tile per step
+    (4096, 4096, 2, 16),  # two steps or fewer per program: one step of two tiles
+    (384, 70, 1, 3), (200, 130, 2, 1)])
+def test_heuristic_config(k, n, tps, split):
+  """The settings the H100 sweep of 2026-11-23 picked for the Llama shapes, legal as they
+  stand (loop_shape keeps them), and about TARGET_PROGRAMS programs where K allows."""
+  from pallas_kernels import int4_gemv  # pylint: disable=g-import-not-at-top
+  cfg = int4_gemv.heuristic_config(k, n)
+  assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages) == (1, 64, 4, 1)
+  assert (cfg.block_k // qjax.NATIVE_TILE_K, cfg.split_k) == (tps, split)
+  tiles = -(-k // qjax.NATIVE_TILE_K)
+  assert int4_gemv.loop_shape(cfg, tiles)[:2] == (tps, split)
+  # The FP4 kernel keeps two tiles per step wherever K has an even number of tiles.
+  fp4 = int4_gemv.heuristic_config(k, n, single_tile_steps=False)
+  assert fp4.block_k == qjax.NATIVE_TILE_K * (2 if tiles % 2 == 0 else 1)
+
+
+def test_candidate_configs_are_legal_gemv_configs():
+  from pallas_kernels import int4_gemv  # pylint: disable=g-import-not-at-top
+  for k, n in ((4096, 4096), (8192, 28672), (384, 70)):
+    tiles = -(-k // qjax.NATIVE_TILE_K)
+    cfgs = int4_gemv.candidate_configs(k, n)
+    assert cfgs and len(set(cfgs)) == len(cfgs)
+    for cfg in cfgs:
+      assert cfg.block_m == 1
+      tps, split, steps = int4_gemv.loop_shape(cfg, tiles)
+      assert (cfg.block_k // qjax.NATIVE_TILE_K, cfg.split_k) == (tps, split)
+      assert tps * split * steps == tiles
