@@ -77,6 +77,15 @@ def supports(m: int, k: int, block_size: int) -> bool:
 # ------------------------------------------------------------------------ one word
 
 
+def _ptx_multiply_add(acc: str, a: str, b: str, started: set[str]) -> str:
+  """The PTX line ``acc = a * b`` the first time ``acc`` is written (recorded in
+  ``started``), ``acc = a * b + acc`` (one FMA) after that."""
+  if acc in started:
+    return f"fma.rn.f32 {acc}, {a}, {b}, {acc};"
+  started.add(acc)
+  return f"mul.rn.f32 {acc}, {a}, {b};"
+
+
 def _shift_ptx(dst: str, src: str, amount: int) -> str:
   if amount > 0:
     return f"shl.b32 {dst}, {src}, {amount};"
@@ -106,7 +115,7 @@ def _word_ptx(block_slabs: int) -> str:
     for half, j in (("h0", i), ("h1", i + 4)):
       p = f"fp{j // block_slabs}"
       lines.append(f"cvt.f32.f16 fv, {half};")
-      lines.append(int4_gemv.ptx_multiply_add(p, f"${2 + j}", "fv", started))
+      lines.append(_ptx_multiply_add(p, f"${2 + j}", "fv", started))
   previous = acc
   for b in range(blocks):
     dst = "$0" if b == blocks - 1 else "fr"  # $0 may share a register with an input

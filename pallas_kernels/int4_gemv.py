@@ -52,7 +52,7 @@ _MASKS = (0x00078000, 0x00780000)  # bits 15..18 (even nibbles), 19..22 (odd nib
 # With these exponents the nibble's float is ``W + q`` exactly: 256 + q (even), 16 + q (odd).
 _BASES = (0x43800000, 0x41800000)  # 256.0f, 16.0f
 _WEIGHT = (256.0, 16.0)  # W: the value of a nibble's float with q = 0, even / odd
-_LOP3_A_AND_B_OR_C = 0xEA  # LOP3 truth table of (a & b) | c (a = 0xF0, b = 0xCC, c = 0xAA)
+LOP3_A_AND_B_OR_C = 0xEA  # LOP3 truth table of (a & b) | c (a = 0xF0, b = 0xCC, c = 0xAA)
 
 
 def supports(m: int, k: int, group_size: int) -> bool:
@@ -62,15 +62,6 @@ def supports(m: int, k: int, group_size: int) -> bool:
   if group_size >= k:
     return True
   return group_size % _SLAB == 0 and (_TILE_K % group_size == 0 or group_size % _TILE_K == 0)
-
-
-def ptx_multiply_add(acc: str, a: str, b: str, started: set[str]) -> str:
-  """The PTX line ``acc = a * b`` the first time ``acc`` is written (recorded in
-  ``started``), ``acc = a * b + acc`` (one FMA) after that."""
-  if acc in started:
-    return f"fma.rn.f32 {acc}, {a}, {b}, {acc};"
-  started.add(acc)
-  return f"mul.rn.f32 {acc}, {a}, {b};"
 
 
 def _f32_hex(value: float) -> str:
@@ -95,7 +86,7 @@ def _chunk_ptx(planes: tuple[int, ...]) -> str:
   lines.append(f"neg.f32 p, {c};")
   for idx, j in enumerate(planes):
     lines.append(f"lop3.b32 t, a{j // 2}, {_MASKS[j % 2]:#010x}, {_BASES[j % 2]:#010x}, "
-                 f"{_LOP3_A_AND_B_OR_C:#04x};")
+                 f"{LOP3_A_AND_B_OR_C:#04x};")
     lines.append(f"fma.rn.f32 p, ${2 + idx}, t, p;")
   lines += [f"fma.rn.f32 $0, p, {s}, {a};", "}"]
   return "\n".join(lines)

@@ -49,7 +49,6 @@ _MAGIC = {jnp.dtype(jnp.bfloat16): (0x4300, 128.0), jnp.dtype(jnp.float16): (0x6
 
 # The same magic in both halves of a 32-bit register (two bf16 / f16 values).
 _MAGIC_PAIR = {d: (bits << 16) | bits for d, (bits, _) in _MAGIC.items()}
-_LOP3_A_AND_B_OR_C = 0xEA
 
 # Set False to dequantize with Pallas ops on the GPU too (the A/B switch of the sweeps).
 PAIRED_PTX = True
@@ -66,7 +65,8 @@ def _pair_ptx(nibble: int, magic_pair: int) -> str:
   lines = ["{", ".reg .b32 t;", f"prmt.b32 t, $1, $2, {selector:#06x};"]
   if nibble % 2:
     lines.append("shr.u32 t, t, 4;")
-  lines += [f"lop3.b32 $0, t, 0x000f000f, {magic_pair:#010x}, {_LOP3_A_AND_B_OR_C:#04x};", "}"]
+  lines += [f"lop3.b32 $0, t, 0x000f000f, {magic_pair:#010x}, "
+            f"{int4_gemv.LOP3_A_AND_B_OR_C:#04x};", "}"]
   return "\n".join(lines)
 
 
