@@ -95,7 +95,7 @@ def _gguf_kernel(x_ref, low_ref, high_ref, q8_ref, d_ref, dmin_ref, sc_ref, mn_r
     for c in range(block_k // group):
       k_group = k_step + c * group
       part = jnp.zeros((block_m, block_n), jnp.float32)
-      xsum = jnp.zeros((block_m, 1), jnp.float32)
+      xpart = jnp.zeros((block_m, slab), jnp.float32)  # x summed over the slabs
       offset = 0.0
       for p in range(group // slab):
         row = c * group + p * slab
@@ -106,7 +106,9 @@ def _gguf_kernel(x_ref, low_ref, high_ref, q8_ref, d_ref, dmin_ref, sc_ref, mn_r
           x_mask = kx if x_mask is None else x_mask & kx
         xs = _load(x_ref.at[pl.ds(m0, block_m), pl.ds(k_group + p * slab, slab)], x_mask)
         part += plgpu.dot(xs, wq)
-        xsum += jnp.sum(xs.astype(jnp.float32), axis=1, keepdims=True)
+        xpart += xs.astype(jnp.float32)
+      # One row reduction per group, not per slab (it costs cross-lane shuffles).
+      xsum = jnp.sum(xpart, axis=1, keepdims=True)
       g = k_group // group
       valid = g < num_groups
       gd = k_group // scale_rows

@@ -132,11 +132,17 @@ def _int4_kernel(x_ref, w_ref, s_ref, z_ref, b_ref, o_ref, *, m, k, group_size, 
 
   def step(i, acc):
     k_step = (pid_k * steps_per_split + i) * block_k
+    # The step's scale rows are loaded first, so that their latency overlaps the slabs.
+    tables = []
+    for c in range(block_k // chunk):
+      g = (k_step + c * chunk) // group_size
+      tables.append([_load(r.at[pl.ds(g, 1), pl.ds(n0, block_n)], row_mask(g))
+                     for r in (s_ref, z_ref, b_ref) if r is not None])
     words = {}
     for c in range(block_k // chunk):
       k_chunk = k_step + c * chunk
       part = jnp.zeros((block_m, block_n), jnp.float32)
-      xsum = jnp.zeros((block_m, 1), jnp.float32)
+      xpart = jnp.zeros((block_m, slab), jnp.float32)  # x summed over the slabs
       offset = 0.0
       for p in range(chunk // slab):
         row = c * chunk + p * slab  # row of the step at which this slab starts
@@ -152,18 +158,17 @@ def _int4_kernel(x_ref, w_ref, s_ref, z_ref, b_ref, o_ref, *, m, k, group_size, 
           x_mask = kx if x_mask is None else x_mask & kx
         xs = _load(x_ref.at[pl.ds(m0, block_m), pl.ds(k_chunk + p * slab, slab)], x_mask)
         part += plgpu.dot(xs, wq)  # = x_slab @ (C + q_slab), f32
-        xsum += jnp.sum(xs.astype(jnp.float32), axis=1, keepdims=True)
-      g = k_chunk // group_size
-      s = _load(s_ref.at[pl.ds(g, 1), pl.ds(n0, block_n)], row_mask(g)).astype(jnp.float32)
+        xpart += xs.astype(jnp.float32)
+      # One row reduction per group, not per slab (it costs cross-lane shuffles).
+      xsum = jnp.sum(xpart, axis=1, keepdims=True)
+      s = tables[c][0].astype(jnp.float32)
       if b_ref is not None:
-        b = _load(b_ref.at[pl.ds(g, 1), pl.ds(n0, block_n)], row_mask(g))
-        acc += part * s + xsum * (b.astype(jnp.float32) - offset * s)
+        acc += part * s + xsum * (tables[c][1].astype(jnp.float32) - offset * s)
         continue
       if z_ref is None:
         z = jnp.float32(8.0 + offset)
       else:
-        z = _load(z_ref.at[pl.ds(g, 1), pl.ds(n0, block_n)], row_mask(g))
-        z = z.astype(jnp.float32) + offset
+        z = tables[c][1].astype(jnp.float32) + offset
       acc += (part - xsum * z) * s
     return acc
 
