@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -122,8 +123,10 @@ def _int4_kernel(x_ref, w_ref, s_ref, z_ref, b_ref, o_ref, *, m, k, group_size, 
   # Masks along the contiguous axis keep Triton from vectorizing: only where ragged.
   m_ragged, n_ragged, k_ragged = m % block_m != 0, n % block_n != 0, k % tile_k != 0
   slab = tile_k // 8
-  # Rows of one step that share a scale row (all of them for one group per column).
-  chunk = block_k if group_size >= k else min(group_size, block_k)
+  # Rows of one step that share a scale row (all of them for one group per column): a
+  # common divisor of group and step, so that no chunk straddles two groups (48-row groups
+  # in 128-row steps give 16-row chunks).
+  chunk = block_k if group_size >= k else math.gcd(group_size, block_k)
 
   def row_mask(g):
     if not (n_ragged or k_ragged):

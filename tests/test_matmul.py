@@ -94,6 +94,21 @@ class MatmulSuite:
       assert np.isfinite(y).all()
       assert rel_err(y, reference(x, w)) < 1e-2, dt
 
+  def test_group_size_that_does_not_divide_the_k_step(self, request):
+    """A 48-row group (a legal Int4Weight, not a power of two) in 128-row K-tiles: the
+    kernel's scale chunks must not straddle two groups."""
+    rng = np.random.default_rng(seed_from(request.node.nodeid))
+    k, n = 384, 64
+    codes = rng.integers(0, 16, (k, n)).astype(np.uint32)
+    w = qjax.Int4Weight(codes=packing.pack_codes(jnp.asarray(codes), qjax.NATIVE_TILE_K),
+                        scales=jnp.asarray(rng.uniform(0.5, 1.5, (k // 48, n)), jnp.bfloat16),
+                        zeros=None, shape=(k, n), group_size=48)
+    for m in (1, 5):
+      x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+      y = np.asarray(self.run(x, w), np.float64)
+      assert np.isfinite(y).all()
+      assert rel_err(y, reference(x, w)) < 1e-2, m
+
   def test_plain_order_weights(self, request):
     x, w = make_case(request.node.nodeid, 4, 256, 64, 64, False, jnp.bfloat16)
     y = np.asarray(self.run(x, w.repack(packing.PLAIN_TILE_K)), np.float64)
