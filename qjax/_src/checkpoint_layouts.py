@@ -547,10 +547,7 @@ class CompressedTensorsWeight(_ContiguousGroups, formats.QuantizedWeight):
 
 def matmul_xla(x: jax.Array, w: Any) -> jax.Array:
   """``x [M, K] @ dequantize(w) [K, N] -> [M, N]`` in x's dtype, f32 accumulation."""
-  wd = w.dequantize().astype(x.dtype)
-  precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-  y = jnp.dot(x, wd, preferred_element_type=jnp.float32, precision=precision)
-  return y.astype(x.dtype)
+  return formats.dense_dot(x, w.dequantize().astype(x.dtype))
 
 
 def repack_for_int4_kernel(x: jax.Array, w: Any) -> tuple[jax.Array, int4.Int4Weight]:

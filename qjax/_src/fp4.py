@@ -325,7 +325,4 @@ def matmul_xla(x: jax.Array, w: _FP4Weight) -> jax.Array:
     raise NotImplementedError(
         f"codes of shape {w.codes.shape}: matmul takes one [K, N] weight; vmap over "
         "leading axes")
-  wd = w.dequantize(x.dtype)
-  precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-  y = jnp.dot(x, wd, preferred_element_type=jnp.float32, precision=precision)
-  return y.astype(x.dtype)
+  return formats.dense_dot(x, w.dequantize(x.dtype))

@@ -700,10 +700,7 @@ def embedding_rows(w: Any, ids: jax.Array) -> jax.Array:
 
 def matmul_xla(x: jax.Array, w: Any) -> jax.Array:
   """``x [M, K] @ dequantize(w) [K, N] -> [M, N]`` in x's dtype, f32 accumulation."""
-  wd = w.dequantize().astype(x.dtype)
-  precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-  y = jnp.dot(x, wd, preferred_element_type=jnp.float32, precision=precision)
-  return y.astype(x.dtype)
+  return formats.dense_dot(x, w.dequantize().astype(x.dtype))
 
 
 for _cls in (*BLOCK_FORMATS.values(), GGUFDense):

@@ -135,10 +135,7 @@ def matmul_xla(x: jax.Array, w: GptOssMXFP4Weight) -> jax.Array:
   if w.blocks.ndim != 3:
     raise NotImplementedError(
         f"blocks of shape {w.blocks.shape}: matmul takes one expert; vmap over leading axes")
-  wd = w.dequantize(x.dtype)
-  precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-  return jnp.dot(x, wd, preferred_element_type=jnp.float32, precision=precision
-                 ).astype(x.dtype)
+  return formats.dense_dot(x, w.dequantize(x.dtype))
 
 
 dispatch.register_xla(GptOssMXFP4Weight, matmul_xla)
