@@ -258,7 +258,8 @@ def candidate_configs(k: int, n: int) -> list[KernelConfig]:
   tiles = -(-k // _TILE_K)
   out = []
   for bn, tps, depth, warps in ((64, 1, 1, 4), (64, 2, 1, 4), (64, 2, 2, 4), (128, 2, 1, 8),
-                                (128, 1, 1, 8), (32, 2, 1, 4), (32, 1, 1, 4)):
+                                (128, 1, 1, 8), (32, 2, 1, 4), (32, 1, 1, 4), (64, 1, 2, 4),
+                                (64, 4, 1, 4), (128, 2, 2, 8)):
     if tiles % tps:
       continue
     cols = -(-n // bn)
