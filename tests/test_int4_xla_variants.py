@@ -94,6 +94,25 @@ def test_int4_is_materialize_bit_for_bit(request):
                                     np.asarray(int4.matmul_xla_materialize(e, w)))
 
 
+@pytest.mark.parametrize("dt", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_dense_dot_writes_x_dtype_from_the_dot(request, dt):
+  """formats.dense_dot (every XLA fallback's dot): x's dtype straight from the dot, no
+  float32 result converted afterwards (that convert was a second kernel on the GPU), and
+  the float64 product within the dtype's tolerance."""
+  from qjax._src import formats  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(seed_from(request.node.nodeid))
+  x = jnp.asarray(rng.standard_normal((5, 300)), dt)
+  wd = jnp.asarray(rng.standard_normal((300, 70)) / 17, dt)
+  y = formats.dense_dot(x, wd)
+  assert y.dtype == x.dtype
+  ref = np.asarray(x, np.float64) @ np.asarray(wd, np.float64)
+  assert rel_err(np.asarray(y, np.float64), ref) < TOL[dt]
+  eqns = jax.make_jaxpr(formats.dense_dot)(x, wd).jaxpr.eqns
+  dots = [e for e in eqns if e.primitive.name == "dot_general"]
+  assert len(dots) == 1 and dots[0].outvars[0].aval.dtype == x.dtype
+  assert eqns[-1] is dots[0], [e.primitive.name for e in eqns]  # nothing after the dot
+
+
 def test_switch_routes_matmul_xla(request, monkeypatch):
   rng = np.random.default_rng(seed_from(request.node.nodeid))
   w = random_weight(rng, 256, 40, 128, jnp.bfloat16, "symmetric")

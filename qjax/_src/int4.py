@@ -321,21 +321,17 @@ def matmul_xla(x: jax.Array, w: Int4Weight, variant: str | None = None) -> jax.A
   return matmul_xla_materialize(x, w)
 
 
-def dequantize_for(w: Int4Weight, dtype) -> jax.Array:
-  """``[K, N]`` W in ``dtype`` (the activations'), as :func:`matmul_xla_materialize`
-  multiplies it: computed in that dtype where that rounds W exactly as float32 would."""
-  if w.biases is None and jnp.dtype(w.scales.dtype) == jnp.dtype(dtype) != jnp.float32:
-    # (q - z) is a small integer, exact in bf16 / f16, and (q - z) * s rounds once either
-    # way: dequantizing in the activation dtype gives the same W as via float32 with half
-    # the bytes in XLA's materialized copy.
-    codes = w.unpacked_codes().astype(dtype)
-    zeros = (jnp.asarray(8, dtype) if w.zeros is None
-             else _expand_groups(w.zeros.astype(dtype), w.group_size))
-    return (codes - zeros) * _expand_groups(w.scales, w.group_size)
-  return dequantize_int4(w, dtype=dtype)
-
-
 def matmul_xla_materialize(x: jax.Array, w: Int4Weight) -> jax.Array:
   """``matmul_xla`` by materializing the dequantized ``[K, N]`` W in x's dtype, then
   ``jnp.dot``."""
-  return formats.dense_dot(x, dequantize_for(w, x.dtype))
+  if w.biases is None and jnp.dtype(w.scales.dtype) == jnp.dtype(x.dtype) != jnp.float32:
+    # (q - z) is a small integer, exact in bf16 / f16, and (q - z) * s rounds once either
+    # way: dequantizing in the activation dtype gives the same W as via float32 with half
+    # the bytes in XLA's materialized copy.
+    codes = w.unpacked_codes().astype(x.dtype)
+    zeros = (jnp.asarray(8, x.dtype) if w.zeros is None
+             else _expand_groups(w.zeros.astype(x.dtype), w.group_size))
+    wd = (codes - zeros) * _expand_groups(w.scales, w.group_size)
+  else:
+    wd = dequantize_int4(w, dtype=x.dtype)
+  return formats.dense_dot(x, wd)

@@ -187,6 +187,7 @@ def matmul_reduce(x: jax.Array, w: Int4Weight) -> jax.Array:
     acc = term if acc is None else acc + term
   return acc.sum(axis=(1, 2)).astype(x.dtype)
 
+
 VARIANTS = {
     "materialize": int4.matmul_xla_materialize,
     "grouped": matmul_grouped,
