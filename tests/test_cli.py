@@ -36,6 +36,25 @@ def test_bench_on_cpu_is_labelled(tmp_path, capsys):
   rows = json.loads(path.read_text())["rows"]
   assert [(r["m"], r["k"], r["n"]) for r in rows] == [(1, 256, 128), (3, 256, 128)]
   assert all(r["times_us"]["xla"] > 0 and r["times_us"]["interpret"] > 0 for r in rows)
+  # The last column: what qjax.matmul runs with no implementation named (XLA on a CPU).
+  table = out[out.rindex("  fmt"):].splitlines()
+  assert table[0].split()[-1] == "default" and all(r["default_impl"] == "xla" for r in rows)
+  assert [line.split()[-1] for line in table[2:4]] == ["xla", "xla"]
+
+
+def test_bench_default_column_names_the_kernel_where_dispatch_picks_it(monkeypatch):
+  from qjax._src import bench  # pylint: disable=g-import-not-at-top
+  picked = []
+
+  def fake_name(w, implementation=None, *, m=1):
+    picked.append((implementation, m))
+    return "pallas_triton" if m <= 2 else "xla"
+
+  monkeypatch.setattr(bench.dispatch, "implementation_name", fake_name)
+  rows = [bench.bench_shape(m, 256, 128, "int4", bandwidth=1e9, impls=["xla"], calls=1)
+          for m in (2, 3)]
+  assert [r.default_impl for r in rows] == ["pallas", "xla"] and picked == [(None, 2), (None, 3)]
+  assert bench.format_table(rows, ["xla"]).splitlines()[2].split()[-1] == "pallas"
 
 
 def test_bench_codebook_formats_on_cpu(tmp_path, capsys):

@@ -50,6 +50,8 @@ class Row:
   floor_bytes: int
   source: str
   notes: str = ""
+  # The implementation qjax.matmul runs with none named ("pallas" or "xla", as timed).
+  default_impl: str = ""
 
   def fraction_of_floor(self, impl: str) -> float:
     t = self.times_us.get(impl)
@@ -149,8 +151,10 @@ def bench_shape(m: int, k: int, n: int, fmt: str, *, bandwidth: float, impls: Se
   fb = jax.jit(lambda x_, w_: jnp.dot(x_, w_))
   bf16 = devtime.device_time(fb, [(x, w) for w in wbs], calls=calls).us
   floor_bytes = floor_weight_bytes(w0) + x.nbytes + m * n * 2
+  default = "xla" if dispatch.implementation_name(w0, m=m) == "xla" else "pallas"
   return Row(m=m, k=k, n=n, fmt=fmt, times_us=times, bf16_us=bf16,
-             floor_us=floor_bytes / bandwidth * 1e6, floor_bytes=floor_bytes, source=source)
+             floor_us=floor_bytes / bandwidth * 1e6, floor_bytes=floor_bytes, source=source,
+             default_impl=default)
 
 
 def format_table(rows: Sequence[Row], impls: Sequence[str]) -> str:
@@ -158,6 +162,7 @@ def format_table(rows: Sequence[Row], impls: Sequence[str]) -> str:
   head = f"{'fmt':>{fw}} {'M':>5} {'K':>6} {'N':>6} |" + "".join(f" {i:>10}" for i in impls)
   head += f" {'bf16':>9} {'floor':>8} |" + "".join(f" {i[:6] + '%fl':>9}" for i in impls)
   head += "".join(f" {i[:6] + ' xbf':>10}" for i in impls)
+  head += f" {'default':>8}"
   lines = [head, "-" * len(head)]
   for r in rows:
     s = f"{r.fmt:>{fw}} {r.m:>5} {r.k:>6} {r.n:>6} |"
@@ -165,6 +170,7 @@ def format_table(rows: Sequence[Row], impls: Sequence[str]) -> str:
     s += f" {r.bf16_us:>9.1f} {r.floor_us:>8.1f} |"
     s += "".join(f" {100 * r.fraction_of_floor(i):>8.0f}%" for i in impls)
     s += "".join(f" {r.speedup(i):>9.2f}x" for i in impls)
+    s += f" {r.default_impl or '-':>8}"
     lines.append(s)
   return "\n".join(lines)
 

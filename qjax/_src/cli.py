@@ -63,9 +63,10 @@ def _add_bench(sub) -> None:
       description="Measures the device time (profiler trace, summed kernel durations, "
       "weights rotated so they are not served from L2) of qjax.matmul for each implementation "
       "against bf16 jnp.dot on the same shapes, with the bandwidth floor (packed weights + "
-      "scales + activations + output over the copy bandwidth measured in the same run). On a "
-      "CPU it runs small shapes with XLA and interpret mode, timed by wall clock, as a smoke "
-      "test.")
+      "scales + activations + output over the copy bandwidth measured in the same run). The "
+      "last column, 'default', names the implementation qjax.matmul runs when none is "
+      "named. On a CPU it runs small shapes with XLA and interpret mode, timed by wall "
+      "clock, as a smoke test.")
   p.add_argument("--m", help="comma-separated M values (default GPU: 1,16,64,256,2048; CPU: 1,16)")
   p.add_argument("--shapes", help="comma-separated KxN, e.g. 4096x4096,4096x14336 "
                  "(default GPU: the four Llama shapes; CPU: 512x512,1024x768)")
