@@ -162,7 +162,7 @@ def _int4_kernel(x_ref, w_ref, s_ref, z_ref, b_ref, o_ref, *, m, k, group_size, 
         xs = _load(x_ref.at[pl.ds(m0, block_m), pl.ds(k_chunk + p * slab, slab)], x_mask)
         part += plgpu.dot(xs, wq)  # = x_slab @ (C + q_slab), f32
         xpart += xs.astype(jnp.float32)
-      # One row reduction per group, not per slab (it costs cross-lane shuffles).
+      # One row reduction per chunk, not per slab (it costs cross-lane shuffles).
       xsum = jnp.sum(xpart, axis=1, keepdims=True)
       s = tables[c][0].astype(jnp.float32)
       if b_ref is not None:

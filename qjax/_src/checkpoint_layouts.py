@@ -547,7 +547,7 @@ class CompressedTensorsWeight(_ContiguousGroups, formats.QuantizedWeight):
 
 def matmul_xla(x: jax.Array, w: Any) -> jax.Array:
   """``x [M, K] @ dequantize(w) [K, N] -> [M, N]`` in x's dtype, f32 accumulation."""
-  return formats.dense_dot(x, w.dequantize().astype(x.dtype))
+  return formats.dense_dot(x, w.dequantize())
 
 
 def repack_for_int4_kernel(x: jax.Array, w: Any) -> tuple[jax.Array, int4.Int4Weight]:

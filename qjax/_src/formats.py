@@ -96,7 +96,7 @@ class QuantizedWeight:
 
 def dense_dot(x: jax.Array, wd: jax.Array) -> jax.Array:
   """``x [M, K] @ wd [K, N] -> [M, N]`` in x's dtype with float32 accumulation: the XLA
-  fallbacks' dot on a dequantized W (in x's dtype).
+  fallbacks' dot on a dequantized W (cast to x's dtype here if it is not in it).
 
   float32 x runs at ``Precision.HIGHEST``. For bf16 / f16 x the dot writes x's dtype
   itself: XLA's GPU GEMMs and its CPU dot accumulate those in float32 and round once,
@@ -105,7 +105,7 @@ def dense_dot(x: jax.Array, wd: jax.Array) -> jax.Array:
   439 -> 370 us).
   """
   if x.dtype == jnp.float32:
-    return jnp.dot(x, wd, preferred_element_type=jnp.float32,
+    return jnp.dot(x, wd.astype(x.dtype), preferred_element_type=jnp.float32,
                    precision=jax.lax.Precision.HIGHEST)
   return jnp.dot(x, wd.astype(x.dtype))
 

@@ -700,7 +700,7 @@ def embedding_rows(w: Any, ids: jax.Array) -> jax.Array:
 
 def matmul_xla(x: jax.Array, w: Any) -> jax.Array:
   """``x [M, K] @ dequantize(w) [K, N] -> [M, N]`` in x's dtype, f32 accumulation."""
-  return formats.dense_dot(x, w.dequantize().astype(x.dtype))
+  return formats.dense_dot(x, w.dequantize())
 
 
 for _cls in (*BLOCK_FORMATS.values(), GGUFDense):
