@@ -36,7 +36,8 @@ _codes_to_float = int4_matmul._codes_to_float  # pylint: disable=protected-acces
 
 
 def _gguf_kernel(x_ref, low_ref, high_ref, q8_ref, d_ref, dmin_ref, sc_ref, mn_ref, o_ref, *,
-                 ggml_type, m, k, block_m, block_n, block_k, steps_per_split, split_k):
+                 ggml_type, m, k, block_m, block_n, block_k, steps_per_split, split_k,
+                 by_dot):
   """One ``[block_m, block_n]`` output tile over ``steps_per_split`` K steps.
 
   Refs (whole arrays; the GGUFTiledWeight fields, None where the type has none):
@@ -95,7 +96,7 @@ def _gguf_kernel(x_ref, low_ref, high_ref, q8_ref, d_ref, dmin_ref, sc_ref, mn_r
     for c in range(block_k // group):
       k_group = k_step + c * group
       part = jnp.zeros((block_m, block_n), jnp.float32)
-      xpart = jnp.zeros((block_m, slab), jnp.float32)  # x summed over the slabs
+      xpart = int4_matmul.x_sum_start(block_m, block_n, slab, by_dot)
       offset = 0.0
       for p in range(group // slab):
         row = c * group + p * slab
@@ -106,9 +107,9 @@ def _gguf_kernel(x_ref, low_ref, high_ref, q8_ref, d_ref, dmin_ref, sc_ref, mn_r
           x_mask = kx if x_mask is None else x_mask & kx
         xs = _load(x_ref.at[pl.ds(m0, block_m), pl.ds(k_group + p * slab, slab)], x_mask)
         part += plgpu.dot(xs, wq)
-        xpart += xs.astype(jnp.float32)
-      # One row reduction per group, not per slab (it costs cross-lane shuffles).
-      xsum = jnp.sum(xpart, axis=1, keepdims=True)
+        if sc_ref is not None:  # Q8_0 has no offset and needs no x sum
+          xpart = int4_matmul.x_sum_add(xpart, xs, by_dot)
+      xsum = int4_matmul.x_sum_total(xpart, by_dot)
       g = k_group // group
       valid = g < num_groups
       gd = k_group // scale_rows
@@ -161,7 +162,7 @@ def gguf_matmul(x: jax.Array, w, *, interpret: bool = False,
   kernel = functools.partial(
       _gguf_kernel, ggml_type=w.ggml_type, m=m, k=k, block_m=config.block_m,
       block_n=config.block_n, block_k=config.block_k, steps_per_split=steps // split_k,
-      split_k=split_k)
+      split_k=split_k, by_dot=int4_matmul.sum_by_dot(x.dtype, config.block_m))
   return common.launch(kernel, [x] + [getattr(w, f) for f in _FIELDS], m=m, n=n,
                        dtype=x.dtype, config=config, interpret=interpret, poison=poison,
                        name=f"qjax_gguf_{w.ggml_type.lower()}_matmul")

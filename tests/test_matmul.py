@@ -109,6 +109,27 @@ class MatmulSuite:
       assert np.isfinite(y).all()
       assert rel_err(y, reference(x, w)) < 1e-2, m
 
+  @pytest.mark.parametrize("by_dot", [True, False], ids=["x_sum_by_dot", "x_sum_by_adds"])
+  def test_both_ways_of_summing_x(self, request, monkeypatch, by_dot):
+    """The kernels sum x (for the zero point / bias term) either with a dot against ones
+    or with vector adds; both must give the float64 result, with zero points and with
+    float biases, at a 16-row block (where the dot is the default)."""
+    from pallas_kernels import int4_matmul as km  # pylint: disable=g-import-not-at-top
+    monkeypatch.setattr(km, "SUM_BY_DOT", by_dot)
+    rng = np.random.default_rng(seed_from(request.node.nodeid))
+    k, n = 384, 96
+    w = qjax.quantize(rng.standard_normal((k, n)).astype(np.float32), group_size=64,
+                      symmetric=False)
+    wb = qjax.Int4Weight(codes=w.codes, scales=w.scales, zeros=None, shape=w.shape,
+                         group_size=w.group_size,
+                         biases=jnp.asarray(rng.standard_normal(w.scales.shape), jnp.bfloat16))
+    for weight in (w, wb):
+      for dt in (jnp.bfloat16, jnp.float16):
+        x = jnp.asarray(rng.standard_normal((7, k)), dt)
+        y = np.asarray(self.run(x, weight), np.float64)
+        assert np.isfinite(y).all()
+        assert rel_err(y, reference(x, weight)) < 1e-2, (dt, weight.biases is None)
+
   def test_plain_order_weights(self, request):
     x, w = make_case(request.node.nodeid, 4, 256, 64, 64, False, jnp.bfloat16)
     y = np.asarray(self.run(x, w.repack(packing.PLAIN_TILE_K)), np.float64)
@@ -190,6 +211,13 @@ def test_pair_ptx_decodes_both_words(nibble, dtype):
     values = np.asarray(jnp.asarray(half).view(dt), np.float64)
     np.testing.assert_array_equal(values, offset + q)
     assert (half & ~np.uint16(0xF) == magic_bits).all()
+
+
+def test_x_sum_by_dot_only_for_16_bit_x_and_small_row_blocks():
+  from pallas_kernels import int4_matmul as km  # pylint: disable=g-import-not-at-top
+  assert km.sum_by_dot(jnp.bfloat16, 16) and km.sum_by_dot(jnp.float16, 16)
+  assert not km.sum_by_dot(jnp.float32, 16)  # a float32 dot would round x (tf32)
+  assert not km.sum_by_dot(jnp.bfloat16, 64)  # measured slower at 64-row blocks
 
 
 def test_pairs_fit_needs_an_even_share_per_thread():
