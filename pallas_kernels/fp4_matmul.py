@@ -42,6 +42,7 @@ from qjax._src import packing
 from pallas_kernels import common
 from pallas_kernels import fp4_codec
 from pallas_kernels import fp4_gemv
+from pallas_kernels import int4_gemv
 from pallas_kernels import int4_matmul
 
 _load = common.load
@@ -55,8 +56,66 @@ heuristic_config = int4_matmul.heuristic_config
 candidate_configs = int4_matmul.candidate_configs
 
 
-def _e2m1_slab(words: jax.Array, j: int, dtype) -> jax.Array:
+# Where a 16-bit float keeps the sign and the lowest of the three E2M1 magnitude bits
+# ``e1 e0 m`` so that the bits read as ``e2m1 * 2**-14`` (float16: exponent field ``e1 e0``,
+# top mantissa bit ``m``) or ``e2m1 * 2**-126`` (bfloat16: the same bits at its exponent's
+# two lowest bits and top mantissa bit; ``e = 0`` is a bf16 subnormal, exact).
+_PAIR_MAGNITUDE_LSB = {jnp.dtype(jnp.float16): 9, jnp.dtype(jnp.bfloat16): 6}
+# bf16x2 pair of 2**112 (exponent field 239) and of -0.0: the one exact fma that moves the
+# bf16 decode from 2**-126 to the float16 decode's 2**-14 (so both share one factor).
+_BF16_PAIR_2_112 = 0x77807780
+_BF16_PAIR_NEG_ZERO = 0x80008000
+
+# Set False to decode with Pallas ops on the GPU too (the A/B switch).
+PAIRED_PTX = True
+
+
+@functools.lru_cache(maxsize=None)
+def _e2m1_pair_ptx(nibble: int, dtype_name: str) -> str:
+  """PTX: two code words ``$1``, ``$2`` (adjacent elements) -> ``$0``, the two 16-bit floats
+  ``e2m1 * 2**-14`` of their nibble ``nibble`` (low half from ``$1``).
+
+  One PRMT copies the byte holding the nibble from each word into both bytes of its half;
+  from the high copy, the nibble's sign goes to bit 15 (odd nibbles are there already,
+  even ones take a shift by 4) and its magnitude bits to their place (one shift), and one
+  and plus one LOP3 keep exactly those bits: 4-5 instructions per two weights; bf16 adds
+  one exact ``fma.rn.bf16x2`` by ``2**112`` (its decode is a subnormal-aware
+  ``e2m1 * 2**-126``).
+  """
+  dtype = jnp.dtype(dtype_name)
+  byte = nibble // 2
+  selector = byte | (byte << 4) | ((4 + byte) << 8) | ((4 + byte) << 12)
+  high_copy = 8 + 4 * (nibble % 2)  # bit of the nibble's lowest bit in the high byte copy
+  lsb = _PAIR_MAGNITUDE_LSB[dtype]
+  magnitude_mask = (0x7 << lsb) | (0x7 << (16 + lsb))
+  lines = ["{", ".reg .b32 t, s, v;", f"prmt.b32 t, $1, $2, {selector:#06x};"]
+  lines.append("shl.b32 s, t, 4;" if nibble % 2 == 0 else "mov.b32 s, t;")
+  shift = lsb - high_copy
+  lines.append(f"shl.b32 v, t, {shift};" if shift > 0 else f"shr.u32 v, t, {-shift};")
+  lines.append(f"and.b32 v, v, {magnitude_mask:#010x};")
+  out = "$0" if dtype == jnp.float16 else "t"
+  lines.append(f"lop3.b32 {out}, s, 0x80008000, v, {int4_gemv.LOP3_A_AND_B_OR_C:#04x};")
+  if dtype == jnp.bfloat16:
+    lines += [f"mov.b32 s, {_BF16_PAIR_2_112:#010x};", f"mov.b32 v, {_BF16_PAIR_NEG_ZERO:#010x};",
+              "fma.rn.bf16x2 $0, t, s, v;"]
+  lines.append("}")
+  return "\n".join(lines)
+
+
+def paired_decode(dtype, block_n: int, num_warps: int, interpret: bool) -> bool:
+  """Whether slabs decode two weights per inline-PTX instance (:func:`_e2m1_pair_ptx`):
+  compiled kernels with bf16 / f16 x, and an even share of each words tile per thread."""
+  return (PAIRED_PTX and not interpret and jnp.dtype(dtype) in _PAIR_MAGNITUDE_LSB
+          and int4_matmul.pairs_fit(packing.NATIVE_TILE_K // 8, block_n, num_warps))
+
+
+def _e2m1_slab(words: jax.Array, j: int, dtype, paired: bool = False) -> jax.Array:
   """Slab ``j`` of ``[16, block_n]`` uint32 words -> E2M1 values * 2**-14 in ``dtype``."""
+  if paired:
+    [out] = plgpu.elementwise_inline_asm(
+        _e2m1_pair_ptx(j, jnp.dtype(dtype).name), args=[words], constraints="=r,r,r",
+        pack=2, result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, dtype)])
+    return out
   shift = 4 * j - 12  # moves nibble j to bits 12..15
   if shift > 0:
     v = words >> shift
@@ -73,7 +132,7 @@ def _e2m1_slab(words: jax.Array, j: int, dtype) -> jax.Array:
 
 
 def accumulate_k_tile(acc, words, load_x, load_scale, *, k_tile, tile_k, block_size,
-                      dtype, decode, factor):
+                      dtype, decode, factor, paired=False):
   """``acc + x[:, k_tile : k_tile + tile_k] @ W[k_tile : k_tile + tile_k, cols]``.
 
   The dequantize-in-registers step every FP4 kernel shares: slab ``j`` of the packed
@@ -90,6 +149,7 @@ def accumulate_k_tile(acc, words, load_x, load_scale, *, k_tile, tile_k, block_s
     k_tile: first K row of the tile (traced or static).
     dtype: the activations' dtype (the dots run in it).
     decode, factor: from :func:`scale_decoder`.
+    paired: decode two weights per inline-PTX instance (:func:`paired_decode`).
   """
   slab = tile_k // 8
   slabs_per_block = block_size // slab
@@ -97,7 +157,7 @@ def accumulate_k_tile(acc, words, load_x, load_scale, *, k_tile, tile_k, block_s
     part = None
     for p in range(slabs_per_block):
       j = b * slabs_per_block + p
-      d = plgpu.dot(load_x(k_tile + j * slab), _e2m1_slab(words, j, dtype))  # f32
+      d = plgpu.dot(load_x(k_tile + j * slab), _e2m1_slab(words, j, dtype, paired))  # f32
       part = d if part is None else part + d
     scale = decode(load_scale(k_tile // block_size + b))
     acc += part * (scale * factor)
@@ -105,7 +165,7 @@ def accumulate_k_tile(acc, words, load_x, load_scale, *, k_tile, tile_k, block_s
 
 
 def _fp4_kernel(x_ref, w_ref, s_ref, g_ref, o_ref, *, m, k, scale_format, block_size,
-                tile_k, block_m, block_n, block_k, steps_per_split, split_k):
+                tile_k, block_m, block_n, block_k, steps_per_split, split_k, paired):
   """One ``[block_m, block_n]`` output tile over ``steps_per_split`` K steps.
 
   Refs (whole arrays):
@@ -146,7 +206,7 @@ def _fp4_kernel(x_ref, w_ref, s_ref, g_ref, o_ref, *, m, k, scale_format, block_
                     mask=n_mask[None, :] if n_ragged else None)
       acc = accumulate_k_tile(acc, words, load_x, load_scale, k_tile=k_tile, tile_k=tile_k,
                               block_size=block_size, dtype=x_ref.dtype, decode=decode,
-                              factor=factor)
+                              factor=factor, paired=paired)
     return acc
 
   acc = lax.fori_loop(0, steps_per_split, step, jnp.zeros((block_m, block_n), jnp.float32))
@@ -196,7 +256,8 @@ def fp4_matmul(x: jax.Array, w: MXFP4Weight | NVFP4Weight, *, interpret: bool = 
   kernel = functools.partial(
       _fp4_kernel, m=m, k=k, scale_format=scale_format, block_size=w.block_size,
       tile_k=w.tile_k, block_m=config.block_m, block_n=config.block_n,
-      block_k=config.block_k, steps_per_split=steps // split_k, split_k=split_k)
+      block_k=config.block_k, steps_per_split=steps // split_k, split_k=split_k,
+      paired=paired_decode(x.dtype, config.block_n, config.num_warps, interpret))
   return common.launch(kernel, [x, w.codes, scales, global_scale], m=m, n=n, dtype=x.dtype,
                        config=config, interpret=interpret, poison=poison,
                        name=f"qjax_{w.format_name}_matmul")

@@ -7,10 +7,12 @@ its instruction needs, or the other 32-bit type (PTX lets a ``.b32`` register se
 ``shr.u32``, ``and.b32``, ``lop3.b32``, ``prmt.b32`` (default mode), ``mov.b32`` (also
 the ``{lo, hi}`` split into two b16), ``cvt.f32.f16``, ``neg.f32``, ``mov.f32``,
 ``mul.rn.f32`` and ``fma.rn.f32`` (the exact product and sum in float64, then one
-rounding to float32: double rounding aside, which tolerances absorb); immediates ``0x..``
-(integers) and ``0f..`` (float32 bits).
+rounding to float32: double rounding aside, which tolerances absorb), ``fma.rn.bf16x2``
+(per half, the same in float64, then one rounding to bfloat16, subnormals kept);
+immediates ``0x..`` (integers) and ``0f..`` (float32 bits).
 """
 
+import ml_dtypes
 import numpy as np
 
 _PTX_TYPES = {"b32": "u", "b16": "h", "f32": "f"}
@@ -105,6 +107,15 @@ def emulate(asm: str, operands: dict) -> np.ndarray:
     elif op == "fma.rn.f32":
       a, b, c = (np.float64(1) * get(t, "f") for t in args)
       put(dst, "f", (a * b + c).astype(np.float32))
+    elif op == "fma.rn.bf16x2":
+      words = [np.uint32(0) | get(t, "u") for t in args]
+      out = np.uint32(0)
+      for shift in (0, 16):
+        a, b, c = (((v >> np.uint32(shift)) & np.uint32(0xFFFF)).astype(np.uint16)
+                   .view(ml_dtypes.bfloat16).astype(np.float64) for v in words)
+        half = (a * b + c).astype(ml_dtypes.bfloat16).view(np.uint16).astype(np.uint32)
+        out = out | (half << np.uint32(shift))
+      put(dst, "u", out)
     else:
       raise AssertionError(f"the emulator does not know {op!r}")
   return regs["$0"]
