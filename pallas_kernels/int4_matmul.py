@@ -105,10 +105,11 @@ def _codes_to_float(q: jax.Array, dtype) -> tuple[jax.Array, float]:
   return q.astype(jnp.int32).astype(dtype), 0.0
 
 
-# Row blocks up to which x is summed by a dot. H100, tuned configs, device time of the dot
-# against the vector sum (2026-11-24): M = 4 1.07-1.20x faster, M = 16 1.01-1.13x faster,
-# M = 64 (block_m 64) 1.3-1.9x slower (a second [64, block_n] f32 accumulator).
-SUM_BY_DOT_MAX_BLOCK_M = 16
+# Row blocks up to which x is summed by a dot. H100, device time of the dot against the
+# vector sum (2026-11-24): M = 4 and 16 (16-row blocks) 1.01-1.20x faster; 32-row blocks
+# (M = 32 and 64) 1.03-1.19x faster; 64-row blocks 1.3-1.9x slower (a second
+# [64, block_n] f32 accumulator).
+SUM_BY_DOT_MAX_BLOCK_M = 32
 
 
 def sum_by_dot(dtype, block_m: int) -> bool:
@@ -254,6 +255,16 @@ def heuristic_config(m: int, k: int, n: int) -> KernelConfig:
                       split_k=split_k, num_warps=4, num_stages=stages)
 
 
+def int4_heuristic_config(m: int, k: int, n: int) -> KernelConfig:
+  """:func:`heuristic_config` for the INT4 kernel: 32-row blocks for 16 < M <= 64, where
+  the x sum runs on the tensor cores (H100, M = 64: 14336x4096 88.0 -> 43.7 us,
+  4096x4096 20.4 -> 17.2; the 8192x28672 best was within 2 % of the 64-row block)."""
+  config = heuristic_config(m, k, n)
+  if 16 < m <= 64:
+    config = dataclasses.replace(config, block_m=32)
+  return config
+
+
 def legalize(config: KernelConfig, k: int, tile_k: int) -> KernelConfig:
   """Fits a config to the shape: block_k a power-of-two multiple of tile_k that divides
   Kp, and split_k dividing the number of K steps."""
@@ -300,7 +311,7 @@ def int4_matmul(x: jax.Array, w: Int4Weight, *, interpret: bool = False,
     # One row: the FMA kernel beats a 1/16-used tensor-core tile (see int4_gemv).
     return int4_gemv.int4_gemv(x, w, config=config, interpret=interpret, poison=poison)
   if config is None or config.block_m == 1:
-    config = heuristic_config(m, k, n)
+    config = int4_heuristic_config(m, k, n)
   config = legalize(config, k, w.tile_k)
   steps = w.codes.shape[0] * 8 // config.block_k
   split_k = config.split_k
@@ -322,10 +333,14 @@ def _lookup_config(m: int, k: int, n: int) -> KernelConfig | None:
 
 
 def int4_candidate_configs(m: int, k: int, n: int) -> list[KernelConfig]:
-  """The INT4 backend's search space: the GEMV kernel's at M = 1, else the tiled one's."""
+  """The INT4 backend's search space: the GEMV kernel's at M = 1, else the tiled one's,
+  with 32-row blocks added for 32 < M <= 64 (see :func:`int4_heuristic_config`)."""
   if m == 1:
     return int4_gemv.candidate_configs(k, n)
-  return candidate_configs(m, k, n)
+  configs = candidate_configs(m, k, n)
+  if 32 < m <= 64:
+    configs += [dataclasses.replace(c, block_m=32) for c in configs]
+  return configs
 
 
 def candidate_configs(m: int, k: int, n: int) -> list[KernelConfig]:

@@ -217,7 +217,19 @@ def test_x_sum_by_dot_only_for_16_bit_x_and_small_row_blocks():
   from pallas_kernels import int4_matmul as km  # pylint: disable=g-import-not-at-top
   assert km.sum_by_dot(jnp.bfloat16, 16) and km.sum_by_dot(jnp.float16, 16)
   assert not km.sum_by_dot(jnp.float32, 16)  # a float32 dot would round x (tf32)
+  assert km.sum_by_dot(jnp.bfloat16, 32)
   assert not km.sum_by_dot(jnp.bfloat16, 64)  # measured slower at 64-row blocks
+
+
+def test_int4_tiles_of_32_rows_between_16_and_64():
+  from pallas_kernels import int4_matmul as km  # pylint: disable=g-import-not-at-top
+  assert km.int4_heuristic_config(16, 4096, 4096).block_m == 16
+  assert km.int4_heuristic_config(48, 4096, 4096).block_m == 32
+  assert km.int4_heuristic_config(64, 4096, 14336).block_m == 32
+  assert km.int4_heuristic_config(100, 4096, 4096).block_m == 64
+  blocks = {c.block_m for c in km.int4_candidate_configs(64, 4096, 4096)}
+  assert blocks == {32, 64}
+  assert {c.block_m for c in km.int4_candidate_configs(20, 4096, 4096)} == {32}
 
 
 def test_pairs_fit_needs_an_even_share_per_thread():

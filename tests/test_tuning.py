@@ -77,5 +77,9 @@ def test_shipped_tables_are_legal_as_they_stand():
       assert (qjax.NATIVE_TILE_K * tps, split) == (cfg.block_k, cfg.split_k), (key, cfg)
       assert tps * split * steps == tiles
     else:
-      assert cfg.block_m >= e["m_bucket"] or cfg.block_m >= 64, (key, cfg)
+      # Tiles of at least the mma's 16 rows, a power of two; M may span several row blocks
+      # (INT4 takes 32-row blocks up to M = 64, where its x sum runs as a dot).
+      assert cfg.block_m >= 16 and cfg.block_m & (cfg.block_m - 1) == 0, (key, cfg)
+      if e["format"] != "int4":
+        assert cfg.block_m >= e["m_bucket"] or cfg.block_m >= 64, (key, cfg)
       assert int4_matmul.legalize(cfg, e["k"], qjax.NATIVE_TILE_K) == cfg, (key, cfg)
