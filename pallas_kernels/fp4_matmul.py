@@ -19,6 +19,12 @@ activations take that f16 widened (exact: every such value is a normal bf16). Th
 column of the f32 partial product, after the dots:
 ``acc += (x_b @ (e2m1_b * 2**-14)) * (2**14 * scale_b)``.
 
+On the GPU with bf16 / f16 x the same bits are placed two weights at a time in inline
+PTX (:func:`_e2m1_pair_ptx`: a PRMT, two shifts, an and and a LOP3 per pair; bf16 reads
+them as its exact subnormal ``e2m1 * 2**-126`` and one ``fma.rn.bf16x2`` by ``2**112``
+brings it to the same ``2**-14``). H100, M = 4-64: from 1.40x faster to 1.03x slower
+than the Pallas-op decode (BENCHMARKS.md, session 10).
+
 Block scales are decoded from their bytes in the kernel (:mod:`pallas_kernels.fp4_codec`).
 
 One row of x (M = 1) goes to :mod:`pallas_kernels.fp4_gemv` instead: no tensor cores,

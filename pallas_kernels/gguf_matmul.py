@@ -35,6 +35,12 @@ _load = common.load
 _codes_to_float = int4_matmul._codes_to_float  # pylint: disable=protected-access
 
 
+# Row blocks up to which this kernel sums x by a dot (:func:`int4_matmul.x_sum_add`):
+# the compiled GGUF kernels matched float64 on the H100 with it at 16-row blocks
+# (2026-11-24); 32-row blocks, where the INT4 kernel also uses it, were not run there.
+SUM_BY_DOT_MAX_BLOCK_M = 16
+
+
 def _gguf_kernel(x_ref, low_ref, high_ref, q8_ref, d_ref, dmin_ref, sc_ref, mn_ref, o_ref, *,
                  ggml_type, m, k, block_m, block_n, block_k, steps_per_split, split_k,
                  by_dot):
@@ -162,7 +168,8 @@ def gguf_matmul(x: jax.Array, w, *, interpret: bool = False,
   kernel = functools.partial(
       _gguf_kernel, ggml_type=w.ggml_type, m=m, k=k, block_m=config.block_m,
       block_n=config.block_n, block_k=config.block_k, steps_per_split=steps // split_k,
-      split_k=split_k, by_dot=int4_matmul.sum_by_dot(x.dtype, config.block_m))
+      split_k=split_k, by_dot=(int4_matmul.sum_by_dot(x.dtype, config.block_m)
+                               and config.block_m <= SUM_BY_DOT_MAX_BLOCK_M))
   return common.launch(kernel, [x] + [getattr(w, f) for f in _FIELDS], m=m, n=n,
                        dtype=x.dtype, config=config, interpret=interpret, poison=poison,
                        name=f"qjax_gguf_{w.ggml_type.lower()}_matmul")

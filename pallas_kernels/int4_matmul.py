@@ -21,7 +21,7 @@ and the group scale are applied to the f32 partial products after the dots, once
 group and column:
 ``acc += (x_g @ (C + q_g) - (C + z_g) * sum(x_g)) * s_g``, or with biases
 ``acc += (x_g @ (C + q_g)) * s_g + (b_g - C * s_g) * sum(x_g)``.
-For 16-bit x in row blocks of up to 16, ``sum(x_g)`` is itself a dot, against a tile of
+For 16-bit x in row blocks of up to 32, ``sum(x_g)`` is itself a dot, against a tile of
 ones (:func:`x_sum_add`).
 """
 
