@@ -168,8 +168,8 @@ def gguf_matmul(x: jax.Array, w, *, interpret: bool = False,
   kernel = functools.partial(
       _gguf_kernel, ggml_type=w.ggml_type, m=m, k=k, block_m=config.block_m,
       block_n=config.block_n, block_k=config.block_k, steps_per_split=steps // split_k,
-      split_k=split_k, by_dot=(int4_matmul.sum_by_dot(x.dtype, config.block_m)
-                               and config.block_m <= SUM_BY_DOT_MAX_BLOCK_M))
+      split_k=split_k, by_dot=int4_matmul.sum_by_dot(x.dtype, config.block_m,
+                                                     max_block_m=SUM_BY_DOT_MAX_BLOCK_M))
   return common.launch(kernel, [x] + [getattr(w, f) for f in _FIELDS], m=m, n=n,
                        dtype=x.dtype, config=config, interpret=interpret, poison=poison,
                        name=f"qjax_gguf_{w.ggml_type.lower()}_matmul")

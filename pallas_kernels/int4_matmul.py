@@ -112,12 +112,11 @@ def _codes_to_float(q: jax.Array, dtype) -> tuple[jax.Array, float]:
 SUM_BY_DOT_MAX_BLOCK_M = 32
 
 
-def sum_by_dot(dtype, block_m: int) -> bool:
-  """Whether the kernels sum x with the tensor cores (:func:`x_sum_add`): 16-bit x only,
+def sum_by_dot(dtype, block_m: int, max_block_m: int = SUM_BY_DOT_MAX_BLOCK_M) -> bool:
+  """Whether a kernel sums x with the tensor cores (:func:`x_sum_add`): 16-bit x only,
   whose products with 1 are exact (the sum is the f32 sum of the vector path), and row
-  blocks up to ``SUM_BY_DOT_MAX_BLOCK_M``."""
-  return (SUM_BY_DOT and jnp.dtype(dtype) in _MAGIC
-          and block_m <= SUM_BY_DOT_MAX_BLOCK_M)
+  blocks up to ``max_block_m`` (a kernel may bound it tighter than the INT4 kernel's)."""
+  return SUM_BY_DOT and jnp.dtype(dtype) in _MAGIC and block_m <= max_block_m
 
 
 def x_sum_start(block_m: int, block_n: int, slab: int, by_dot: bool) -> jax.Array:
