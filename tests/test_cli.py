@@ -127,6 +127,44 @@ def test_llama_stack_fused_and_separate_hold_the_same_weights():
   assert abs(fus["int4_weight_gb"] - sep["int4_weight_gb"]) / sep["int4_weight_gb"] < 0.02
 
 
+@pytest.mark.parametrize("flags,expected", [
+    ("", "in order"),
+    ("--xla_gpu_command_buffer_scheduling_mode=CONCURRENT", "concurrent"),
+    ("--xla_dump_to=/tmp/x --xla_gpu_command_buffer_scheduling_mode=CONCURRENT", "concurrent"),
+    ("--xla_gpu_command_buffer_scheduling_mode=SERIALIZE", "in order"),
+    ("--xla_gpu_command_buffer_scheduling_mode=CONCURRENT "
+     "--xla_gpu_command_buffer_scheduling_mode=LHS", "in order")])
+def test_stack_schedule_read_from_xla_flags(flags, expected):
+  """The last scheduling option in XLA_FLAGS decides the label of the in-process run."""
+  from qjax._src import bench  # pylint: disable=g-import-not-at-top
+  assert bench.scheduling(flags) == expected
+
+
+def test_best_of_schedules_takes_each_stacks_fastest():
+  """int4's best schedule over bf16's best, even when they differ."""
+  from qjax._src import bench  # pylint: disable=g-import-not-at-top
+  runs = {"in order": dict(int4_tokens_per_s=450.0, bf16_tokens_per_s=170.0),
+          "concurrent": dict(int4_tokens_per_s=510.0, bf16_tokens_per_s=160.0)}
+  best = bench.best_of_schedules(runs)
+  assert best["int4_schedule"] == "concurrent" and best["bf16_schedule"] == "in order"
+  assert best["speedup"] == pytest.approx(510.0 / 170.0)
+
+
+def test_stack_in_subprocess_reports_and_fails_loudly(monkeypatch):
+  """The other schedule's stack runs in a child process (XLA reads its flags once); its
+  result comes back, and a failing child raises with its error output."""
+  from qjax._src import bench  # pylint: disable=g-import-not-at-top
+  size = dict(layers=1, hidden=256, inter=512, kv=64, calls=1)
+  r = bench.stack_in_subprocess(size, fused=False, schedule="concurrent")
+  assert r["bf16_weight_gb"] * 1e9 == 2 * (2 * 256 * 256 + 2 * 256 * 64 + 3 * 256 * 512)
+  assert 0 < r["int4_tokens_per_s"] < float("inf")
+  with pytest.raises(ValueError, match="schedule 'sideways' must be one of"):
+    bench.stack_in_subprocess(size, fused=False, schedule="sideways")
+  monkeypatch.setenv("XLA_FLAGS", "--no_such_xla_flag_anywhere=1")
+  with pytest.raises(RuntimeError, match="the in order stack run failed"):
+    bench.stack_in_subprocess(size, fused=False, schedule="in order")
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--offload-group", "2", "--offload-carried", "5"],
      "--offload-carried 5 must be between 1 and the group (2"),
