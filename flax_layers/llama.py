@@ -407,6 +407,49 @@ def decode_step(params, token, pos, cache, *, cfg: LlamaConfig):
   return logits[:, 0], cache
 
 
+def next_token_step(decode, token, pos, cache, key, *, temperature: float = 0.0,
+                    top_p: float = 1.0):
+  """One decode step and its sampled next tokens, the loop body of generation.
+
+  ``decode(token, pos, cache) -> (logits, cache)`` is :func:`decode_step` with its params
+  and config bound (or the tensor-parallel one). The key is split as a caller of
+  :func:`sample` would (``key, sub = split(key)``, ``sub`` draws), so the tokens equal
+  ``sample(decode(...)[0], sub, ...)``.
+
+  Returns:
+    (next tokens ``[batch]`` int32, ``pos + 1``, cache, the new key).
+  """
+  logits, cache = decode(token, pos, cache)
+  key, sub = jax.random.split(key)
+  return sample(logits, sub, temperature=temperature, top_p=top_p), pos + 1, cache, key
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "temperature", "top_p"),
+                   donate_argnames=("cache",))
+def decode_and_sample(params, token, pos, cache, key, *, cfg: LlamaConfig,
+                      temperature: float = 0.0, top_p: float = 1.0):
+  """:func:`decode_step` and :func:`sample` as one jitted program.
+
+  A generation loop then dispatches one program per token and reads back one int: the
+  next token and its position stay on the device as the next call's inputs. At batch 1
+  each separate dispatch (the key split, the argmax, two host-to-device copies) costs
+  host time comparable to the whole step on a GPU.
+
+  Args:
+    params, token, pos, cache, cfg: as :func:`decode_step` (``token`` ``[batch]`` int32,
+      ``pos`` ``[batch]`` int32; the cache is donated).
+    key: PRNG key, split once per call (also when greedy, so a sampled and a greedy run
+      see the same key sequence).
+    temperature, top_p: as :func:`sample` (static).
+
+  Returns:
+    (next tokens ``[batch]`` int32, ``pos + 1``, cache, the new key).
+  """
+  decode = functools.partial(decode_step, params, cfg=cfg)
+  return next_token_step(decode, token, pos, cache, key, temperature=temperature,
+                         top_p=top_p)
+
+
 def forward(params, tokens, *, cfg: LlamaConfig) -> jax.Array:
   """Logits ``[batch, seq, vocab]`` of ``tokens [batch, seq]`` with no prior cache."""
   cache = init_cache(cfg, tokens.shape[0], tokens.shape[1])

@@ -227,6 +227,32 @@ def test_sampling():
     llama.sample(logits, key, temperature=-1)
 
 
+def test_decode_and_sample_is_decode_step_then_sample(model):
+  """The one-program loop body gives the tokens, positions and key that decode_step,
+  a key split and sample give separately, greedy and nucleus; the cache too."""
+  cfg, params, tok = model
+  prompt_ids = tok.encode(PROMPT)
+  t = len(prompt_ids)
+  tokens = jnp.asarray([prompt_ids + [0] * (16 - t)], jnp.int32)
+  for temperature, top_p in ((0.0, 1.0), (0.8, 0.9)):
+    _, cache = llama.prefill(params, tokens, llama.init_cache(cfg, 1, 32), cfg=cfg)
+    _, cache2 = llama.prefill(params, tokens, llama.init_cache(cfg, 1, 32), cfg=cfg)
+    token, pos, key = jnp.asarray([7042], jnp.int32), jnp.asarray([t], jnp.int32), \
+        jax.random.key(3)
+    for _ in range(3):
+      logits, cache = llama.decode_step(params, token, pos, cache, cfg=cfg)
+      want_key, sub = jax.random.split(key)
+      want = llama.sample(logits, sub, temperature=temperature, top_p=top_p)
+      got, got_pos, cache2, key = llama.decode_and_sample(
+          params, token, pos, cache2, key, cfg=cfg, temperature=temperature, top_p=top_p)
+      assert got.dtype == jnp.int32 and got.shape == (1,)
+      assert int(got[0]) == int(want[0]) and int(got_pos[0]) == int(pos[0]) + 1
+      assert (jax.random.key_data(key) == jax.random.key_data(want_key)).all()
+      np.testing.assert_allclose(np.asarray(cache2["k"], np.float32),
+                                 np.asarray(cache["k"], np.float32), rtol=0, atol=1e-5)
+      token, pos = got, got_pos
+
+
 def _cli(argv):
   out, err = io.StringIO(), io.StringIO()
   with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

@@ -73,9 +73,10 @@ def _kernel_layouts(implementation: str | None):
 
 
 def _model_steps(devices: int, params: dict, cfg: Any, max_len: int):
-  """``(prefill(tokens, cache), decode_step(token, pos, cache), cache)`` on one device, or
-  tensor-parallel over the first ``devices`` devices (flax_layers.tensor_parallel: heads
-  and MLP split, KV cache split along its heads)."""
+  """``(prefill(tokens, cache), next_token(token, pos, cache, key, *, temperature, top_p),
+  cache)`` on one device (``next_token``: :func:`flax_layers.llama.decode_and_sample`, one
+  jitted program per token), or tensor-parallel over the first ``devices`` devices
+  (flax_layers.tensor_parallel: heads and MLP split, KV cache split along its heads)."""
   import functools  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -83,13 +84,14 @@ def _model_steps(devices: int, params: dict, cfg: Any, max_len: int):
 
   if devices == 1:
     return (functools.partial(llama.prefill, params, cfg=cfg),
-            functools.partial(llama.decode_step, params, cfg=cfg),
+            functools.partial(llama.decode_and_sample, params, cfg=cfg),
             llama.init_cache(cfg, 1, max_len))
   from flax_layers import tensor_parallel as tp  # pylint: disable=g-import-not-at-top
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("tp",))
   sharded = tp.shard_llama_params(params, mesh, cfg)
   return (functools.partial(tp.tp_prefill, sharded, cfg=cfg, mesh=mesh),
-          functools.partial(tp.tp_decode_step, sharded, cfg=cfg, mesh=mesh),
+          functools.partial(llama.next_token_step,
+                            functools.partial(tp.tp_decode_step, sharded, cfg=cfg, mesh=mesh)),
           tp.init_tp_cache(cfg, 1, max_len, mesh))
 
 
@@ -160,7 +162,7 @@ def _run_generate(args) -> int:
     raise UsageError(f"prompt ({n} tokens) + --max-new-tokens={args.max_new_tokens} exceeds "
                      f"the context length {cfg.context_length}")
 
-  prefill, decode_step, cache = _model_steps(args.devices, params, cfg, max_len)
+  prefill, next_token, cache = _model_steps(args.devices, params, cfg, max_len)
   tokens = jnp.asarray([prompt_ids + [0] * (bucket - n)], jnp.int32)
   key = jax.random.key(args.seed)
   stop = {tok.eos_id} if tok.eos_id is not None else set()
@@ -190,15 +192,18 @@ def _run_generate(args) -> int:
       sys.stdout.flush()
     printed = out
 
+  # The token and its position stay on the device between steps; one int comes back.
+  token = jnp.asarray([next_id if next_id is not None else 0], jnp.int32)
+  pos = jnp.asarray([n], jnp.int32)
   while next_id is not None:
     generated.append(next_id)
     stream()
     if next_id in stop or len(generated) >= args.max_new_tokens:
       break
     t0 = time.perf_counter()
-    logits, cache = decode_step(jnp.asarray([next_id], jnp.int32),
-                                jnp.asarray([n + len(generated) - 1], jnp.int32), cache)
-    next_id = pick(logits)
+    token, pos, cache, key = next_token(token, pos, cache, key, temperature=args.temperature,
+                                        top_p=args.top_p)
+    next_id = int(token[0])
     dt = time.perf_counter() - t0
     if decode_steps:  # the first step includes compilation
       t_decode += dt
