@@ -12,6 +12,7 @@ from pallas_kernels import gguf_matmul as gguf_matmul
 from pallas_kernels import fp4_matmul as fp4_matmul
 from pallas_kernels import fp4_moe as fp4_moe
 from pallas_kernels import fp4_moe_gemv as fp4_moe_gemv
+from pallas_kernels import int4_gemv as int4_gemv
 from pallas_kernels import int4_matmul as int4_matmul
 from qjax._src import gguf_formats as _gguf_formats
 from qjax._src import gguf_tiled as _gguf_tiled
@@ -35,8 +36,9 @@ qjax.register_kernel(
                  supported_on=triton_supported,
                  candidate_configs=int4_matmul.int4_candidate_configs,
                  # H100 sweeps: the kernel beats XLA up to M = 64 (40.7 vs ~112 us at
-                 # 4096x14336) and loses from M = 256 (133 vs ~121 us).
-                 auto_max_m=64))
+                 # 4096x14336) and loses from M = 256 (133 vs ~121 us), and at M = 1 on
+                 # weights under 2M elements (int4_gemv.xla_is_faster).
+                 auto_max_m=64, auto_prefers_xla=int4_gemv.xla_is_faster))
 
 # GGUF: Q4_0 / Q4_1 run the INT4 kernel after their lossless to_int4; Q8_0 / Q4_K / Q5_K /
 # Q6_K run the plane kernel on GGUFTiledWeight (MXFP4 reaches the FP4 kernel below through

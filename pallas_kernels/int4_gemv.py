@@ -216,6 +216,25 @@ def _gemv_kernel(xt_ref, w_ref, s_ref, z_ref, b_ref, o_ref, *, k, group_size, bl
                     split_k=split_k, mask=n_mask[None, :] if n_ragged else None)
 
 
+# Below this many weights (K * N) one row of x runs faster through the XLA path.
+XLA_FASTER_BELOW_WEIGHTS = 2**21
+
+
+def xla_is_faster(m: int, k: int, n: int) -> bool:
+  """Whether qjax.matmul's XLA path beats this kernel (with its split-K sum) for x
+  ``[m, k]`` and W ``[k, n]``: one row and fewer than :data:`XLA_FASTER_BELOW_WEIGHTS`
+  weights.
+
+  H100, int4 group 128, device time in us, kernel vs XLA (`qjax bench --m 1 --shapes
+  ...`, 2026-11-24): 512x512 4.3 vs 3.1, 512x1536 4.6 vs 3.5, 1536x512 4.5 vs 3.5,
+  1024x1024 4.6 vs 3.7; 2048x2048 5.1 vs 5.0 and 4096x1024 4.4 vs 5.4 (4M weights: even or
+  the kernel); 2048x8192 6.9 vs 10.1. At this size both are launch latency, and the
+  kernel's split-K partial sums take a second kernel. At M = 16 the kernel won on every
+  one of these shapes.
+  """
+  return m == 1 and k * n < XLA_FASTER_BELOW_WEIGHTS
+
+
 # Programs a launch aims for: about 7 per SM of an H100 (H100 sweep, 2026-11-23).
 TARGET_PROGRAMS = 896
 

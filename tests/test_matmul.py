@@ -248,3 +248,39 @@ def test_pair_ptx_text_is_the_validated_one():
                    for dt in (jnp.bfloat16, jnp.float16) for nibble in range(8))
   assert hashlib.sha256(text.encode()).hexdigest() == (
       "9e12fa545bf9c37ec11cfd1672607e571b6531db40f122b4ca09eeb547cd1f97")
+
+
+def test_int4_gemv_leaves_small_weights_to_xla():
+  """At one row of x, weights under 2M elements run faster through XLA (H100 bench)."""
+  from pallas_kernels import int4_gemv  # pylint: disable=g-import-not-at-top
+  assert int4_gemv.xla_is_faster(1, 1024, 1024) and int4_gemv.xla_is_faster(1, 512, 1536)
+  assert not int4_gemv.xla_is_faster(1, 2048, 1024)  # 2M: the kernel's
+  assert not int4_gemv.xla_is_faster(1, 4096, 1024) and not int4_gemv.xla_is_faster(16, 512, 512)
+
+
+def test_auto_routes_by_the_backends_rules(monkeypatch):
+  """implementation=None runs the kernel except above auto_max_m or where
+  auto_prefers_xla says so, and implementation_name names what runs."""
+  from qjax._src import dispatch  # pylint: disable=g-import-not-at-top
+  w = qjax.quantize(jax.random.normal(jax.random.key(seed_from("auto")), (256, 128)) / 16)
+  calls = []
+
+  def fake_kernel(x2, w_, *, interpret, config=None):
+    calls.append(x2.shape[0])
+    return jnp.full((x2.shape[0], w_.shape[1]), 7.0, x2.dtype)
+
+  fake = qjax.Backend(name="fake", fn=fake_kernel, supported_on=lambda d: True,
+                      auto_max_m=8, auto_prefers_xla=lambda m, k, n: m == 1 and k * n < 10**5)
+  monkeypatch.setitem(dispatch._KERNELS, qjax.Int4Weight, [fake])
+  for m, runs_xla in ((1, True), (2, False), (8, False), (9, True)):
+    x = jax.random.normal(jax.random.key(m), (m, 256), jnp.float32)
+    y = qjax.matmul(x, w)
+    want = qjax.matmul(x, w, implementation="xla")
+    if runs_xla:
+      np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
+    else:
+      assert (np.asarray(y) == 7.0).all()
+    assert qjax.implementation_name(w, m=m) == ("xla" if runs_xla else "fake"), m
+  assert calls == [2, 8]
+  bigger = qjax.quantize(jax.random.normal(jax.random.key(1), (512, 256)) / 16)  # 131072
+  assert qjax.implementation_name(bigger, m=1) == "fake"

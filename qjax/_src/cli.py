@@ -25,7 +25,7 @@ def _demo(args) -> int:
   w = jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k)
   x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
   qw = qjax.quantize(w, group_size=args.group_size, symmetric=not args.asymmetric)
-  impl = qjax.implementation_name(qw)
+  impl = qjax.implementation_name(qw, m=m)
   y = jax.jit(qjax.matmul)(x, qw)
   ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
   ref_q = np.asarray(x, np.float64) @ np.asarray(qw.dequantize(), np.float64)

@@ -53,12 +53,23 @@ class Backend:
     candidate_configs: ``(m, k, n) -> [KernelConfig]``, the tuner's search space.
     auto_max_m: with ``implementation=None``, rows of x above which the XLA path is
       used instead (where the kernel was measured slower than XLA); None: no limit.
+    auto_prefers_xla: with ``implementation=None``, ``(m, k, n) -> True`` for the other
+      shapes where the XLA path was measured faster than the kernel (x ``[m, k]``, W
+      ``[k, n]``); None: none.
   """
   name: str
   fn: KernelFn
   supported_on: Callable[[jax.Device], bool]
   candidate_configs: Callable[[int, int, int], list[Any]] | None = None
   auto_max_m: int | None = None
+  auto_prefers_xla: Callable[[int, int, int], bool] | None = None
+
+  def auto_runs_xla(self, m: int, k: int, n: int) -> bool:
+    """Whether ``implementation=None`` runs the XLA path instead of this kernel for x
+    ``[m, k]`` and W ``[k, n]`` (:attr:`auto_max_m`, :attr:`auto_prefers_xla`)."""
+    if self.auto_max_m is not None and m > self.auto_max_m:
+      return True
+    return self.auto_prefers_xla is not None and bool(self.auto_prefers_xla(m, k, n))
 
 
 _XLA: dict[type, Callable[[jax.Array, Any], jax.Array]] = {}
@@ -97,7 +108,8 @@ def _via_repack(backend: Backend, repack: Callable[..., tuple[jax.Array, Any]]) 
   def fn(x2, w, *, interpret, config=None):
     x2, w = repack(x2, w)
     return backend.fn(x2, w, interpret=interpret, config=config)
-  return dataclasses.replace(backend, fn=fn)
+  # auto_prefers_xla compares the kernel with the target format's XLA path, not this one's.
+  return dataclasses.replace(backend, fn=fn, auto_prefers_xla=None)
 
 
 def load_plugins() -> None:
@@ -176,7 +188,7 @@ def resolve(w: Any, implementation: str | None) -> tuple[str, Callable[..., jax.
       xla = _xla_fn(fmt)
 
       def auto(x2, w_, backend=backend, xla=xla):
-        if backend.auto_max_m is not None and x2.shape[0] > backend.auto_max_m:
+        if backend.auto_runs_xla(x2.shape[0], *w_.shape):
           return xla(x2, w_)
         try:
           return backend.fn(x2, w_, interpret=False)
@@ -240,6 +252,6 @@ def implementation_name(w: Any, implementation: str | None = None, *, m: int = 1
   name, _ = resolve(w, implementation)
   if implementation is None and name != "xla":
     backend = next(b for b in kernels_for(w) if b.name == name)
-    if backend.auto_max_m is not None and m > backend.auto_max_m:
+    if backend.auto_runs_xla(m, *w.shape):
       return "xla"
   return name

@@ -131,12 +131,18 @@ def _run_generate(args) -> int:
     raise ValueError(f"{path}: the llama model needs tensor {q_name!r}, which the file lacks")
   if convert is not None:
     q_weight = convert(q_name, q_weight)
-  impl_name = qjax.implementation_name(q_weight, implementation)
+  # What runs at decode (one row) and at prefill (more rows; the dispatcher may pick
+  # differently, e.g. XLA for one row of a small weight).
+  decode_impl = qjax.implementation_name(q_weight, implementation, m=1)
+  prefill_impl = qjax.implementation_name(q_weight, implementation, m=PROMPT_BUCKET_MIN)
+  impl_name = (decode_impl if decode_impl == prefill_impl else
+               f"{decode_impl} (decode), {prefill_impl} (prefill)")
   del q_weight
   # A compiled Pallas kernel inside flax's nn.scan fails to trace on the GPU ("broadcasted
-  # variable has a data dependency on the scan body"), so it runs the layers unrolled.
-  scan_layers = not (impl_name.startswith("pallas_triton")
-                     and not impl_name.endswith("-interpret"))
+  # variable has a data dependency on the scan body"), so where one may run the layers
+  # run unrolled.
+  scan_layers = not any(name.startswith("pallas_triton") and not name.endswith("-interpret")
+                        for name in (decode_impl, prefill_impl))
   cfg = dataclasses.replace(cfg, scan_layers=scan_layers)
   params = llama.params_from_gguf(gfile, convert=convert, consume=True,
                                   scan_layers=scan_layers)
