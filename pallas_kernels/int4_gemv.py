@@ -220,19 +220,23 @@ def _gemv_kernel(xt_ref, w_ref, s_ref, z_ref, b_ref, o_ref, *, k, group_size, bl
 XLA_FASTER_BELOW_WEIGHTS = 2**21
 
 
-def xla_is_faster(m: int, k: int, n: int) -> bool:
-  """Whether qjax.matmul's XLA path beats this kernel (with its split-K sum) for x
-  ``[m, k]`` and W ``[k, n]``: one row and fewer than :data:`XLA_FASTER_BELOW_WEIGHTS`
-  weights.
+def xla_is_faster(m: int, w: Int4Weight) -> bool:
+  """Whether qjax.matmul's XLA path beats this kernel (with its split-K sum) for ``m``
+  rows of x: one row, fewer than :data:`XLA_FASTER_BELOW_WEIGHTS` weights, groups of 128
+  or more and no float biases (where it was measured).
 
-  H100, int4 group 128, device time in us, kernel vs XLA (`qjax bench --m 1 --shapes
-  ...`, 2026-11-24): 512x512 4.3 vs 3.1, 512x1536 4.6 vs 3.5, 1536x512 4.5 vs 3.5,
-  1024x1024 4.6 vs 3.7; 2048x2048 5.1 vs 5.0 and 4096x1024 4.4 vs 5.4 (4M weights: even or
-  the kernel); 2048x8192 6.9 vs 10.1. At this size both are launch latency, and the
-  kernel's split-K partial sums take a second kernel. At M = 16 the kernel won on every
-  one of these shapes.
+  H100, device time in us, kernel vs XLA (2026-11-24). int4 group 128, symmetric
+  (`qjax bench --m 1 --shapes ...`): 512x512 4.3 vs 3.1, 512x1536 4.6 vs 3.5, 1536x512
+  4.5 vs 3.5, 1024x1024 4.6 vs 3.7; 2048x2048 5.1 vs 5.0 and 4096x1024 4.4 vs 5.4 (4M
+  weights: even or the kernel); 2048x8192 6.9 vs 10.1. At this size both are launch
+  latency, and the kernel's split-K partial sums take a second kernel. GGUF Q4_1 converted
+  to Int4Weight (group 32, float biases, K 576 padded to 640) was mixed: 576x576 3.0 vs
+  3.1, 576x1536 3.0 vs 3.7, 1536x576 4.6 vs 3.8, so the kernel keeps those. At M = 16 the
+  kernel won on every shape above.
   """
-  return m == 1 and k * n < XLA_FASTER_BELOW_WEIGHTS
+  k, n = w.shape
+  return (m == 1 and k * n < XLA_FASTER_BELOW_WEIGHTS and w.biases is None
+          and w.group_size >= 128)
 
 
 # Programs a launch aims for: about 7 per SM of an H100 (H100 sweep, 2026-11-23).

@@ -6,6 +6,7 @@ case from a seed derived from the test name; kernel outputs are poisoned (NaN) b
 the run so an unwritten tile fails.
 """
 
+import dataclasses
 import functools
 import itertools
 
@@ -251,11 +252,21 @@ def test_pair_ptx_text_is_the_validated_one():
 
 
 def test_int4_gemv_leaves_small_weights_to_xla():
-  """At one row of x, weights under 2M elements run faster through XLA (H100 bench)."""
+  """At one row of x, symmetric / zero-point weights of groups >= 128 under 2M elements
+  run faster through XLA (H100 bench); biased or small-group weights keep the kernel."""
   from pallas_kernels import int4_gemv  # pylint: disable=g-import-not-at-top
-  assert int4_gemv.xla_is_faster(1, 1024, 1024) and int4_gemv.xla_is_faster(1, 512, 1536)
-  assert not int4_gemv.xla_is_faster(1, 2048, 1024)  # 2M: the kernel's
-  assert not int4_gemv.xla_is_faster(1, 4096, 1024) and not int4_gemv.xla_is_faster(16, 512, 512)
+
+  def weight(k, n, **kw):
+    return qjax.quantize(np.ones((k, n), np.float32), **kw)
+
+  assert int4_gemv.xla_is_faster(1, weight(1024, 1024))
+  assert int4_gemv.xla_is_faster(1, weight(512, 1536, symmetric=False))
+  assert not int4_gemv.xla_is_faster(1, weight(2048, 1024))  # 2M: the kernel's
+  assert not int4_gemv.xla_is_faster(16, weight(512, 512))
+  assert not int4_gemv.xla_is_faster(1, weight(512, 512, group_size=32))
+  biased = weight(512, 512)
+  biased = dataclasses.replace(biased, biases=biased.scales, zeros=None)
+  assert not int4_gemv.xla_is_faster(1, biased)
 
 
 def test_auto_routes_by_the_backends_rules(monkeypatch):
@@ -270,7 +281,8 @@ def test_auto_routes_by_the_backends_rules(monkeypatch):
     return jnp.full((x2.shape[0], w_.shape[1]), 7.0, x2.dtype)
 
   fake = qjax.Backend(name="fake", fn=fake_kernel, supported_on=lambda d: True,
-                      auto_max_m=8, auto_prefers_xla=lambda m, k, n: m == 1 and k * n < 10**5)
+                      auto_max_m=8,
+                      auto_prefers_xla=lambda m, w_: m == 1 and w_.shape[0] * w_.shape[1] < 10**5)
   monkeypatch.setitem(dispatch._KERNELS, qjax.Int4Weight, [fake])
   for m, runs_xla in ((1, True), (2, False), (8, False), (9, True)):
     x = jax.random.normal(jax.random.key(m), (m, 256), jnp.float32)

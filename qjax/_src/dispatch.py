@@ -53,23 +53,23 @@ class Backend:
     candidate_configs: ``(m, k, n) -> [KernelConfig]``, the tuner's search space.
     auto_max_m: with ``implementation=None``, rows of x above which the XLA path is
       used instead (where the kernel was measured slower than XLA); None: no limit.
-    auto_prefers_xla: with ``implementation=None``, ``(m, k, n) -> True`` for the other
-      shapes where the XLA path was measured faster than the kernel (x ``[m, k]``, W
-      ``[k, n]``); None: none.
+    auto_prefers_xla: with ``implementation=None``, ``(m, w) -> True`` for the other
+      cases where the XLA path was measured faster than the kernel (x ``[m, K]``, ``w``
+      the weight); None: none.
   """
   name: str
   fn: KernelFn
   supported_on: Callable[[jax.Device], bool]
   candidate_configs: Callable[[int, int, int], list[Any]] | None = None
   auto_max_m: int | None = None
-  auto_prefers_xla: Callable[[int, int, int], bool] | None = None
+  auto_prefers_xla: Callable[[int, Any], bool] | None = None
 
-  def auto_runs_xla(self, m: int, k: int, n: int) -> bool:
-    """Whether ``implementation=None`` runs the XLA path instead of this kernel for x
-    ``[m, k]`` and W ``[k, n]`` (:attr:`auto_max_m`, :attr:`auto_prefers_xla`)."""
+  def auto_runs_xla(self, m: int, w: Any) -> bool:
+    """Whether ``implementation=None`` runs the XLA path instead of this kernel for ``m``
+    rows of x and the weight ``w`` (:attr:`auto_max_m`, :attr:`auto_prefers_xla`)."""
     if self.auto_max_m is not None and m > self.auto_max_m:
       return True
-    return self.auto_prefers_xla is not None and bool(self.auto_prefers_xla(m, k, n))
+    return self.auto_prefers_xla is not None and bool(self.auto_prefers_xla(m, w))
 
 
 _XLA: dict[type, Callable[[jax.Array, Any], jax.Array]] = {}
@@ -188,7 +188,7 @@ def resolve(w: Any, implementation: str | None) -> tuple[str, Callable[..., jax.
       xla = _xla_fn(fmt)
 
       def auto(x2, w_, backend=backend, xla=xla):
-        if backend.auto_runs_xla(x2.shape[0], *w_.shape):
+        if backend.auto_runs_xla(x2.shape[0], w_):
           return xla(x2, w_)
         try:
           return backend.fn(x2, w_, interpret=False)
@@ -252,6 +252,6 @@ def implementation_name(w: Any, implementation: str | None = None, *, m: int = 1
   name, _ = resolve(w, implementation)
   if implementation is None and name != "xla":
     backend = next(b for b in kernels_for(w) if b.name == name)
-    if backend.auto_runs_xla(m, *w.shape):
+    if backend.auto_runs_xla(m, w):
       return "xla"
   return name
