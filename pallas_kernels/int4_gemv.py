@@ -222,8 +222,8 @@ XLA_FASTER_BELOW_WEIGHTS = 2**21
 
 def xla_is_faster(m: int, w: Int4Weight) -> bool:
   """Whether qjax.matmul's XLA path beats this kernel (with its split-K sum) for ``m``
-  rows of x: one row, fewer than :data:`XLA_FASTER_BELOW_WEIGHTS` weights, groups of 128
-  or more and no float biases (where it was measured).
+  rows of x: one row, fewer than :data:`XLA_FASTER_BELOW_WEIGHTS` weights, symmetric, groups
+  of 128 or more (where it was measured).
 
   H100, device time in us, kernel vs XLA (2026-11-24). int4 group 128, symmetric
   (`qjax bench --m 1 --shapes ...`): 512x512 4.3 vs 3.1, 512x1536 4.6 vs 3.5, 1536x512
@@ -235,8 +235,7 @@ def xla_is_faster(m: int, w: Int4Weight) -> bool:
   kernel won on every shape above.
   """
   k, n = w.shape
-  return (m == 1 and k * n < XLA_FASTER_BELOW_WEIGHTS and w.biases is None
-          and w.group_size >= 128)
+  return m == 1 and k * n < XLA_FASTER_BELOW_WEIGHTS and w.symmetric and w.group_size >= 128
 
 
 # Programs a launch aims for: about 7 per SM of an H100 (H100 sweep, 2026-11-23).
