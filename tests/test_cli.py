@@ -127,6 +127,18 @@ def test_llama_stack_fused_and_separate_hold_the_same_weights():
   assert abs(fus["int4_weight_gb"] - sep["int4_weight_gb"]) / sep["int4_weight_gb"] < 0.02
 
 
+def test_bench_records_the_commit(monkeypatch, tmp_path):
+  """$QJAX_COMMIT wins; otherwise git's hash of this tree, or "unknown" without git."""
+  from qjax._src import bench  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv("QJAX_COMMIT", "abc1234")
+  assert bench.source_commit() == "abc1234" and bench.environment()["commit"] == "abc1234"
+  monkeypatch.delenv("QJAX_COMMIT")
+  got = bench.source_commit()
+  assert got == "unknown" or len(got.split("-")[0]) >= 7, got
+  monkeypatch.setenv("PATH", str(tmp_path))  # no git to be found
+  assert bench.source_commit() == "unknown"
+
+
 @pytest.mark.parametrize("flags,expected", [
     ("", "in order"),
     ("--xla_gpu_command_buffer_scheduling_mode=CONCURRENT", "concurrent"),

@@ -540,10 +540,31 @@ def run_moe(args, env: dict[str, str], on_gpu: bool) -> int:
   return 0
 
 
+def source_commit() -> str:
+  """The commit the benchmark ran: ``$QJAX_COMMIT`` when set (for copies of the tree whose
+  ``.git`` is absent or stale), else git's short hash of the source tree, with "-dirty"
+  when files differ from it; "unknown" outside a git checkout."""
+  if os.environ.get("QJAX_COMMIT"):
+    return os.environ["QJAX_COMMIT"]
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+  def git(*argv: str) -> str:
+    return subprocess.run(["git", "-C", root, *argv], capture_output=True, text=True,
+                          check=True, timeout=30).stdout.strip()
+
+  try:
+    commit = git("rev-parse", "--short", "HEAD")
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+  except (OSError, subprocess.SubprocessError):
+    return "unknown"
+  return commit + ("-dirty" if dirty else "")
+
+
 def environment() -> dict[str, str]:
   d = jax.devices()[0]
   return {"device": d.device_kind, "platform": d.platform, "jax": jax.__version__,
-          "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+          "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+          "commit": source_commit()}
 
 
 def run(args) -> int:
@@ -560,7 +581,8 @@ def run(args) -> int:
   if unknown:
     raise ValueError(f"--format {args.format!r}: unknown {unknown}; known formats: "
                      f"{','.join(BENCH_FORMATS)}")
-  print(f"# qjax bench on {env['device']} ({env['platform']}), jax {env['jax']}, {env['date']}")
+  print(f"# qjax bench on {env['device']} ({env['platform']}), jax {env['jax']}, {env['date']}, "
+        f"commit {env['commit']}")
   if not on_gpu:
     print("# CPU run: XLA and Pallas interpret mode only, wall-clock medians, small shapes. "
           "Not kernel figures.")
