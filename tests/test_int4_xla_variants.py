@@ -152,3 +152,41 @@ def test_bench_example_runs(capsys):
   out = capsys.readouterr().out
   assert "materialize" in out and "naive" in out and "FAIL" not in out
   assert len([l for l in out.splitlines() if l.startswith("  256    64")]) == 2
+
+
+@pytest.mark.parametrize("dt", (jnp.bfloat16, jnp.float16), ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("n", (6, 7), ids=("even_n", "odd_n"))
+def test_column_pairs_is_columns_bit_for_bit(request, dt, n):
+  """formats.column_pairs: two columns per uint32 word, the same bits as computing all
+  columns at once (batch dims and a None input passed through; odd N unpaired)."""
+  from qjax._src import formats  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(seed_from(request.node.nodeid))
+  a = jnp.asarray(rng.standard_normal((2, 5, n)) * 100, jnp.float32)
+  b = jnp.asarray(rng.standard_normal((1, n)), jnp.float32)
+  seen = []
+
+  def columns(u, none, v):
+    seen.append((u.shape, none))
+    return jnp.exp(u / 50) * v - u
+
+  y = jax.jit(lambda u, v: formats.column_pairs(columns, (u, None, v), dt))(a, b)
+  want = columns(a, None, b).astype(dt)
+  assert y.shape == (2, 5, n) and y.dtype == dt
+  np.testing.assert_array_equal(np.asarray(y).view(np.uint16), np.asarray(want).view(np.uint16))
+  assert seen[0] == (((2, 5, n // 2), None) if n % 2 == 0 else ((2, 5, n), None))
+  f32 = formats.column_pairs(columns, (a, None, b), jnp.float32)  # not paired
+  np.testing.assert_array_equal(np.asarray(f32), np.asarray(columns(a, None, b)))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dequantize_int4_in_16_bits_is_float32_rounded(request, kind):
+  """int4.dequantize_int4 in bf16 / f16 (the materialize path's W, two columns per word)
+  rounds the float32 W once: bit for bit, ragged K and odd N included."""
+  rng = np.random.default_rng(seed_from(request.node.nodeid))
+  for k, n in ((256, 64), (200, 33)):
+    w = random_weight(rng, k, n, 8 if k == 200 else 32, jnp.bfloat16, kind)
+    full = np.asarray(int4.dequantize_int4(w), np.float32)
+    for dt in (jnp.bfloat16, jnp.float16):
+      got = np.asarray(jax.jit(lambda v: int4.dequantize_int4(v, dt))(w))
+      np.testing.assert_array_equal(got.view(np.uint16),
+                                    full.astype(dt).view(np.uint16), err_msg=f"{k}x{n} {dt}")

@@ -9,7 +9,7 @@ is static metadata. Every format has the logical shape ``[K, N]`` of a weight us
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, TypeVar
+from typing import Any, Callable, ClassVar, Sequence, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -92,6 +92,38 @@ class QuantizedWeight:
     leaves = jax.tree_util.tree_leaves(self)
     return bool(leaves) and all(
         hasattr(a, "shape") and hasattr(a, "dtype") and hasattr(a, "ndim") for a in leaves)
+
+
+def column_pairs(columns: Callable[..., jax.Array], arrays: Sequence[jax.Array | None],
+                 dtype) -> jax.Array:
+  """``columns(*arrays)`` in a 16-bit ``dtype``, computed two columns per 32-bit word.
+
+  ``columns`` maps arrays whose last axis is N (or None, passed through) to an
+  ``[..., N]`` result in ``dtype`` whose column ``j`` depends only on column ``j`` of
+  each input, as a weight's dequantization does. Here it runs once on the even and once
+  on the odd columns; each result's bits become one half of a uint32 ``[..., N // 2]``,
+  which is then viewed as ``[..., N]`` in ``dtype`` again: the same values, bit for bit.
+
+  Why: XLA's GPU loop fusion writes a 16-bit result an element at a time, far below the
+  memory bandwidth; written as uint32 words it is not (H100, dequantizing a 4096 x 14336
+  INT4 weight to bf16: 71.5 -> 51.5 us; 8192 x 28672: 287 -> 207 us, where the naive
+  program's transposed dequantization takes 54 and 229 us).
+
+  Other dtypes (float32) and an odd N run ``columns(*arrays)`` as it is (cast to
+  ``dtype``).
+  """
+  n = next(a for a in arrays if a is not None).shape[-1]
+  if jnp.dtype(dtype).itemsize != 2 or n % 2:
+    return columns(*arrays).astype(dtype)
+
+  def half(i):
+    part = [None if a is None else a.reshape(*a.shape[:-1], n // 2, 2)[..., i]
+            for a in arrays]
+    bits = jax.lax.bitcast_convert_type(columns(*part).astype(dtype), jnp.uint16)
+    return bits.astype(jnp.uint32)
+
+  words = half(0) | (half(1) << 16)  # little-endian: the even column is the low half
+  return jax.lax.bitcast_convert_type(words, dtype).reshape(*words.shape[:-1], n)
 
 
 def dense_dot(x: jax.Array, wd: jax.Array) -> jax.Array:
