@@ -20,13 +20,14 @@ variants below keep what lies between the codes and the dot narrow, or skip the 
   user holding such an array writes: ``q.astype(x.dtype) * s`` (scales repeated over
   their groups) and ``jnp.dot``, the convert and scale left for XLA to fuse into the dot
   or not. W is bit for bit ``materialize``'s.
-* ``blockdiag``: one plain dot of a block-diagonal x ``[K // G * M, K]`` (row ``(g, m)``
-  holds group ``g`` of x's row ``m``, zeros elsewhere) with the int4 codes gives the
-  per-group partial sums of ``folded``; for small ``M * K // G`` (decode), where a GEMM
-  of that many rows is bound by the weight's bytes, not by its flops.
 * ``reduce``: no dot: ``y[m, n] = sum_k x[m, k] W[k, n]`` as one fused float32
   multiply-and-sum that reads each packed word once (0.5 byte per weight, M times the
   arithmetic of one row); for small M.
+
+A ``blockdiag`` variant (``folded``'s partial sums from one dot of a block-diagonal x
+with the int4 codes) was removed on 2026-11-24: it was never the fastest, and on the
+H100 (jax 0.11.2) XLA computed it wrong for float32 x at an odd N (relative error 0.72
+at M = 1, K = 96, N = 33, groups of 32; right on the CPU).
 
 The narrow code arrays go through ``optimization_barrier``, so that XLA materializes
 them as written rather than fusing the unpacking and the convert into a copy in x's
@@ -146,19 +147,6 @@ def matmul_int4(x: jax.Array, w: Int4Weight) -> jax.Array:
   return y.astype(x.dtype)
 
 
-def matmul_blockdiag(x: jax.Array, w: Int4Weight) -> jax.Array:
-  """``folded``'s per-group partial sums from one plain dot: a block-diagonal x
-  ``[K // G * M, K]`` times the int4 codes ``q - 8`` ``[K, N]``."""
-  m, k = x.shape
-  kg, g = w.num_groups, w.group_size
-  q = _fence(_signed_codes(w))
-  xg = x.reshape(1, m, kg, g)
-  diag = jnp.arange(kg)[:, None, None, None] == jnp.arange(kg)[None, None, :, None]
-  xb = jnp.where(diag, xg, jnp.zeros((), x.dtype)).reshape(kg * m, k)
-  p = jnp.dot(xb, q.astype(x.dtype), preferred_element_type=F32, precision=_precision(x))
-  return _combine(p.reshape(kg, m, -1), w, x, _offset(w))
-
-
 def matmul_reduce(x: jax.Array, w: Int4Weight) -> jax.Array:
   """No dot: ``y[m, n] = sum_k x[m, k] W[k, n]`` in float32 as one multiply-and-sum over
   the words: each word's 8 nibbles, dequantized and multiplied by their 8 elements of x,
@@ -194,7 +182,6 @@ VARIANTS = {
     "folded": matmul_folded,
     "folded_fused": functools.partial(matmul_folded, fence=False),
     "int4": matmul_int4,
-    "blockdiag": matmul_blockdiag,
     "reduce": matmul_reduce,
 }
 
