@@ -153,6 +153,28 @@ def test_nvfp4_dequantize_exact_for_random_scales(rng):
   np.testing.assert_array_equal(np.asarray(w.dequantize()), exact.astype(np.float32))
 
 
+@pytest.mark.parametrize("n", (40, 33), ids=("even_n", "odd_n"))
+def test_dequantize_in_16_bits_rounds_the_float32_values(rng, n):
+  """dequantize(bf16 / f16) (the XLA path's W, two columns per word for an even N) is the
+  float32 W rounded once, bit for bit: MXFP4 and NVFP4, one weight and a batch of 3."""
+  k = 64
+  for batch in ((), (3,)):
+    codes = rng.integers(0, 16, batch + (k, n), dtype=np.uint8)
+    words = jnp.asarray(packing.pack_codes(codes, packing.NATIVE_TILE_K))
+    e8 = jnp.asarray(rng.integers(110, 136, batch + (k // 32, n), dtype=np.uint8))
+    e4 = jnp.asarray(rng.uniform(0.01, 400, batch + (k // 16, n)), jnp.float8_e4m3fn)
+    ws = (qjax.MXFP4Weight(codes=words, scales=e8, shape=(k, n)),
+          qjax.NVFP4Weight(codes=words, scales=e4, shape=(k, n),
+                           global_scale=jnp.full(batch, 0.37, jnp.float32)))
+    for w in ws:
+      full = np.asarray(w.dequantize(), np.float32)
+      for dt in (jnp.bfloat16, jnp.float16):
+        got = np.asarray(jax.jit(lambda v: v.dequantize(dt))(w))
+        assert got.shape == batch + (k, n)
+        np.testing.assert_array_equal(got.view(np.uint16), full.astype(dt).view(np.uint16),
+                                      err_msg=f"{type(w).__name__} {batch} {dt}")
+
+
 # ------------------------------------------------------------------------ quantizers
 
 

@@ -144,10 +144,18 @@ class _FP4Weight(formats.QuantizedWeight):
     raise NotImplementedError
 
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
-    """``[..., K, N]``: ``e2m1(q) * block scale``, computed in float32."""
-    values = decode_e2m1(self.unpacked_codes())
-    scales = jnp.repeat(self.block_scales(), self.block_size, axis=-2)
-    return self._finish(values * scales).astype(dtype)
+    """``[..., K, N]``: ``e2m1(q) * block scale``, computed in float32 and rounded once
+    to ``dtype``; for a 16-bit ``dtype`` two columns per 32-bit word
+    (:func:`formats.column_pairs`: the same values, written faster by XLA on a GPU)."""
+
+    def columns(codes, scales):
+      part = dataclasses.replace(self, codes=codes, scales=scales,
+                                 shape=(self.shape[0], codes.shape[-1]))
+      values = decode_e2m1(part.unpacked_codes())
+      block = jnp.repeat(part.block_scales(), self.block_size, axis=-2)
+      return part._finish(values * block).astype(dtype)  # pylint: disable=protected-access
+
+    return formats.column_pairs(columns, (self.codes, self.scales), dtype)
 
   def _finish(self, w: jax.Array) -> jax.Array:
     return w
