@@ -293,7 +293,7 @@ def quantize_nvfp4(w: jax.Array, *, tile_k: int = packing.NATIVE_TILE_K,
   """NVFP4 quantization of a ``[..., K, N]`` weight with the two-level scale.
 
   ``global_scale = amax(w) / (6 * 448)`` per matrix (1 for an all-zero matrix); block
-  scale ``s = e4m3(amax_block / 6 / global_scale)`` (round to nearest even); elements
+  scale ``s = e4m3(amax_block / (6 * global_scale))`` (round to nearest even); elements
   ``w / (f32(s) * global_scale)`` rounded to the nearest E2M1 value, ties to even,
   saturating at +-6 (blocks whose scale rounds to 0 get code 0).
 
@@ -313,7 +313,9 @@ def quantize_nvfp4(w: jax.Array, *, tile_k: int = packing.NATIVE_TILE_K,
   global_scale = jnp.where(amax > 0, amax / (E2M1_MAX * E4M3_MAX), 1.0).astype(jnp.float32)
   g = global_scale[..., None, None]
   block_amax = jnp.max(jnp.abs(wb), axis=-2)                # [..., K // 16, N]
-  scales = (block_amax / E2M1_MAX / g).astype(jnp.float8_e4m3fn)
+  # One division: XLA rewrites (a / b) / c as a / (b * c) under jit, so two divisions
+  # would round differently jitted and eager (the H100 gave other codes).
+  scales = (block_amax / (E2M1_MAX * g)).astype(jnp.float8_e4m3fn)
   step = scales.astype(jnp.float32) * g
   safe = jnp.where(step > 0, step, 1.0)
   v = jnp.where((step > 0)[..., None, :], wb / safe[..., None, :], 0.0)
