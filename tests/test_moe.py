@@ -170,7 +170,9 @@ class TestXla(MoESuite):
     both = np.asarray(self.run(x, w, ids))                      # P = 12 >= 8: ragged
     few = np.concatenate([np.asarray(self.run(x[i:i + 1], w, ids[i:i + 1]))  # P = 2: gather
                           for i in range(6)])
-    np.testing.assert_allclose(both, few, rtol=1e-6, atol=1e-6)
+    # The same products summed in another order: float32 rounding of the sums (the H100:
+    # 4.8e-6 at |y| up to 24, 2e-7 of the largest output).
+    np.testing.assert_allclose(both, few, rtol=1e-6, atol=2e-6 * np.abs(few).max())
 
 
 class TestInterpret(MoESuite):
