@@ -31,7 +31,7 @@ def main():
   fbytes = sum(p["kernel"].size * 2 for p in params.values())
   print(f"relative output error of the int4 MLP: {err:.4f}")
   print(f"kernel bytes: {qbytes:,} int4 vs {fbytes:,} bf16; implementation: "
-        f"{qjax.implementation_name(qparams['hidden']['kernel'])}")
+        f"{qjax.implementation_name(qparams['hidden']['kernel'], m=8, dtype=x.dtype)}")
   assert np.isfinite(err)
 
 

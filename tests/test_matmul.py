@@ -286,7 +286,7 @@ def test_auto_routes_by_the_backends_rules(monkeypatch):
                       auto_prefers_xla=lambda m, w_: m == 1 and w_.shape[0] * w_.shape[1] < 10**5)
   monkeypatch.setitem(dispatch._KERNELS, qjax.Int4Weight, [fake])
   for m, runs_xla in ((1, True), (2, False), (8, False), (9, True)):
-    x = jax.random.normal(jax.random.key(m), (m, 256), jnp.float32)
+    x = jax.random.normal(jax.random.key(m), (m, 256), jnp.float32).astype(jnp.bfloat16)
     y = qjax.matmul(x, w)
     want = qjax.matmul(x, w, implementation="xla")
     if runs_xla:
@@ -294,6 +294,11 @@ def test_auto_routes_by_the_backends_rules(monkeypatch):
     else:
       assert (np.asarray(y) == 7.0).all()
     assert qjax.implementation_name(w, m=m) == ("xla" if runs_xla else "fake"), m
+    # float32 x always takes the XLA path (the kernels' dots would round it to TF32).
+    x32 = x.astype(jnp.float32)
+    np.testing.assert_array_equal(np.asarray(qjax.matmul(x32, w)),
+                                  np.asarray(qjax.matmul(x32, w, implementation="xla")))
+    assert qjax.implementation_name(w, m=m, dtype=jnp.float32) == "xla"
   assert calls == [2, 8]
   bigger = qjax.quantize(jax.random.normal(jax.random.key(1), (512, 256)) / 16)  # 131072
   assert qjax.implementation_name(bigger, m=1) == "fake"

@@ -188,7 +188,7 @@ def resolve(w: Any, implementation: str | None) -> tuple[str, Callable[..., jax.
       xla = _xla_fn(fmt)
 
       def auto(x2, w_, backend=backend, xla=xla):
-        if backend.auto_runs_xla(x2.shape[0], w_):
+        if runs_xla_for_dtype(x2.dtype) or backend.auto_runs_xla(x2.shape[0], w_):
           return xla(x2, w_)
         try:
           return backend.fn(x2, w_, interpret=False)
@@ -213,7 +213,8 @@ def matmul(x: jax.Array, w: Any, *, implementation: str | None = None) -> jax.Ar
   Args:
     x: ``[..., K]`` in bfloat16, float16 or float32.
     w: any quantized-weight pytree of logical shape ``[K, N]``.
-    implementation: None (best available), "xla", "pallas" or "interpret".
+    implementation: None (best available: a registered kernel where it was measured
+      faster and x is 16-bit, else XLA), "xla", "pallas" or "interpret".
 
   Returns:
     ``[..., N]`` in x's dtype, accumulated in float32.
@@ -244,14 +245,23 @@ def sharded_weight_class() -> type:
   return sharding.ShardedWeight
 
 
-def implementation_name(w: Any, implementation: str | None = None, *, m: int = 1) -> str:
-  """The name of the implementation ``matmul`` would run for ``w`` and ``m`` rows of x
-  on this machine."""
+def runs_xla_for_dtype(dtype) -> bool:
+  """Whether ``implementation=None`` runs the XLA path for x of this dtype whatever the
+  kernels: float32. The compiled kernels' dots round float32 operands to TF32 on NVIDIA
+  GPUs (relative error about 3e-4 on the H100), where the XLA path computes float32 at
+  ``Precision.HIGHEST`` (about 1e-7); ``implementation="pallas"`` still runs them."""
+  return jnp.dtype(dtype) == jnp.dtype(jnp.float32)
+
+
+def implementation_name(w: Any, implementation: str | None = None, *, m: int = 1,
+                        dtype=jnp.bfloat16) -> str:
+  """The name of the implementation ``matmul`` would run for ``w`` and ``m`` rows of x of
+  ``dtype`` on this machine."""
   if isinstance(w, sharded_weight_class()):
     w = w.as_weight()
   name, _ = resolve(w, implementation)
   if implementation is None and name != "xla":
     backend = next(b for b in kernels_for(w) if b.name == name)
-    if backend.auto_runs_xla(m, w):
+    if runs_xla_for_dtype(dtype) or backend.auto_runs_xla(m, w):
       return "xla"
   return name

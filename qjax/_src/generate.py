@@ -133,8 +133,9 @@ def _run_generate(args) -> int:
     q_weight = convert(q_name, q_weight)
   # What runs at decode (one row) and at prefill (more rows; the dispatcher may pick
   # differently, e.g. XLA for one row of a small weight).
-  decode_impl = qjax.implementation_name(q_weight, implementation, m=1)
-  prefill_impl = qjax.implementation_name(q_weight, implementation, m=PROMPT_BUCKET_MIN)
+  decode_impl = qjax.implementation_name(q_weight, implementation, m=1, dtype=cfg.dtype)
+  prefill_impl = qjax.implementation_name(q_weight, implementation, m=PROMPT_BUCKET_MIN,
+                                          dtype=cfg.dtype)
   impl_name = (decode_impl if decode_impl == prefill_impl else
                f"{decode_impl} (decode), {prefill_impl} (prefill)")
   del q_weight
