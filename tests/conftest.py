@@ -36,6 +36,12 @@ needs_gpu = pytest.mark.skipif(not on_gpu(),
                                reason="the compiled Pallas-Triton kernel needs an NVIDIA GPU")
 
 
+# Tests of the CPU run's labels and routes (the CPU bench smoke test): skipped on a GPU,
+# whose runs BENCHMARKS.md records.
+cpu_only = pytest.mark.skipif(jax.devices()[0].platform != "cpu",
+                              reason="checks what a CPU run prints and routes")
+
+
 def rel_err(y, ref) -> float:
   y = np.asarray(y, np.float64)
   ref = np.asarray(ref, np.float64)

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from qjax._src import cli
+from conftest import cpu_only, on_gpu
 
 
 def test_help_lists_commands(capsys):
@@ -22,11 +23,13 @@ def test_help_lists_commands(capsys):
 def test_demo_reports_backend_and_error(capsys):
   assert cli.main(["demo", "--k", "256", "--n", "128", "--m", "4"]) == 0
   out = capsys.readouterr().out
-  assert "backend that ran:  xla" in out
+  # Four rows of bf16 x: the tiled kernel where it compiles, else XLA.
+  assert f"backend that ran:  {'pallas_triton' if on_gpu() else 'xla'}" in out
   err = float(out.split("output error:")[1].split()[0])
   assert err < 1e-2
 
 
+@cpu_only
 def test_bench_on_cpu_is_labelled(tmp_path, capsys):
   path = tmp_path / "b.json"
   assert cli.main(["bench", "--calls", "2", "--m", "1,3", "--shapes", "256x128",
@@ -57,6 +60,7 @@ def test_bench_default_column_names_the_kernel_where_dispatch_picks_it(monkeypat
   assert bench.format_table(rows, ["xla"]).splitlines()[2].split()[-1] == "pallas"
 
 
+@cpu_only
 def test_bench_codebook_formats_on_cpu(tmp_path, capsys):
   path = tmp_path / "b.json"
   assert cli.main(["bench", "--format", "codebook,codebook2", "--calls", "2", "--m", "1,16",
@@ -94,7 +98,9 @@ def test_bench_codebook_weights_are_valid():
     ref = np.asarray(x, np.float64) @ wd
     for impl in ("xla", "interpret"):
       y = np.asarray(qjax.matmul(x, w, implementation=impl), np.float64)
-      assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-4, (fmt, impl)
+      # On a GPU the interpreted kernel's float32 dots run through XLA as TF32.
+      tol = 1e-3 if impl == "interpret" and on_gpu() else 1e-4
+      assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < tol, (fmt, impl)
 
 
 def test_example_runs():
@@ -189,6 +195,7 @@ def test_bench_offload_refuses_bad_prefetch_layout(capsys, flags, message):
   assert e.value.code == 2 and message in capsys.readouterr().err
 
 
+@cpu_only
 def test_bench_offload_smoke_on_cpu(capsys):
   """`qjax bench --offload` runs its CPU smoke form with a chosen prefetch group."""
   assert cli.main(["bench", "--offload", "--offload-group", "4", "--offload-carried", "2",

@@ -190,10 +190,10 @@ VARIANTS = {
 # 2048): at M = 1 "reduce" takes 0.32-0.43x the naive int4 program's time (10.3 vs 25.2
 # us at 4096x4096, 32.7 vs 101.8 at 4096x14336) and is 3x slower than "materialize"
 # from M = 2 on. "materialize", since it writes W two columns per word
-# (formats.column_pairs), takes 0.92-1.02x the naive program's time at every M from 2
-# to 2048 (M = 16: 26.5 vs 27.5 us at 4096x4096, 101.3 vs 104.1 at 4096x14336, 373.9 vs
-# 398.8 at 8192x28672); "folded", the best at M = 16 before that, is now 1.1-1.2x
-# "materialize" there. On a GPU the fallback runs above M = 64 and for small one-row
+# (formats.column_pairs), takes 0.92-1.04x the naive program's time at every M from 2
+# to 2048, the top of that on 4096x4096 (M = 16: 26.5 vs 27.5 us at 4096x4096, 101.3
+# vs 104.1 at 4096x14336, 373.9 vs 398.8 at 8192x28672); "folded", the best at M = 16
+# before that, is now 1.1-1.2x "materialize" there. On a GPU the fallback runs above M = 64 and for small one-row
 # weights (Backend.auto_prefers_xla); the rest serves implementation="xla".
 AUTO_RULES: tuple[tuple[int | None, str], ...] = ((1, "reduce"), (None, "materialize"))
 # Platforms the rule was measured on; elsewhere (the CPU) "auto" materializes W, the
