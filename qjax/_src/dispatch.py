@@ -64,9 +64,12 @@ class Backend:
   auto_max_m: int | None = None
   auto_prefers_xla: Callable[[int, Any], bool] | None = None
 
-  def auto_runs_xla(self, m: int, w: Any) -> bool:
+  def auto_runs_xla(self, m: int, w: Any, dtype) -> bool:
     """Whether ``implementation=None`` runs the XLA path instead of this kernel for ``m``
-    rows of x and the weight ``w`` (:attr:`auto_max_m`, :attr:`auto_prefers_xla`)."""
+    rows of x of ``dtype`` and the weight ``w`` (:func:`runs_xla_for_dtype`,
+    :attr:`auto_max_m`, :attr:`auto_prefers_xla`)."""
+    if runs_xla_for_dtype(dtype):
+      return True
     if self.auto_max_m is not None and m > self.auto_max_m:
       return True
     return self.auto_prefers_xla is not None and bool(self.auto_prefers_xla(m, w))
@@ -188,7 +191,7 @@ def resolve(w: Any, implementation: str | None) -> tuple[str, Callable[..., jax.
       xla = _xla_fn(fmt)
 
       def auto(x2, w_, backend=backend, xla=xla):
-        if runs_xla_for_dtype(x2.dtype) or backend.auto_runs_xla(x2.shape[0], w_):
+        if backend.auto_runs_xla(x2.shape[0], w_, x2.dtype):
           return xla(x2, w_)
         try:
           return backend.fn(x2, w_, interpret=False)
@@ -262,6 +265,6 @@ def implementation_name(w: Any, implementation: str | None = None, *, m: int = 1
   name, _ = resolve(w, implementation)
   if implementation is None and name != "xla":
     backend = next(b for b in kernels_for(w) if b.name == name)
-    if runs_xla_for_dtype(dtype) or backend.auto_runs_xla(m, w):
+    if backend.auto_runs_xla(m, w, dtype):
       return "xla"
   return name
