@@ -95,7 +95,7 @@ def _stack(layers: list[Any], what: str) -> Any:
   try:
     return jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
   except ValueError as e:
-    raise ValueError(f"{what}: the layers cannot be stacked for nn.scan ({e}); load with "
+    raise ValueError(f"{what}: the layers cannot be stacked for the scan ({e}); load with "
                      "scan_layers=False, or convert the projections to Int4Weight") from None
 
 

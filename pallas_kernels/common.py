@@ -18,10 +18,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from qjax import KernelConfig
+from qjax._src import stacked as stacked_lib
 
 
 def load(ref, mask=None, other=0):
   """Masked load where a mask is given, plain (vectorizable) load otherwise."""
+  if isinstance(ref, LayerRef):
+    ref = ref.at[...]
   if mask is None:
     return plgpu.load(ref)
   return plgpu.load(ref, mask=mask, other=other)
@@ -36,6 +39,76 @@ def store_tile(o_ref, acc: jax.Array, *, m0, n0, block_m: int, block_n: int, pid
                 mask=mask)
   else:
     plgpu.store(o_ref.at[pid_k, pl.ds(m0, block_m), pl.ds(n0, block_n)], acc, mask=mask)
+
+
+class LayerRef:
+  """Layer ``layer`` of a stacked ref ``[layers, ...]``, seen as a ref of one layer's shape:
+  ``.at[idx]`` and ``[idx]`` index the stacked ref at ``(layer, *idx)`` in one indexer
+  (Pallas-Triton lowers a single indexer per load), ``shape`` / ``dtype`` are one layer's."""
+
+  def __init__(self, ref, layer):
+    self._ref, self._layer = ref, layer
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return tuple(self._ref.shape[1:])
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
+
+  @property
+  def dtype(self):
+    return self._ref.dtype
+
+  def _index(self, idx) -> tuple:
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    if any(i is Ellipsis for i in idx):
+      at = next(p for p, i in enumerate(idx) if i is Ellipsis)
+      fill = (slice(None),) * (self.ndim - len(idx) + 1)
+      idx = idx[:at] + fill + idx[at + 1:]
+    return (self._layer, *idx)
+
+  @property
+  def at(self):
+    return _LayerAt(self)
+
+  def __getitem__(self, idx):
+    return self._ref[self._index(idx)]
+
+
+class _LayerAt:
+  def __init__(self, layer_ref: LayerRef):
+    self._layer_ref = layer_ref
+
+  def __getitem__(self, idx):
+    return self._layer_ref._ref.at[self._layer_ref._index(idx)]  # pylint: disable=protected-access
+
+
+def _in_layer(kernel, stacked: tuple[bool, ...], *refs):
+  """Calls ``kernel`` with the stacked input refs seen at the layer in ``refs[-2]``
+  (``[1]`` int32); ``stacked`` marks them among the inputs (None inputs included)."""
+  *inputs, layer_ref, o_ref = refs
+  layer = layer_ref[0]
+  inputs = [LayerRef(r, layer) if s else r for r, s in zip(inputs, stacked)]
+  return kernel(*inputs, o_ref)
+
+
+def _read_in_place(args: list) -> tuple[list, tuple[bool, ...], Any]:
+  """Swaps each arg that is a layer slice of a stacked weight (``qjax.LayerOf``, traced by
+  ``stacked.in_place_source``) for its stacked array; returns the args, which of them are
+  stacked, and the layer index (None when none is)."""
+  swapped, marks, index = [], [], None
+  for a in args:
+    source = None if a is None else stacked_lib.in_place_source(a)
+    if source is not None and (index is None or source[1] is index):
+      swapped.append(source[0])
+      marks.append(True)
+      index = source[1]
+    else:
+      swapped.append(a)
+      marks.append(False)
+  return swapped, tuple(marks), index
 
 
 def _drop_aliased_input(kernel, *refs):
@@ -62,14 +135,18 @@ def launch(kernel: Callable[..., None], args: Sequence[Any], *, m: int, n: int,
     out_shape = jax.ShapeDtypeStruct((m, n), dtype)
   else:
     out_shape = jax.ShapeDtypeStruct((split_k, m, n), jnp.float32)
-  args = list(args)
+  args, stacked_args, layer = _read_in_place(list(args))
+  if layer is not None:
+    # The kernel reads one layer of the stacked arrays at its offset: no copy of the layer.
+    args.append(jnp.reshape(layer, (1,)).astype(jnp.int32))
+    kernel = functools.partial(_in_layer, kernel, stacked_args)
   aliases = {}
   if poison:
     num_inputs = sum(a is not None for a in args)
     args.append(jnp.full(out_shape.shape, jnp.nan, out_shape.dtype))
     aliases = {num_inputs: 0}
     kernel = functools.partial(_drop_aliased_input, kernel)
-  out = pl.pallas_call(
+  call = pl.pallas_call(
       kernel,
       out_shape=out_shape,
       grid=(pl.cdiv(n, config.block_n),
@@ -79,7 +156,13 @@ def launch(kernel: Callable[..., None], args: Sequence[Any], *, m: int, n: int,
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
                                            num_stages=config.num_stages),
       name=name,
-  )(*args)
+  )
+  # jax's dead-code elimination never removes a bare pallas_call (a kernel may write
+  # through aliased refs), and flax's nn.scan (0.12.9 and later) refuses a body whose
+  # loop-invariant part keeps one: "broadcasted variable has a data dependency on the
+  # scan body". These kernels only return their output, so a jit boundary, which DCE
+  # drops whole when its outputs are unused, keeps that truth visible.
+  out = jax.jit(call)(*args)
   if split_k > 1:
     out = out.sum(axis=0).astype(dtype)
   return out

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from qjax._src import formats
+from qjax._src import stacked
 
 log = logging.getLogger("qjax")
 
@@ -230,11 +231,16 @@ def matmul(x: jax.Array, w: Any, *, implementation: str | None = None) -> jax.Ar
 
   ``w`` may also be a :class:`qjax.ShardedWeight`: inside ``shard_map`` this multiplies by
   the device's slice of W (row-parallel: ``x`` holds this device's slice of K and the
-  partial products are summed over the mesh axis in float32).
+  partial products are summed over the mesh axis in float32). Or a :class:`qjax.LayerOf`
+  (:func:`qjax.layer_of`): one layer of a stacked weight, which the kernels read in place
+  instead of from a copy (for layers run by ``lax.scan``).
   """
   sharded = sharded_weight_class()
   if isinstance(w, sharded):
     return w.matmul(x, implementation=implementation)
+  if isinstance(w, stacked.LayerOf):
+    with stacked.reads_in_place(w) as layer:
+      return matmul(x, layer, implementation=implementation)
   _check_args(x, w)
   _, fn = resolve(w, implementation)
   lead = x.shape[:-1]
@@ -262,6 +268,8 @@ def implementation_name(w: Any, implementation: str | None = None, *, m: int = 1
   ``dtype`` on this machine."""
   if isinstance(w, sharded_weight_class()):
     w = w.as_weight()
+  if isinstance(w, stacked.LayerOf):
+    w = w.stack  # its static fields are one layer's; only they are read here
   name, _ = resolve(w, implementation)
   if implementation is None and name != "xla":
     backend = next(b for b in kernels_for(w) if b.name == name)

@@ -5,7 +5,6 @@ Both report a bad file as one line on stderr and exit code 2.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import json
 import os
@@ -139,14 +138,8 @@ def _run_generate(args) -> int:
   impl_name = (decode_impl if decode_impl == prefill_impl else
                f"{decode_impl} (decode), {prefill_impl} (prefill)")
   del q_weight
-  # A compiled Pallas kernel inside flax's nn.scan fails to trace on the GPU ("broadcasted
-  # variable has a data dependency on the scan body"), so where one may run the layers
-  # run unrolled.
-  scan_layers = not any(name.startswith("pallas_triton") and not name.endswith("-interpret")
-                        for name in (decode_impl, prefill_impl))
-  cfg = dataclasses.replace(cfg, scan_layers=scan_layers)
   params = llama.params_from_gguf(gfile, convert=convert, consume=True,
-                                  scan_layers=scan_layers)
+                                  scan_layers=cfg.scan_layers)
   if convert is not None:  # the embedding (also the head when tied) and an untied head
     for name in ("embed", "lm_head"):
       if name in params["params"]:

@@ -1,0 +1,127 @@
+"""``qjax.layer_of``: one layer of a stacked weight, read in place by the kernels.
+
+Under ``lax.scan`` the layer's kernel must give bit for bit what it gives for that layer's
+own arrays, and the ``pallas_call`` must receive the stacked arrays (no per-layer copy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.extend import core as jex_core
+
+import qjax
+from qjax._src import bench
+from conftest import needs_gpu
+from flax_layers import llama
+
+LAYERS = 3
+
+
+def _stack(ws):
+  return jax.tree.map(lambda *a: jnp.stack(a), *ws)
+
+
+def _weights(fmt, k, n):
+  ws = [bench.random_weight(fmt, k, n, jax.random.key(7 * i + 1)) for i in range(LAYERS)]
+  if fmt == "int4":  # asymmetric, with zero points, so every optional ref is exercised
+    ws = [qjax.quantize(jax.random.normal(jax.random.key(i), (k, n)), group_size=64,
+                        symmetric=False) for i in range(LAYERS)]
+  return ws
+
+
+def _pallas_operand_shapes(jaxpr) -> list[list[tuple[int, ...]]]:
+  """The operand shapes of every pallas_call in ``jaxpr`` and its sub-jaxprs."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      found.append([tuple(v.aval.shape) for v in eqn.invars])
+    for sub in jex_core.jaxprs_in_params(eqn.params):
+      found += _pallas_operand_shapes(sub)
+  return found
+
+
+@pytest.mark.parametrize("fmt", ["int4", "mxfp4", "nvfp4", "codebook"])
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("implementation", [
+    "interpret", "xla", pytest.param("pallas", marks=needs_gpu)])
+def test_scanned_layers_equal_each_layer_bit_for_bit(fmt, m, implementation):
+  k, n = 256, 96
+  ws = _weights(fmt, k, n)
+  stack = _stack(ws)
+  x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
+
+  def scanned(x, stack):
+    def body(carry, i):
+      return carry, qjax.matmul(x, qjax.layer_of(stack, i), implementation=implementation)
+    return jax.lax.scan(body, 0, jnp.arange(LAYERS))[1]
+
+  got = np.asarray(jax.jit(scanned)(x, stack).astype(jnp.float32))
+  for i, w in enumerate(ws):
+    want = np.asarray(jax.jit(lambda x, w: qjax.matmul(x, w, implementation=implementation))(
+        x, w).astype(jnp.float32))
+    np.testing.assert_array_equal(got[i], want, err_msg=f"layer {i}")
+  if implementation != "xla":
+    calls = _pallas_operand_shapes(jax.make_jaxpr(scanned)(x, stack).jaxpr)
+    assert calls, "no pallas_call traced"
+    codes = jax.tree.leaves(stack)[0].shape
+    for shapes in calls:  # the stacked codes themselves reach the kernel
+      assert any(s[0] == LAYERS and s[1:] == codes[1:] for s in shapes if s), shapes
+
+
+def test_an_array_the_wrapper_derives_is_passed_as_it_is():
+  # Codes in the plain tile order: the kernel wrapper repacks them to its own order, a new
+  # array that is not a layer slice; the result must still be each layer's.
+  ws = [qjax.quantize(jax.random.normal(jax.random.key(i), (256, 64))).repack(
+      qjax.PLAIN_TILE_K) for i in range(LAYERS)]
+  stack = _stack(ws)
+  x = jax.random.normal(jax.random.key(0), (1, 256), jnp.bfloat16)
+  got = jax.lax.map(lambda i: qjax.matmul(x, qjax.layer_of(stack, i), implementation="interpret"),
+                    jnp.arange(LAYERS))
+  for i, w in enumerate(ws):
+    np.testing.assert_array_equal(np.asarray(got[i]),
+                                  np.asarray(qjax.matmul(x, w, implementation="interpret")))
+
+
+def test_layer_of_rejects_bad_arguments():
+  w = qjax.quantize(jax.random.normal(jax.random.key(0), (256, 64)))
+  stack = _stack([w, w])
+  with pytest.raises(TypeError, match="quantized weight"):
+    qjax.layer_of(jnp.ones((2, 256, 64)), 0)
+  with pytest.raises(TypeError, match="integer scalar"):
+    qjax.layer_of(stack, jnp.zeros((2,), jnp.int32))
+  with pytest.raises(TypeError, match="integer scalar"):
+    qjax.layer_of(stack, 0.5)
+  ragged = qjax.Int4Weight(codes=stack.codes, scales=stack.scales[:1], zeros=None,
+                           shape=w.shape, group_size=w.group_size)
+  with pytest.raises(ValueError, match="leading sizes \\[1, 2\\]"):
+    qjax.layer_of(ragged, 0)
+  view = qjax.layer_of(stack, 1)
+  assert view.shape == (256, 64) and view.num_layers == 2
+  assert qjax.implementation_name(view, "xla") == "xla"
+
+
+def test_llama_scan_hands_the_kernels_the_stacked_weights(tmp_path):
+  # The small AWQ Llama that test_hf_checkpoint writes (it needs safetensors).
+  import test_hf_checkpoint as hf_case  # pylint: disable=g-import-not-at-top
+
+  qdir, _, _ = hf_case._write_case(tmp_path, np.random.default_rng(0), "awq")
+  cfg, params = hf_case.hf.load_hf_llama(qdir, progress=False,
+                                         convert=lambda n, w: w.to_int4())
+  cfg = dataclasses.replace(cfg, implementation="interpret", dtype=jnp.bfloat16)
+  tokens = jnp.asarray(hf_case.TOKENS)
+  jaxpr = jax.make_jaxpr(lambda p: llama.forward(p, tokens, cfg=cfg))(params).jaxpr
+  calls = _pallas_operand_shapes(jaxpr)
+  # q, k, v, o, gate, up and down, traced once in the scan body, take the stacked codes
+  # and the layer index ([1] int32, last); the output head is a plain call.
+  in_layers = [shapes for shapes in calls if shapes[-1] == (1,)]
+  assert len(in_layers) == 7 and len(calls) == 8, calls
+  for shapes in in_layers:
+    assert shapes[1][0] == cfg.num_layers, shapes
+  unrolled = llama.forward(params, tokens, cfg=dataclasses.replace(cfg, implementation="xla"))
+  scanned = llama.forward(params, tokens, cfg=cfg)
+  assert float(jnp.max(jnp.abs(scanned - unrolled))) < 0.05 * float(jnp.max(jnp.abs(unrolled)))
