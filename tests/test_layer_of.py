@@ -122,6 +122,6 @@ def test_llama_scan_hands_the_kernels_the_stacked_weights(tmp_path):
   assert len(in_layers) == 7 and len(calls) == 8, calls
   for shapes in in_layers:
     assert shapes[1][0] == cfg.num_layers, shapes
-  unrolled = llama.forward(params, tokens, cfg=dataclasses.replace(cfg, implementation="xla"))
+  xla_path = llama.forward(params, tokens, cfg=dataclasses.replace(cfg, implementation="xla"))
   scanned = llama.forward(params, tokens, cfg=cfg)
-  assert float(jnp.max(jnp.abs(scanned - unrolled))) < 0.05 * float(jnp.max(jnp.abs(unrolled)))
+  assert float(jnp.max(jnp.abs(scanned - xla_path))) < 0.05 * float(jnp.max(jnp.abs(xla_path)))

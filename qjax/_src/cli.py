@@ -149,10 +149,10 @@ def _add_generate(sub) -> None:
                  "loaded weights against the tensor bytes of the file")
   p.add_argument("--implementation", choices=("xla", "auto", "pallas", "interpret"),
                  default="xla", help="qjax.matmul implementation: xla (the default: the "
-                 "4-bit blocks stay as the file has them and the layers run as one scan; "
-                 "on an H100 it decodes SmolLM2-135M at about 550 tokens/s against about "
-                 "170 for the Pallas kernels, whose layers run unrolled), auto (qjax.matmul's "
-                 "choice for this device: the Pallas kernels on an NVIDIA GPU), pallas (GPU "
+                 "4-bit blocks stay as the file has them; on an H100 it decodes SmolLM2-135M "
+                 "at about 530 tokens/s, as auto does), auto (qjax.matmul's choice for this "
+                 "device: the Pallas kernels on an NVIDIA GPU, after a lossless conversion of "
+                 "the blocks at load), pallas (GPU "
                  "kernels) or interpret (the kernels in Pallas interpret mode, slow, for "
                  "tests)")
   p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="activation "
