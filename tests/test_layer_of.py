@@ -125,3 +125,32 @@ def test_llama_scan_hands_the_kernels_the_stacked_weights(tmp_path):
   xla_path = llama.forward(params, tokens, cfg=dataclasses.replace(cfg, implementation="xla"))
   scanned = llama.forward(params, tokens, cfg=cfg)
   assert float(jnp.max(jnp.abs(scanned - xla_path))) < 0.05 * float(jnp.max(jnp.abs(xla_path)))
+
+
+@pytest.mark.parametrize("tokens", [1, 6])
+@pytest.mark.parametrize("implementation", [
+    "interpret", "xla", pytest.param("pallas", marks=needs_gpu)])
+def test_scanned_moe_layers_equal_each_layer_bit_for_bit(tokens, implementation):
+  experts, k, n, top_k = 4, 128, 64, 2
+  ws = [qjax.quantize_mxfp4(jax.random.normal(jax.random.key(i), (experts, k, n)))
+        for i in range(LAYERS)]
+  stack = _stack(ws)
+  x = jax.random.normal(jax.random.key(5), (tokens, k), jnp.bfloat16)
+  ids = jax.random.randint(jax.random.key(6), (tokens, top_k), 0, experts)
+
+  def scanned(x, stack):
+    def body(carry, i):
+      return carry, qjax.moe_matmul(x, qjax.layer_of(stack, i), ids,
+                                    implementation=implementation)
+    return jax.lax.scan(body, 0, jnp.arange(LAYERS))[1]
+
+  got = np.asarray(jax.jit(scanned)(x, stack).astype(jnp.float32))
+  for i, w in enumerate(ws):
+    want = jax.jit(lambda x, w: qjax.moe_matmul(x, w, ids, implementation=implementation))(
+        x, w)
+    np.testing.assert_array_equal(got[i], np.asarray(want.astype(jnp.float32)),
+                                  err_msg=f"layer {i}")
+  if implementation != "xla":
+    calls = _pallas_operand_shapes(jax.make_jaxpr(scanned)(x, stack).jaxpr)
+    codes = stack.codes.shape
+    assert calls and all(any(s == codes for s in shapes) for shapes in calls), calls

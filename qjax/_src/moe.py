@@ -31,6 +31,7 @@ import numpy as np
 
 from qjax._src import dispatch
 from qjax._src import fp4
+from qjax._src import stacked
 
 _MOE_XLA: dict[type, Callable[..., jax.Array]] = {}
 _MOE_KERNELS: dict[type, list[dispatch.Backend]] = {}
@@ -292,11 +293,16 @@ def moe_matmul(x: jax.Array, w: Any, expert_ids: jax.Array, *,
 
   ``w`` may also be a :class:`qjax.ShardedWeight` (expert-, column- or row-parallel):
   inside ``shard_map`` each device computes its share and the float32 sum over the mesh
-  axis completes it (see :func:`qjax.sharded_moe_matmul`).
+  axis completes it (see :func:`qjax.sharded_moe_matmul`). Or a :class:`qjax.LayerOf`:
+  one layer of a stack of expert weights (``[layers, E, ...]`` arrays), which the kernels
+  read in place (:func:`qjax.layer_of`).
   """
   sharded = dispatch.sharded_weight_class()
   if isinstance(w, sharded):
     return w.moe_matmul(x, expert_ids, implementation=implementation)
+  if isinstance(w, stacked.LayerOf):
+    with stacked.reads_in_place(w) as layer:
+      return moe_matmul(x, layer, expert_ids, implementation=implementation)
   _check(x, w, expert_ids)
   t, top_k = expert_ids.shape
   _, fn = resolve_moe(w, implementation, t * top_k)
@@ -313,4 +319,6 @@ def moe_implementation_name(w: Any, implementation: str | None = None,
                             num_pairs: int | None = None) -> str:
   """The implementation ``moe_matmul`` would run for ``w`` on this machine, for a call
   with ``num_pairs`` = tokens x top_k (None: a call no decode rule applies to)."""
+  if isinstance(w, stacked.LayerOf):
+    w = w.stack  # its static fields are one layer's; only they are read here
   return resolve_moe(w, implementation, num_pairs)[0]
