@@ -133,6 +133,18 @@ def test_llama_stack_fused_and_separate_hold_the_same_weights():
   assert abs(fus["int4_weight_gb"] - sep["int4_weight_gb"]) / sep["int4_weight_gb"] < 0.02
 
 
+def test_llama_stack_scanned_holds_the_same_weights():
+  """The lax.scan stack (int4 through qjax.layer_of) stores and runs what the unrolled one
+  does."""
+  from qjax._src import bench  # pylint: disable=g-import-not-at-top
+  size = dict(layers=2, hidden=256, inter=512, kv=64, calls=1)
+  unrolled = bench.llama_stack_tokens_per_s(**size)
+  scanned = bench.llama_stack_tokens_per_s(**size, scanned=True)
+  for key in ("int4_weight_gb", "bf16_weight_gb"):
+    assert scanned[key] == unrolled[key]
+  assert 0 < scanned["int4_tokens_per_s"] < float("inf") and scanned["int4_device_ms"] > 0
+
+
 def test_bench_records_the_commit(monkeypatch, tmp_path):
   """$QJAX_COMMIT wins; otherwise git's hash of this tree, or "unknown" without git."""
   from qjax._src import bench  # pylint: disable=g-import-not-at-top

@@ -27,6 +27,7 @@ from qjax._src import codebook_tables
 from qjax._src import devtime
 from qjax._src import dispatch
 from qjax._src import rotation as rotation_lib
+from qjax._src import stacked
 from qjax._src import tuning
 from qjax._src.codebook import CodebookWeight
 from qjax._src.fp4 import MXFP4Weight
@@ -243,13 +244,16 @@ def tune(shapes: Sequence[tuple[int, int]], ms: Sequence[int], fmt: str, *, call
 
 
 def llama_stack_tokens_per_s(*, layers: int, hidden: int, inter: int, kv: int, calls: int,
-                             fused: bool = False) -> dict[str, float]:
+                             fused: bool = False, scanned: bool = False) -> dict[str, float]:
   """Decode at batch 1 through a Llama-shaped stack of linear layers under one jit.
 
   Each layer: q, k, v, o projections and the SwiGLU MLP (gate, up, down), with a
   residual; attention itself is left out (it is not a weight matmul). ``fused``: q, k and
   v as one ``[hidden, hidden + 2 kv]`` matrix and gate and up as one ``[hidden, 2 inter]``,
-  as serving engines store them (the same in both stacks). Returns tokens/s of the int4
+  as serving engines store them (the same in both stacks). ``scanned``: each weight
+  stacked over the layers and the layers run by ``lax.scan``, the int4 weights passed as
+  ``qjax.layer_of(stack, i)`` and the bf16 ones sliced (else an unrolled loop over
+  per-layer arrays). Returns tokens/s of the int4
   stack (auto implementation) and of the same stack in bf16, from wall time of repeated
   jitted steps, and the device time per step.
   """
@@ -289,6 +293,20 @@ def llama_stack_tokens_per_s(*, layers: int, hidden: int, inter: int, kv: int, c
 
   int4_step = jax.jit(lambda h, w: step(h, w, dispatch.matmul))
   bf16_step = jax.jit(lambda h, w: step(h, w, jnp.dot))
+  int4_gb = sum(w.nbytes for ws in qws for w in ws) / 1e9
+  bf16_gb = sum(w.nbytes for ws in bws for w in ws) / 1e9
+  if scanned:
+    def scan_step(h, stacks, mm, layer):
+      body = lambda h, i: (step(h, [[layer(s, i) for s in stacks]], mm), None)
+      return jax.lax.scan(body, h, jnp.arange(layers))[0]
+
+    def stack(weights):
+      return [jax.tree.map(lambda *a: jnp.stack(a), *[ws[j] for ws in weights])
+              for j in range(len(shapes))]
+
+    qws, bws = stack(qws), stack(bws)
+    int4_step = jax.jit(lambda h, w: scan_step(h, w, dispatch.matmul, stacked.layer_of))
+    bf16_step = jax.jit(lambda h, w: scan_step(h, w, jnp.dot, lambda s, i: s[i]))
   h0 = jax.random.normal(key, (1, hidden), jnp.float32).astype(jnp.bfloat16) * 0.01
   out = {}
   for name, fn, ws in (("int4", int4_step, qws), ("bf16", bf16_step, bws)):
@@ -301,8 +319,7 @@ def llama_stack_tokens_per_s(*, layers: int, hidden: int, inter: int, kv: int, c
     out[f"{name}_tokens_per_s"] = calls / (time.perf_counter() - t0)
     out[f"{name}_device_ms"] = devtime.device_time(fn, [(h0, ws)], calls=5, warmup=1).us / 1e3
   out["speedup"] = out["int4_tokens_per_s"] / out["bf16_tokens_per_s"]
-  out["int4_weight_gb"] = sum(w.nbytes for ws in qws for w in ws) / 1e9
-  out["bf16_weight_gb"] = sum(w.nbytes for ws in bws for w in ws) / 1e9
+  out["int4_weight_gb"], out["bf16_weight_gb"] = int4_gb, bf16_gb
   return out
 
 
@@ -398,6 +415,13 @@ def run_model(on_gpu: bool, result: dict[str, Any]) -> None:
     print(f"  {label:<23} best of each: int4 {best['int4_tokens_per_s']:.1f} tok/s "
           f"({best['int4_schedule']}) / bf16 {best['bf16_tokens_per_s']:.1f} tok/s "
           f"({best['bf16_schedule']}) = {best['speedup']:.2f}x", flush=True)
+  # The separate stack once more with its layers in a lax.scan (this schedule only).
+  stack = llama_stack_tokens_per_s(**size, scanned=True)
+  result["llama_stack_scanned"] = stack
+  print(f"  {'separate, lax.scan':<23} {here:<10} int4 {stack['int4_tokens_per_s']:.1f} tok/s "
+        f"({stack['int4_device_ms']:.2f} ms device/step; qjax.layer_of)   bf16 "
+        f"{stack['bf16_tokens_per_s']:.1f} tok/s ({stack['bf16_device_ms']:.2f} ms)   speedup "
+        f"{stack['speedup']:.2f}x", flush=True)
 
 
 # ---------------------------------------------------------------------------- --moe
