@@ -21,6 +21,8 @@ from flax_layers.llama import init_cache as init_cache
 from flax_layers.llama import params_from_gguf as params_from_gguf
 from flax_layers.llama import prefill as prefill
 from flax_layers.llama import sample as sample
+from flax_layers.scan import layer_params as layer_params
+from flax_layers.scan import scan_layers as scan_layers
 from flax_layers.hf_checkpoint import load_hf_llama as load_hf_llama
 from flax_layers.hf_checkpoint import save_hf_llama as save_hf_llama
 from flax_layers.moe import MXFP4MoE as MXFP4MoE

@@ -33,7 +33,7 @@ def _apply(x: Array, kernel: Any, bias: Array | None, dtype: Any, implementation
   if jnp.dtype(dtype) not in [jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32)]:
     raise ValueError(f"dtype={jnp.dtype(dtype).name} must be bfloat16, float16 or float32")
   x = jnp.asarray(x, dtype)
-  if qjax.is_quantized(kernel):
+  if qjax.is_quantized(kernel) or isinstance(kernel, qjax.LayerOf):
     y = qjax.matmul(x, kernel, implementation=implementation)
   else:  # a float kernel (e.g. a layer left unquantized by a skip rule)
     y = jnp.dot(x, kernel.astype(dtype), preferred_element_type=jnp.float32).astype(dtype)

@@ -29,6 +29,7 @@ import numpy as np
 
 import qjax
 from qjax._src import dispatch
+from flax_layers import scan
 from qjax._src.gguf_formats import embedding_rows
 
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -323,16 +324,7 @@ def _scan_blocks(cfg: LlamaConfig, blocks: dict, x, cache, ctx):
   Float params (norm scales) are sliced. Returns ``(x, (k, v))`` as :class:`Block` does,
   caches stacked.
   """
-  block = Block(cfg, parent=None)
-
-  def layer(x, xs):
-    i, layer_cache = xs
-    params = jax.tree.map(
-        lambda p: qjax.layer_of(p, i) if qjax.is_quantized(p) else p[i], blocks,
-        is_leaf=qjax.is_quantized)
-    return block.apply({"params": params}, x, layer_cache, ctx)
-
-  return jax.lax.scan(layer, x, (jnp.arange(cfg.num_layers), cache))
+  return scan.scan_layers(Block(cfg, parent=None), blocks, x, cache, ctx)
 
 
 class Llama(nn.Module):

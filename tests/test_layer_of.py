@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +18,8 @@ from jax.extend import core as jex_core
 import qjax
 from qjax._src import bench
 from conftest import needs_gpu
-from flax_layers import llama
+from flax_layers import Int4Dense, llama
+from flax_layers.scan import layer_params, scan_layers
 
 LAYERS = 3
 
@@ -154,3 +156,41 @@ def test_scanned_moe_layers_equal_each_layer_bit_for_bit(tokens, implementation)
     calls = _pallas_operand_shapes(jax.make_jaxpr(scanned)(x, stack).jaxpr)
     codes = stack.codes.shape
     assert calls and all(any(s == codes for s in shapes) for shapes in calls), calls
+
+
+class _Residual(nn.Module):
+  """h + tanh(Int4Dense(h)): a layer body with a quantized kernel and a float bias."""
+  implementation: str | None = None
+
+  @nn.compact
+  def __call__(self, h, scale):
+    return h + jnp.tanh(Int4Dense(h.shape[-1], implementation=self.implementation)(h)) * scale, h
+
+
+@pytest.mark.parametrize("implementation", ["interpret", "xla"])
+def test_scan_layers_equals_applying_each_layer(implementation):
+  x = jax.random.normal(jax.random.key(0), (2, 256), jnp.bfloat16)
+  per_layer = [_Residual().init(jax.random.key(i + 1), x, 1.0)["params"] for i in range(LAYERS)]
+  stacked = _stack(per_layer)
+  scales = jnp.asarray([0.5, 1.0, 2.0], jnp.bfloat16)
+  module = _Residual(implementation)
+  final, ys = jax.jit(lambda p, x: scan_layers(module, p, x, scales))(stacked, x)
+  h = x
+  for i, params in enumerate(per_layer):
+    np.testing.assert_array_equal(np.asarray(ys[i]), np.asarray(h), err_msg=f"layer {i}")
+    h, _ = jax.jit(module.apply)({"params": params}, h, scales[i])
+  np.testing.assert_array_equal(np.asarray(final), np.asarray(h))
+  if implementation == "interpret":
+    jaxpr = jax.make_jaxpr(lambda p, x: scan_layers(module, p, x, scales))(stacked, x).jaxpr
+    [shapes] = _pallas_operand_shapes(jaxpr)
+    assert shapes[1] == stacked["Int4Dense_0"]["kernel"].codes.shape, shapes
+
+
+def test_layer_params_slices_floats_and_views_quantized_weights():
+  w = qjax.quantize(jax.random.normal(jax.random.key(0), (256, 64)))
+  stacked = {"dense": {"kernel": _stack([w, w]), "bias": jnp.arange(4.0).reshape(2, 2)}}
+  got = layer_params(stacked, jnp.int32(1))
+  assert isinstance(got["dense"]["kernel"], qjax.LayerOf)
+  np.testing.assert_array_equal(np.asarray(got["dense"]["bias"]), [2.0, 3.0])
+  with pytest.raises(ValueError, match="leading \\[layers\\] axis"):
+    scan_layers(_Residual(), {}, jnp.ones((1, 256)))

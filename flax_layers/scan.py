@@ -1,0 +1,68 @@
+"""``scan_layers``: a linen module run once per layer over stacked params, with the
+quantized weights read in place.
+
+``nn.scan`` hands its body each layer's params as slices of the stacked arrays, and XLA
+copies a slice out of its stack before every Pallas kernel (and every cuBLAS GEMM). Here
+each quantized weight reaches the module as ``qjax.layer_of(stack, i)``, which the kernels
+read at its offset; float params are sliced. See ``qjax.layer_of`` for the measurement.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+import qjax
+
+
+def layer_params(stacked_params: Any, index: jax.Array) -> Any:
+  """Layer ``index`` of ``stacked_params`` (every leaf with a leading ``[layers]`` axis):
+  quantized weights as ``qjax.layer_of(weight, index)``, other arrays sliced."""
+  return jax.tree.map(
+      lambda p: qjax.layer_of(p, index) if qjax.is_quantized(p) else p[index],
+      stacked_params, is_leaf=qjax.is_quantized)
+
+
+def scan_layers(module: nn.Module, stacked_params: Any, carry: Any, xs: Any = None,
+                *broadcast: Any) -> tuple[Any, Any]:
+  """``lax.scan`` of ``module`` over its stacked params, as ``nn.scan`` with
+  ``variable_axes={"params": 0}`` would run it, without copying the quantized weights.
+
+  Args:
+    module: an unbound linen module (``parent=None`` inside another module) whose
+      ``__call__(carry, x, *broadcast) -> (carry, y)``.
+    stacked_params: the module's params with a leading ``[layers]`` axis on every array
+      (as ``nn.scan`` stores them, or ``jax.tree.map(jnp.stack, ...)`` of per-layer params).
+    carry: the initial carry.
+    xs: per-layer inputs with a leading ``[layers]`` axis (or None).
+    broadcast: the same for every layer.
+
+  Returns:
+    ``(final carry, ys stacked over the layers)``.
+
+  >>> import jax, jax.numpy as jnp, flax.linen as nn, qjax
+  >>> from flax_layers import Int4Dense, quantize_dense_params
+  >>> from flax_layers.scan import scan_layers
+  >>> class Layer(nn.Module):
+  ...   @nn.compact
+  ...   def __call__(self, h, _):
+  ...     return jnp.tanh(Int4Dense(256)(h)), None
+  >>> x = jnp.ones((1, 256), jnp.bfloat16)
+  >>> per_layer = [Layer().init(jax.random.key(i), x, None)["params"] for i in range(3)]
+  >>> stacked = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+  >>> scan_layers(Layer(), stacked, x)[0].shape
+  (1, 256)
+  """
+  leaves = jax.tree.leaves(stacked_params)
+  if not leaves:
+    raise ValueError("scan_layers needs params with a leading [layers] axis; got none")
+  layers = leaves[0].shape[0]
+
+  def body(carry, inputs):
+    i, x = inputs
+    return module.apply({"params": layer_params(stacked_params, i)}, carry, x, *broadcast)
+
+  return jax.lax.scan(body, carry, (jnp.arange(layers), xs))
