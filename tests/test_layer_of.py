@@ -167,7 +167,8 @@ class _Residual(nn.Module):
     return h + jnp.tanh(Int4Dense(h.shape[-1], implementation=self.implementation)(h)) * scale, h
 
 
-@pytest.mark.parametrize("implementation", ["interpret", "xla"])
+@pytest.mark.parametrize("implementation", [
+    "interpret", "xla", pytest.param("pallas", marks=needs_gpu)])
 def test_scan_layers_equals_applying_each_layer(implementation):
   x = jax.random.normal(jax.random.key(0), (2, 256), jnp.bfloat16)
   per_layer = [_Residual().init(jax.random.key(i + 1), x, 1.0)["params"] for i in range(LAYERS)]
@@ -180,7 +181,7 @@ def test_scan_layers_equals_applying_each_layer(implementation):
     np.testing.assert_array_equal(np.asarray(ys[i]), np.asarray(h), err_msg=f"layer {i}")
     h, _ = jax.jit(module.apply)({"params": params}, h, scales[i])
   np.testing.assert_array_equal(np.asarray(final), np.asarray(h))
-  if implementation == "interpret":
+  if implementation != "xla":
     jaxpr = jax.make_jaxpr(lambda p, x: scan_layers(module, p, x, scales))(stacked, x).jaxpr
     [shapes] = _pallas_operand_shapes(jaxpr)
     assert shapes[1] == stacked["Int4Dense_0"]["kernel"].codes.shape, shapes
