@@ -130,9 +130,12 @@ class MXFP4MoE(nn.Module):
         raise ValueError(f"{name}: experts of logical shape {w.global_shape}; this layer "
                          f"needs {want}")
       return w
-    if tuple(w.shape) != shape[1:] or w.codes.shape[0] != shape[0]:
+    # One layer of stacked experts (flax_layers.scan_layers): codes [layers, E, ...].
+    experts = (w.stack.codes.shape[1] if isinstance(w, qjax.LayerOf) else
+               w.codes.shape[0])
+    if tuple(w.shape) != shape[1:] or experts != shape[0]:
       raise ValueError(f"{name}: experts of logical shape {tuple(w.shape)} with "
-                       f"{w.codes.shape[0]} experts; this layer needs {want}")
+                       f"{experts} experts; this layer needs {want}")
     return w
 
   @nn.compact

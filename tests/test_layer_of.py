@@ -18,7 +18,7 @@ from jax.extend import core as jex_core
 import qjax
 from qjax._src import bench
 from conftest import needs_gpu
-from flax_layers import Int4Dense, llama
+from flax_layers import Int4Dense, MXFP4MoE, llama
 from flax_layers.scan import layer_params, scan_layers
 
 LAYERS = 3
@@ -195,3 +195,26 @@ def test_layer_params_slices_floats_and_views_quantized_weights():
   np.testing.assert_array_equal(np.asarray(got["dense"]["bias"]), [2.0, 3.0])
   with pytest.raises(ValueError, match="leading \\[layers\\] axis"):
     scan_layers(_Residual(), {}, jnp.ones((1, 256)))
+
+
+class _MoELayer(nn.Module):
+  implementation: str | None = None
+
+  @nn.compact
+  def __call__(self, h, _):
+    moe = MXFP4MoE(num_experts=4, top_k=2, intermediate_size=64,
+                   implementation=self.implementation)
+    return h + moe(h), None
+
+
+@pytest.mark.parametrize("implementation", ["interpret", "xla"])
+def test_scan_layers_runs_the_moe_block(implementation):
+  x = jax.random.normal(jax.random.key(0), (3, 128), jnp.bfloat16)
+  per_layer = [_MoELayer().init(jax.random.key(i + 1), x, None)["params"]
+               for i in range(LAYERS)]
+  module = _MoELayer(implementation)
+  final, _ = jax.jit(lambda p, x: scan_layers(module, p, x))(_stack(per_layer), x)
+  h = x
+  for params in per_layer:
+    h, _ = jax.jit(module.apply)({"params": params}, h, None)
+  np.testing.assert_array_equal(np.asarray(final), np.asarray(h))
