@@ -29,8 +29,8 @@ import numpy as np
 
 import qjax
 from qjax._src import dispatch
-from flax_layers import scan
 from qjax._src.gguf_formats import embedding_rows
+from flax_layers import scan
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 SUPPORTED_HF_MODEL_TYPES = ("llama", "mistral")

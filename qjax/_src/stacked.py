@@ -8,7 +8,7 @@ batch 1 took 1.41 ms per step scanned (0.65 ms of it those copies) against 0.55 
 separate array per layer (2026-11-24).
 
 ``LayerOf(stack, index)`` names the layer instead of slicing it. ``matmul`` slices it for
-the XLA path (whose fusions read the slice in place), and while a kernel is launched the
+the XLA path (XLA fuses or copies that slice as it chooses), and while a kernel is launched the
 slices it receives are traced back to their stacked arrays
 (:func:`in_place_source`): ``pallas_kernels.common.launch`` passes the stacked arrays and
 the index, and the kernel reads layer ``index`` at its offset. An array the kernel's
