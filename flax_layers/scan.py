@@ -43,9 +43,8 @@ def scan_layers(module: nn.Module, stacked_params: Any, carry: Any, xs: Any = No
   Returns:
     ``(final carry, ys stacked over the layers)``.
 
-  >>> import jax, jax.numpy as jnp, flax.linen as nn, qjax
-  >>> from flax_layers import Int4Dense, quantize_dense_params
-  >>> from flax_layers.scan import scan_layers
+  >>> import jax, jax.numpy as jnp, flax.linen as nn
+  >>> from flax_layers import Int4Dense, scan_layers
   >>> class Layer(nn.Module):
   ...   @nn.compact
   ...   def __call__(self, h, _):

@@ -64,7 +64,7 @@ class _Scanned(nn.Module):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_kernel_inside_nn_scan_matches_unrolled_layers(dtype):
+def test_pallas_kernel_inside_nn_scan_matches_unrolled_layers(dtype):
   x = jax.random.normal(jax.random.key(0), (3, 256), dtype)
   params = _Scanned("xla").init(jax.random.key(1), x)
   got = jax.jit(_Scanned("interpret").apply)(params, x)
