@@ -29,11 +29,10 @@ def _stack(ws):
 
 
 def _weights(fmt, k, n):
-  ws = [bench.random_weight(fmt, k, n, jax.random.key(7 * i + 1)) for i in range(LAYERS)]
   if fmt == "int4":  # asymmetric, with zero points, so every optional ref is exercised
-    ws = [qjax.quantize(jax.random.normal(jax.random.key(i), (k, n)), group_size=64,
-                        symmetric=False) for i in range(LAYERS)]
-  return ws
+    return [qjax.quantize(jax.random.normal(jax.random.key(i), (k, n)), group_size=64,
+                          symmetric=False) for i in range(LAYERS)]
+  return [bench.random_weight(fmt, k, n, jax.random.key(7 * i + 1)) for i in range(LAYERS)]
 
 
 def _pallas_operand_shapes(jaxpr) -> list[list[tuple[int, ...]]]:

@@ -291,11 +291,12 @@ def llama_stack_tokens_per_s(*, layers: int, hidden: int, inter: int, kv: int, c
       h = h + mm(jax.nn.silu(gate) * up, wd)
     return h
 
-  int4_step = jax.jit(lambda h, w: step(h, w, dispatch.matmul))
-  bf16_step = jax.jit(lambda h, w: step(h, w, jnp.dot))
   int4_gb = sum(w.nbytes for ws in qws for w in ws) / 1e9
   bf16_gb = sum(w.nbytes for ws in bws for w in ws) / 1e9
-  if scanned:
+  if not scanned:
+    int4_step = jax.jit(lambda h, w: step(h, w, dispatch.matmul))
+    bf16_step = jax.jit(lambda h, w: step(h, w, jnp.dot))
+  else:
     def scan_step(h, stacks, mm, layer):
       body = lambda h, i: (step(h, [[layer(s, i) for s in stacks]], mm), None)
       return jax.lax.scan(body, h, jnp.arange(layers))[0]

@@ -193,8 +193,9 @@ VARIANTS = {
 # (formats.column_pairs), takes 0.92-1.04x the naive program's time at every M from 2
 # to 2048, the top of that on 4096x4096 (M = 16: 26.5 vs 27.5 us at 4096x4096, 101.3
 # vs 104.1 at 4096x14336, 373.9 vs 398.8 at 8192x28672); "folded", the best at M = 16
-# before that, is now 1.1-1.2x "materialize" there. On a GPU the fallback runs above M = 64 and for small one-row
-# weights (Backend.auto_prefers_xla); the rest serves implementation="xla".
+# before that, is now 1.1-1.2x "materialize" there. On a GPU the fallback runs above
+# M = 64 and for small one-row weights (Backend.auto_prefers_xla); the rest serves
+# implementation="xla".
 AUTO_RULES: tuple[tuple[int | None, str], ...] = ((1, "reduce"), (None, "materialize"))
 # Platforms the rule was measured on; elsewhere (the CPU) "auto" materializes W, the
 # formulation every test's numbers were first taken with.
