@@ -3,6 +3,7 @@ numpy implementation of the same rules, the GPT-OSS layout, and qjax.matmul on e
 implementation (XLA, Pallas interpret, compiled Pallas on the GPU) against float64.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -397,6 +398,40 @@ class TestXla(MatmulSuite):
     y = jax.jit(jax.vmap(lambda a, b: qjax.matmul(a, b, implementation="xla")))(x, w)
     ref = np.einsum("ebk,ekn->ebn", np.asarray(x, np.float64), np_dequantize(w))
     assert y.shape == (3, 2, 24) and rel_err(y, ref) < 1e-5
+
+
+class TestXlaReduce(MatmulSuite):
+  """The XLA formulation that reads each code word once (the GPU's choice at M = 1),
+  forced on every platform."""
+
+  def run(self, x, w):
+    return jax.jit(lambda a, b: fp4.matmul_xla(a, b, "reduce"))(x, w)
+
+  @pytest.mark.parametrize("case", _cases(SMALL), ids=case_id)
+  def test_matches_float64(self, request, case):
+    self.check(request.node.nodeid, case)
+
+  @pytest.mark.parametrize("fmt", FORMATS)
+  def test_other_tile_order_and_nan_scale(self, request, fmt):
+    """Codes in the plain tile order give the same sums; a NaN block scale (E8M0 255,
+    e4m3 0x7F) makes its column NaN, as dequantizing W does."""
+    x, w = make_case(request.node.nodeid, fmt, 1, 1024, 96, jnp.float32)
+    y = fp4.matmul_xla(x, w.repack(packing.PLAIN_TILE_K), "reduce")
+    assert rel_err(y, reference(x, w)) < 1e-5
+    nan = jnp.uint8(255) if fmt == "mxfp4" else jnp.asarray(0x7F, jnp.uint8).view(
+        jnp.float8_e4m3fn)
+    bad = dataclasses.replace(w, scales=w.scales.at[3, 5].set(nan))
+    y = np.asarray(fp4.matmul_xla(x, bad, "reduce"))
+    assert np.isnan(y[0, 5]) and np.isfinite(np.delete(y, 5, axis=1)).all()
+    assert np.isnan(np.asarray(fp4.matmul_xla(x, bad, "materialize"))[0, 5])
+
+  def test_variant_names(self):
+    x, w = make_case("variant", "mxfp4", 1, 256, 384, jnp.bfloat16)
+    with pytest.raises(ValueError, match="'fold'.*materialize, reduce"):
+      fp4.matmul_xla(x, w, "fold")
+    assert fp4.select_variant(16) == "materialize"
+    want = "reduce" if jax.devices()[0].platform in fp4.REDUCE_PLATFORMS else "materialize"
+    assert fp4.select_variant(1) == want
 
 
 class TestInterpret(MatmulSuite):

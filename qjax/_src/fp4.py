@@ -42,14 +42,19 @@ NVFP4_BLOCK = 16
 
 
 def decode_e2m1(codes: jax.Array) -> jax.Array:
-  """E2M1 codes (any integer dtype, values in ``[0, 15]``) -> float32 values, exactly."""
-  q = jnp.asarray(codes).astype(jnp.int32)
+  """E2M1 codes (any integer dtype, values in ``[0, 15]``) -> float32 values, exactly.
+
+  Built from the float32 bits, with no ``exp2``: ``e > 0`` is the normal float
+  ``2 ** (e - 1) * (1 + m / 2)`` (exponent field ``e + 126``, mantissa MSB ``m``), and
+  the subnormal E2M1 code ``e = 0, m = 1`` is 0.5 (bits ``0x3F000000``), so no float32
+  subnormal is ever made; the sign goes to bit 31.
+  """
+  q = jnp.asarray(codes).astype(jnp.uint32)
   e = (q >> 1) & 3
-  m = (q & 1).astype(jnp.float32)
-  # e = 0: m * 0.5 (subnormal); e > 0: 2 ** (e - 1) * (1 + m / 2).
-  magnitude = jnp.where(e == 0, 0.5 * m,
-                        jnp.exp2((e - 1).astype(jnp.float32)) * (1.0 + 0.5 * m))
-  return jnp.where((q & 8) != 0, -magnitude, magnitude)
+  m = q & 1
+  normal = ((e + 126) << 23) | (m << 22)
+  magnitude = jnp.where(e == 0, m * jnp.uint32(0x3F000000), normal)
+  return jax.lax.bitcast_convert_type(magnitude | ((q & 8) << 28), jnp.float32)
 
 
 def encode_e2m1(v: jax.Array) -> jax.Array:
@@ -332,11 +337,62 @@ def quantize_nvfp4(w: jax.Array, *, tile_k: int = packing.NATIVE_TILE_K,
 # --------------------------------------------------------------------------------- XLA
 
 
-def matmul_xla(x: jax.Array, w: _FP4Weight) -> jax.Array:
-  """Reference ``x [M, K] @ W [K, N] -> [M, N]``: W dequantized in x's dtype, f32
-  accumulation, output in x's dtype."""
+def matmul_xla(x: jax.Array, w: _FP4Weight, variant: str | None = None) -> jax.Array:
+  """Reference ``x [M, K] @ W [K, N] -> [M, N]`` in x's dtype, f32 accumulation.
+
+  ``variant``: ``"materialize"`` dequantizes W in x's dtype and runs ``jnp.dot``;
+  ``"reduce"`` (:func:`matmul_reduce`) reads each code word once, with no dot. None picks
+  :func:`select_variant`'s. Both agree to within float rounding.
+  """
   if w.codes.ndim != 2:
     raise NotImplementedError(
         f"codes of shape {w.codes.shape}: matmul takes one [K, N] weight; vmap over "
         "leading axes")
+  variant = select_variant(x.shape[0]) if variant is None else variant
+  if variant == "reduce":
+    return matmul_reduce(x, w)
+  if variant != "materialize":
+    raise ValueError(f"unknown FP4 XLA variant {variant!r}; known: materialize, reduce")
   return formats.dense_dot(x, w.dequantize(x.dtype))
+
+
+# Where matmul_xla reads the words once instead of dequantizing W: one row of x, on the
+# platforms it was measured on (the INT4 path's rule, int4_xla_variants.AUTO_RULES; H100
+# figures in BENCHMARKS.md). Elsewhere W is dequantized, as every test first ran it.
+REDUCE_MAX_M = 1
+REDUCE_PLATFORMS = ("gpu",)
+
+
+def select_variant(m: int) -> str:
+  """The XLA formulation :func:`matmul_xla` runs for ``m`` rows of x."""
+  if m <= REDUCE_MAX_M and jax.devices()[0].platform in REDUCE_PLATFORMS:
+    return "reduce"
+  return "materialize"
+
+
+def matmul_reduce(x: jax.Array, w: _FP4Weight) -> jax.Array:
+  """``y[m, n] = sum_k x[m, k] W[k, n]`` in float32 as one fused multiply-and-sum over
+  the code words: each word's 8 nibbles are decoded, scaled and multiplied by their 8
+  elements of x in one term, so XLA's reduction reads every word once (0.53 byte per
+  weight) and writes no dequantized W. For small M: the arithmetic is M times one row's.
+
+  Shapes: x ``[M, K]``; codes ``[Kp // 8, N]`` in tile order ``tile_k`` (nibble ``j``
+  of word ``r`` of K-tile ``t`` is row ``t * tile_k + j * tile_k / 8 + r``).
+  """
+  m, k = x.shape
+  n = w.shape[1]
+  kp = w.codes.shape[0] * 8
+  tiles, slab = kp // w.tile_k, w.tile_k // 8
+  words = w.codes.reshape(tiles, slab, n)
+  scales = jnp.repeat(w.block_scales(), w.block_size, axis=0)  # [K, N] f32
+  scales = jnp.pad(scales, ((0, kp - k), (0, 0))).reshape(tiles, 8, slab, n)
+  xr = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, kp - k))).reshape(m, tiles, 8, slab, 1)
+  acc = None
+  for j in range(8):
+    values = decode_e2m1((words >> (4 * j)) & 0xF) * scales[:, j]  # [tiles, slab, N]
+    term = xr[:, :, j] * values
+    acc = term if acc is None else acc + term
+  y = acc.sum(axis=(1, 2))
+  if isinstance(w, NVFP4Weight):
+    y = y * jnp.asarray(w.global_scale, jnp.float32)
+  return y.astype(x.dtype)
