@@ -21,8 +21,10 @@ Why a separate kernel: as :mod:`pallas_kernels.int4_gemv`. At M = 1 a tensor-cor
   E2M1 subnormal needs no special case).
 * ``cvt.f32.f16`` widens each half exactly; one FMA per weight accumulates ``x * v``
   into the partial sum ``p_b`` of its block, and one FMA per block and word applies the
-  block's f32 multiplier: ``acc += p_b * s_b``, ``s_b = scale_b * 2**14`` (times NVFP4's
-  ``2**8`` of the e4m3 decode, see :mod:`pallas_kernels.fp4_codec`). Decode and
+  block's decoded scale: ``acc += p_b * s_b``. The decoders' constant factor (``2**14``,
+  NVFP4's tensor scale; see :mod:`pallas_kernels.fp4_codec`) multiplies each output
+  once, at the end. NVFP4's e4m3 scales decode with the hardware conversion
+  (``cvt.rn.f16x2.e4m3x2``, two per instruction) in the ``"ptx"`` variant. Decode and
   arithmetic of a word are one inline PTX block, so the compiler cannot split the fused
   multiply-adds (Triton through XLA emits ``mul.rn`` / ``add.rn`` for ``a * b + c``).
 * Loads run ``num_stages`` loop steps ahead, carried in registers (Triton does not
@@ -190,6 +192,8 @@ class Plan:
     split_k: K splits (grid axis 2).
     depth: loop steps the loads run ahead (at least 1).
     use_ptx: the inline-PTX word step, else the plain one.
+    ptx_scales: e4m3 block scales decoded by the hardware conversion
+      (:func:`fp4_codec.e4m3_to_f32_ptx`), else by bit operations.
   """
   k: int
   block_size: int
@@ -200,6 +204,7 @@ class Plan:
   split_k: int
   depth: int
   use_ptx: bool
+  ptx_scales: bool = False
 
   @property
   def block_slabs(self) -> int:
@@ -217,10 +222,11 @@ def accumulate(plan: Plan, pid_k, load_words, load_x, load_scale) -> jax.Array:
   The loaders give one K-tile's operands (masked as the caller needs):
     load_words(t): ``[16, block_n]`` uint32 code words of K-tile ``t``.
     load_x(row): ``[16, 1]`` float32 x values of rows ``row .. row + 15``.
-    load_scale(g): ``[1, block_n]`` float32 multiplier of scale block row ``g`` (decoded
-      scale times :func:`fp4_codec.scale_decoder`'s factor).
+    load_scale(g): ``[1, block_n]`` float32 decoded scales of block row ``g``
+      (:func:`fp4_codec.scale_decoder`'s ``decode``).
 
-  Summing the result over its first axis gives the program's ``[1, block_n]`` output.
+  Summing the result over its first axis and multiplying by the decoder's ``factor``
+  gives the program's ``[1, block_n]`` output.
   """
 
   def fetch(i):
@@ -269,7 +275,8 @@ def _gemv_kernel(xt_ref, w_ref, s_ref, g_ref, o_ref, *, plan: Plan):
   # Masks along the contiguous axis keep Triton from vectorizing: only where ragged.
   n_ragged, k_ragged = n % bn != 0, plan.k % _TILE_K != 0
   decode, factor = fp4_codec.scale_decoder(plan.scale_format,
-                                           None if g_ref is None else g_ref[...])
+                                           None if g_ref is None else g_ref[...],
+                                           use_ptx=plan.ptx_scales)
 
   def load_words(t):
     return common.load(w_ref.at[pl.ds(t * _SLAB, _SLAB), pl.ds(n0, bn)],
@@ -283,10 +290,11 @@ def _gemv_kernel(xt_ref, w_ref, s_ref, g_ref, o_ref, *, plan: Plan):
   def load_scale(g):
     """``[1, bn]`` f32 multiplier of block row ``g`` (finite past the last block)."""
     mask = (n_mask[None, :] & (g < num_blocks)) if (n_ragged or k_ragged) else None
-    return decode(common.load(s_ref.at[pl.ds(g, 1), pl.ds(n0, bn)], mask)) * factor
+    return decode(common.load(s_ref.at[pl.ds(g, 1), pl.ds(n0, bn)], mask))
 
   acc = accumulate(plan, pid_k, load_words, load_x, load_scale)
-  out = jnp.sum(acc, axis=0, keepdims=True)  # [1, bn]
+  # The decoders' constant factor (2**14, NVFP4's tensor scale) once per output column.
+  out = jnp.sum(acc, axis=0, keepdims=True) * factor  # [1, bn]
   common.store_tile(o_ref, out, m0=0, n0=n0, block_m=1, block_n=bn, pid_k=pid_k,
                     split_k=plan.split_k, mask=n_mask[None, :] if n_ragged else None)
 
@@ -362,7 +370,9 @@ def fp4_gemv(x: jax.Array, w: MXFP4Weight | NVFP4Weight, *,
   plan = Plan(k=k, block_size=w.block_size, scale_format=scale_format,
                block_n=config.block_n, tiles_per_step=tps, steps=steps, split_k=split,
                depth=min(max(1, config.num_stages), steps),
-               use_ptx=variant == "ptx" and not interpret)
+               use_ptx=variant == "ptx" and not interpret,
+               ptx_scales=(variant == "ptx" and not interpret and scale_format == "e4m3"
+                           and fp4_codec.ptx_scales_fit(config.block_n, config.num_warps)))
   # Triton's own pipeliner does nothing for these loads; the prefetch depth is ours.
   launch_config = KernelConfig(block_m=1, block_n=config.block_n, block_k=_TILE_K * tps,
                                split_k=split, num_warps=config.num_warps, num_stages=1)

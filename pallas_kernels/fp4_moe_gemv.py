@@ -143,10 +143,10 @@ def _moe_gemv_kernel(pair_rows_ref, pair_experts_ref, x_ref, w_ref, s_ref, o_ref
     mask = None
     if n_ragged or k_ragged or k_tail:
       mask = n_mask[None, :] & (g < num_blocks)
-    return decode(common.load(s_ref.at[expert, pl.ds(g, 1), pl.ds(n0, bn)], mask)) * factor
+    return decode(common.load(s_ref.at[expert, pl.ds(g, 1), pl.ds(n0, bn)], mask))
 
   acc = fp4_gemv.accumulate(plan, pid_k, load_words, load_x, load_scale)
-  out = jnp.sum(acc, axis=0, keepdims=True)  # [1, bn]
+  out = jnp.sum(acc, axis=0, keepdims=True) * factor  # [1, bn]
   out = jnp.where(valid, out, jnp.nan)
   common.store_tile(o_ref, out, m0=pid_p, n0=n0, block_m=1, block_n=bn, pid_k=pid_k,
                     split_k=plan.split_k, mask=n_mask[None, :] if n_ragged else None)

@@ -11,6 +11,8 @@ word step is checked by a small PTX emulator. On an NVIDIA GPU the compiled kern
 in both variants ("ptx" and "plain"): ``pytest -k "Gpu or pallas"``.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -118,7 +120,7 @@ class GemvSuite:
   @pytest.mark.parametrize("fmt", FORMATS)
   @pytest.mark.parametrize("bn,bk,split,depth,warps", [
       (32, 128, 1, 1, 4), (64, 256, 2, 1, 4), (128, 256, 3, 2, 8), (64, 512, 1, 2, 4),
-      (32, 128, 13, 1, 4), (128, 128, 4, 3, 8)])
+      (32, 128, 13, 1, 4), (128, 128, 4, 3, 8), (16, 128, 2, 1, 4), (256, 256, 1, 1, 8)])
   def test_loop_shapes(self, request, fmt, bn, bk, split, depth, warps):
     """13 K-tiles (K = 1568, off the tile) and N = 100 under each loop shape (block_k and
     split_k are fitted to the 13 tiles)."""
@@ -158,12 +160,14 @@ class GemvSuite:
       assert rel_err(y, np.asarray(x, np.float64) @ np_dequantize(w)) < 1e-2
     assert calls == [(1, 512)]
 
-  def test_nan_scale_poisons_only_its_column(self, request):
+  @pytest.mark.parametrize("fmt", FORMATS)
+  def test_nan_scale_poisons_only_its_column(self, request, fmt):
     rng = np.random.default_rng(seed_from(request.node.nodeid))
-    w = make_weight(rng, "mxfp4", 256, 8)
+    w = make_weight(rng, fmt, 256, 64)
     scales = np.asarray(w.scales).copy()
-    scales[3, 5] = 255  # E8M0 NaN
-    w = qjax.MXFP4Weight(codes=w.codes, scales=jnp.asarray(scales), shape=w.shape)
+    # E8M0 255; e4m3 0x7F (NaN, which the hardware conversion must keep).
+    scales[3, 5] = 255 if fmt == "mxfp4" else np.uint8(0x7F).view(ml_dtypes.float8_e4m3fn)
+    w = dataclasses.replace(w, scales=jnp.asarray(scales))
     y = np.asarray(self.run(make_x(rng, 256, jnp.float32), w))
     assert np.isnan(y[0, 5]) and np.isfinite(np.delete(y[0], 5)).all()
 
@@ -197,6 +201,34 @@ def test_pallas_gpu_ptx_matches_plain_variant(request, fmt, k, n):
   scale = np.abs(np.asarray(x, np.float64)) @ np.abs(np_dequantize(w))
   assert (np.abs(ys[0] - ys[1]) <= 1e-5 * scale).all()
   check(ys[0].astype(np.float32), x, w, jnp.float32)
+
+
+@needs_gpu
+@pytest.mark.parametrize("block_n,num_warps", [(16, 4), (64, 4), (256, 8)])
+def test_pallas_gpu_e4m3_ptx_decodes_all_256_bytes(block_n, num_warps):
+  """The hardware e4m3 conversion the GEMV kernel decodes NVFP4 scales with gives every
+  byte's float8_e4m3fn value bit for bit (NaN for 0x7F and 0xFF), in row blocks of the
+  kernel's widths."""
+  from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
+  from jax.experimental.pallas import triton as plgpu  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import fp4_codec  # pylint: disable=g-import-not-at-top
+  assert fp4_codec.ptx_scales_fit(block_n, num_warps)
+  data = np.arange(256, dtype=np.uint8).reshape(1, 256)
+
+  def kernel(b_ref, o_ref):
+    j = pl.program_id(0) * block_n
+    b = plgpu.load(b_ref.at[pl.ds(0, 1), pl.ds(j, block_n)])
+    plgpu.store(o_ref.at[pl.ds(0, 1), pl.ds(j, block_n)], fp4_codec.e4m3_to_f32_ptx(b))
+
+  out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((1, 256), jnp.float32),
+                       grid=(256 // block_n,),
+                       compiler_params=plgpu.CompilerParams(num_warps=num_warps))(
+                           jnp.asarray(data))
+  want = data.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  got = np.asarray(out)
+  assert np.array_equal(np.isnan(got), np.isnan(want))
+  ok = ~np.isnan(want)
+  assert np.array_equal(got[ok].view(np.uint32), want[ok].view(np.uint32))
 
 
 # ----------------------------------------------------------------------- the PTX step
