@@ -7,10 +7,11 @@ which folds the ``2**14`` back in (and NVFP4's ``2**8`` and tensor scale).
 
 Block scales are decoded from their bytes: E8M0 ``e`` is the float32 with bits
 ``e << 23``; e4m3 bits ``s eeee mmm`` become the float16 ``s 0eeee mmm0000000``
-(``= e4m3 * 2**-8``, subnormals included) widened to f32. Compiled kernels may decode e4m3
-with the hardware's own conversion instead (:func:`e4m3_to_f32_ptx`, sm_89 and later: one
-``cvt.rn.f16x2.e4m3x2`` per two bytes), which gives the value itself (factor without
-``2**8``).
+(``= e4m3 * 2**-8``, subnormals included) widened to f32. Compiled kernels may decode
+four bytes per inline-PTX instance instead: E8M0 with byte-parallel bit operations and one
+PRMT per value (:func:`e8m0_to_f32_ptx`), e4m3 with the hardware's own conversion
+(:func:`e4m3_to_f32_ptx`, sm_89 and later: one ``cvt.rn.f16x2.e4m3x2`` per two bytes),
+which gives the value itself (factor without ``2**8``).
 """
 
 from __future__ import annotations
@@ -59,6 +60,50 @@ cvt.f32.f16 $3, h3;
 }"""
 
 
+def _e8m0x4_ptx() -> str:
+  """PTX: four E8M0 bytes ($4, byte i = element i) -> the float32 bits of their values
+  ($0..$3), exactly: ``e << 23``, plus bit 22 for ``e = 0`` (``2**-127``) and ``e = 255``
+  (NaN ``0x7FC00000``).
+
+  For all four bytes at once: a byte is 0x00 or 0xFF iff ``b ^ (b >> 1)`` has no bit in
+  its low seven, which ``+ 0x7F`` turns into a clear bit 7 (no carry leaves a byte);
+  ``hi`` holds per byte ``(e & 1) << 7 | special << 6`` and ``lo`` holds ``e >> 1``. Then
+  one PRMT per value puts ``lo``'s byte in bits 24-31 and ``hi``'s in bits 16-23
+  (``e << 23 | special << 22``) and zeros below (copies of ``lo``'s clear sign bit).
+  """
+  lines = ["{", ".reg .b32 s, t, f, hi, lo;",
+           "shr.u32 s, $4, 1;",
+           f"lop3.b32 t, s, $4, 0x7F7F7F7F, {_LOP3_A_XOR_B_AND_C:#04x};",
+           "add.u32 t, t, 0x7F7F7F7F;",
+           f"lop3.b32 f, t, 0x80808080, 0, {_LOP3_NOT_A_AND_B:#04x};",
+           "shr.u32 f, f, 1;",
+           "shl.b32 hi, $4, 7;",
+           f"lop3.b32 hi, hi, 0x80808080, f, {_LOP3_A_AND_B_OR_C:#04x};",
+           "and.b32 lo, s, 0x7F7F7F7F;"]
+  for i in range(4):
+    selector = (i << 12) | ((4 + i) << 8) | ((8 | i) << 4) | (8 | i)
+    lines.append(f"prmt.b32 ${i}, lo, hi, {selector:#06x};")
+  lines.append("}")
+  return "\n".join(lines)
+
+
+# LOP3 truth tables (a = 0xF0, b = 0xCC, c = 0xAA).
+_LOP3_A_XOR_B_AND_C = 0x28
+_LOP3_NOT_A_AND_B = 0x0C
+_LOP3_A_AND_B_OR_C = 0xEA
+_E8M0X4_PTX = _e8m0x4_ptx()
+
+
+def e8m0_to_f32_ptx(e: jax.Array) -> jax.Array:
+  """uint8 E8M0 bytes -> float32 ``2 ** (e - 127)`` (255: NaN), as :func:`e8m0_to_f32`,
+  in a compiled Pallas-Triton kernel: four bytes per inline-PTX instance, about three
+  instructions per value and no compare or select (:func:`_e8m0x4_ptx`)."""
+  [bits] = plgpu.elementwise_inline_asm(
+      _E8M0X4_PTX, args=[e], constraints="=r,=r,=r,=r,r", pack=4,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(e.shape, jnp.int32)])
+  return lax.bitcast_convert_type(bits, jnp.float32)
+
+
 def e4m3_to_f32_ptx(b: jax.Array) -> jax.Array:
   """uint8 float8_e4m3fn bits -> float32 values (0x7F / 0xFF: NaN), in a compiled
   Pallas-Triton kernel on sm_89 or later, four bytes per inline-PTX instance: each thread
@@ -70,9 +115,9 @@ def e4m3_to_f32_ptx(b: jax.Array) -> jax.Array:
 
 
 def ptx_scales_fit(block_n: int, num_warps: int) -> bool:
-  """Whether :func:`e4m3_to_f32_ptx` takes a ``[1, block_n]`` row of scale bytes: groups
-  of 4 consecutive bytes (measured: 16 to 256 columns with 4 or 8 warps compile and match
-  the reference on an H100; tests/test_fp4_gemv.py)."""
+  """Whether the 4-byte PTX decoders (:func:`e8m0_to_f32_ptx`, :func:`e4m3_to_f32_ptx`)
+  take a ``[1, block_n]`` row of scale bytes (measured: 16 to 256 columns with 4 or 8
+  warps compile and match the reference on an H100; tests/test_fp4_gemv.py)."""
   del num_warps  # Triton packs the bytes for any warp count (compiled for 4 and 8).
   return block_n >= 16
 
@@ -82,11 +127,11 @@ def scale_decoder(scale_format: str, global_scale=None, *, use_ptx: bool = False
   multiplier of a block's partial product ``x_b @ (e2m1_b * 2**-14)``.
 
   ``global_scale`` (NVFP4's tensor scale, a loaded ``[1, 1]`` f32 array) is folded into
-  ``factor``; None for MXFP4. ``use_ptx``: decode e4m3 with :func:`e4m3_to_f32_ptx`
-  (compiled kernels only; E8M0 has no such instruction before sm_100).
+  ``factor``; None for MXFP4. ``use_ptx``: decode with inline PTX
+  (:func:`e8m0_to_f32_ptx`, :func:`e4m3_to_f32_ptx`; compiled kernels only).
   """
   if scale_format == "e8m0":
-    decode, fixed = e8m0_to_f32, E2M1_TO_F16_SCALE
+    decode, fixed = (e8m0_to_f32_ptx if use_ptx else e8m0_to_f32), E2M1_TO_F16_SCALE
   elif scale_format == "e4m3" and use_ptx:
     decode, fixed = e4m3_to_f32_ptx, E2M1_TO_F16_SCALE
   elif scale_format == "e4m3":

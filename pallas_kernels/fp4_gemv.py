@@ -23,8 +23,9 @@ Why a separate kernel: as :mod:`pallas_kernels.int4_gemv`. At M = 1 a tensor-cor
   into the partial sum ``p_b`` of its block, and one FMA per block and word applies the
   block's decoded scale: ``acc += p_b * s_b``. The decoders' constant factor (``2**14``,
   NVFP4's tensor scale; see :mod:`pallas_kernels.fp4_codec`) multiplies each output
-  once, at the end. NVFP4's e4m3 scales decode with the hardware conversion
-  (``cvt.rn.f16x2.e4m3x2``, two per instruction) in the ``"ptx"`` variant. Decode and
+  once, at the end. In the ``"ptx"`` variant the scales decode in inline PTX too, four
+  bytes per instance: E8M0 by byte-parallel bit operations and one PRMT per value, e4m3 by
+  the hardware conversion (``cvt.rn.f16x2.e4m3x2``). Decode and
   arithmetic of a word are one inline PTX block, so the compiler cannot split the fused
   multiply-adds (Triton through XLA emits ``mul.rn`` / ``add.rn`` for ``a * b + c``).
 * Loads run ``num_stages`` loop steps ahead, carried in registers (Triton does not
@@ -192,8 +193,8 @@ class Plan:
     split_k: K splits (grid axis 2).
     depth: loop steps the loads run ahead (at least 1).
     use_ptx: the inline-PTX word step, else the plain one.
-    ptx_scales: e4m3 block scales decoded by the hardware conversion
-      (:func:`fp4_codec.e4m3_to_f32_ptx`), else by bit operations.
+    ptx_scales: block scales decoded by inline PTX (:func:`fp4_codec.e8m0_to_f32_ptx`,
+      :func:`fp4_codec.e4m3_to_f32_ptx`), else by Pallas ops.
   """
   k: int
   block_size: int
@@ -371,7 +372,7 @@ def fp4_gemv(x: jax.Array, w: MXFP4Weight | NVFP4Weight, *,
                block_n=config.block_n, tiles_per_step=tps, steps=steps, split_k=split,
                depth=min(max(1, config.num_stages), steps),
                use_ptx=variant == "ptx" and not interpret,
-               ptx_scales=(variant == "ptx" and not interpret and scale_format == "e4m3"
+               ptx_scales=(variant == "ptx" and not interpret
                            and fp4_codec.ptx_scales_fit(config.block_n, config.num_warps)))
   # Triton's own pipeliner does nothing for these loads; the prefetch depth is ours.
   launch_config = KernelConfig(block_m=1, block_n=config.block_n, block_k=_TILE_K * tps,

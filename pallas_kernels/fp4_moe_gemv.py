@@ -123,7 +123,7 @@ def _moe_gemv_kernel(pair_rows_ref, pair_experts_ref, x_ref, w_ref, s_ref, o_ref
   # Masks along the contiguous axis keep Triton from vectorizing: only where ragged. The
   # K-tail mask is one scalar per tile (uniform along N).
   n_ragged, k_ragged, k_tail = n % bn != 0, plan.k % _TILE_K != 0, launch.k_tail
-  decode, factor = fp4_codec.scale_decoder("e8m0")
+  decode, factor = fp4_codec.scale_decoder("e8m0", use_ptx=plan.ptx_scales)
 
   def load_words(t):
     """``[16, bn]`` code words of K-tile ``t`` of the pair's expert (none past the end)."""
@@ -246,7 +246,10 @@ def mxfp4_moe_gemv(rows: jax.Array, w: MXFP4Weight, pair_rows: jax.Array,
   plan = fp4_gemv.Plan(k=k, block_size=w.block_size, scale_format="e8m0",
                        block_n=config.block_n, tiles_per_step=tps, steps=steps,
                        split_k=split, depth=min(max(1, config.num_stages), steps),
-                       use_ptx=variant == "ptx" and not interpret)
+                       use_ptx=variant == "ptx" and not interpret,
+                       ptx_scales=(variant == "ptx" and not interpret
+                                   and fp4_codec.ptx_scales_fit(config.block_n,
+                                                                config.num_warps)))
   # Triton's own pipeliner does nothing for these loads; the prefetch depth is ours.
   launch_config = KernelConfig(block_m=1, block_n=config.block_n, block_k=_TILE_K * tps,
                                split_k=split, num_warps=config.num_warps, num_stages=1)

@@ -4,7 +4,8 @@
 Values are numpy arrays. Every named register must be declared (``.reg``) with the type
 its instruction needs, or the other 32-bit type (PTX lets a ``.b32`` register serve as an
 ``.f32`` operand and back; the bits are reinterpreted). Covered: ``shl.b32``,
-``shr.u32``, ``and.b32``, ``lop3.b32``, ``prmt.b32`` (default mode), ``mov.b32`` (also
+``shr.u32``, ``and.b32``, ``add.u32``, ``lop3.b32``, ``prmt.b32`` (default mode, the
+sign-replicating selectors included), ``mov.b32`` (also
 the ``{lo, hi}`` split into two b16), ``cvt.f32.f16``, ``neg.f32``, ``mov.f32``,
 ``mul.rn.f32`` and ``fma.rn.f32`` (the exact product and sum in float64, then one
 rounding to float32: double rounding aside, which tolerances absorb), ``fma.rn.bf16x2``
@@ -32,22 +33,25 @@ def _prmt(a, b, selector):
   out = np.zeros_like(a)
   for i in range(4):
     index = (selector >> (4 * i)) & 0xF
-    assert index < 8, "the sign-replicating PRMT selectors are not emulated"
-    out |= pool[index] << np.uint32(8 * i)
+    byte = pool[index & 7]
+    if index & 8:  # replicate the selected byte's sign bit
+      byte = np.where(byte & np.uint32(0x80), np.uint32(0xFF), np.uint32(0))
+    out |= byte << np.uint32(8 * i)
   return out
 
 
-def emulate(asm: str, operands: dict) -> np.ndarray:
-  """Runs ``asm`` and returns ``$0``.
+def emulate(asm: str, operands: dict, result: str = "$0") -> np.ndarray:
+  """Runs ``asm`` and returns the register ``result`` (an output: ``$0``, or ``$1 ..``
+  for asm with several outputs).
 
-  ``operands``: ``{1: uint32 array, 2: float32 array, ...}`` for ``$1, $2, ...`` (uint32
-  for ``r`` constraints, float32 for ``f``); arrays broadcast together.
+  ``operands``: ``{1: uint32 array, 2: float32 array, ...}`` for the inputs ``$1, $2, ...``
+  (uint32 for ``r`` constraints, float32 for ``f``); arrays broadcast together.
   """
   types, regs = {}, {}
 
   def get(tok, kind):
     if tok.startswith("$"):
-      v = regs["$0"] if tok == "$0" else operands[int(tok[1:])]
+      v = regs[tok] if tok in regs else operands[int(tok[1:])]
       return np.asarray(v, np.uint32 if kind == "u" else np.float32)
     if tok.startswith("0x"):
       return np.uint32(int(tok, 16))
@@ -62,7 +66,7 @@ def emulate(asm: str, operands: dict) -> np.ndarray:
     return regs[tok]
 
   def put(tok, kind, value):
-    assert tok == "$0" or types[tok] == kind, (tok, kind)
+    assert tok.startswith("$") or types[tok] == kind, (tok, kind)
     regs[tok] = value
 
   for line in asm.splitlines():
@@ -89,6 +93,8 @@ def emulate(asm: str, operands: dict) -> np.ndarray:
       put(dst, "u", get(args[0], "u"))
     elif op == "and.b32":
       put(dst, "u", get(args[0], "u") & get(args[1], "u"))
+    elif op == "add.u32":
+      put(dst, "u", get(args[0], "u") + get(args[1], "u"))
     elif op == "lop3.b32":
       a, b, c = (np.uint32(0) | get(t, "u") for t in args[:3])
       put(dst, "u", _lop3(a, b, c, int(args[3], 16)))
@@ -118,4 +124,4 @@ def emulate(asm: str, operands: dict) -> np.ndarray:
       put(dst, "u", out)
     else:
       raise AssertionError(f"the emulator does not know {op!r}")
-  return regs["$0"]
+  return regs[result]

@@ -203,32 +203,52 @@ def test_pallas_gpu_ptx_matches_plain_variant(request, fmt, k, n):
   check(ys[0].astype(np.float32), x, w, jnp.float32)
 
 
+_SCALE_DTYPES = {"e8m0": ml_dtypes.float8_e8m0fnu, "e4m3": ml_dtypes.float8_e4m3fn}
+
+
+def _same_floats(got, want):
+  """Bit for bit, NaN where NaN (its payload aside)."""
+  assert np.array_equal(np.isnan(got), np.isnan(want))
+  ok = ~np.isnan(want)
+  assert np.array_equal(got[ok].view(np.uint32), want[ok].view(np.uint32))
+
+
 @needs_gpu
+@pytest.mark.parametrize("fmt", ["e8m0", "e4m3"])
 @pytest.mark.parametrize("block_n,num_warps", [(16, 4), (64, 4), (256, 8)])
-def test_pallas_gpu_e4m3_ptx_decodes_all_256_bytes(block_n, num_warps):
-  """The hardware e4m3 conversion the GEMV kernel decodes NVFP4 scales with gives every
-  byte's float8_e4m3fn value bit for bit (NaN for 0x7F and 0xFF), in row blocks of the
-  kernel's widths."""
+def test_pallas_gpu_ptx_scales_decode_all_256_bytes(fmt, block_n, num_warps):
+  """The inline-PTX scale decoders the GEMV kernels use give every byte's E8M0 /
+  float8_e4m3fn value bit for bit (NaN for E8M0 255 and e4m3 0x7F / 0xFF), in row blocks
+  of the kernels' widths."""
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
   from jax.experimental.pallas import triton as plgpu  # pylint: disable=g-import-not-at-top
   from pallas_kernels import fp4_codec  # pylint: disable=g-import-not-at-top
   assert fp4_codec.ptx_scales_fit(block_n, num_warps)
+  decode = fp4_codec.e8m0_to_f32_ptx if fmt == "e8m0" else fp4_codec.e4m3_to_f32_ptx
   data = np.arange(256, dtype=np.uint8).reshape(1, 256)
 
   def kernel(b_ref, o_ref):
     j = pl.program_id(0) * block_n
     b = plgpu.load(b_ref.at[pl.ds(0, 1), pl.ds(j, block_n)])
-    plgpu.store(o_ref.at[pl.ds(0, 1), pl.ds(j, block_n)], fp4_codec.e4m3_to_f32_ptx(b))
+    plgpu.store(o_ref.at[pl.ds(0, 1), pl.ds(j, block_n)], decode(b))
 
   out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((1, 256), jnp.float32),
                        grid=(256 // block_n,),
                        compiler_params=plgpu.CompilerParams(num_warps=num_warps))(
                            jnp.asarray(data))
-  want = data.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
-  got = np.asarray(out)
-  assert np.array_equal(np.isnan(got), np.isnan(want))
-  ok = ~np.isnan(want)
-  assert np.array_equal(got[ok].view(np.uint32), want[ok].view(np.uint32))
+  _same_floats(np.asarray(out), data.view(_SCALE_DTYPES[fmt]).astype(np.float32))
+
+
+def test_e8m0_ptx_emulated_decodes_all_256_bytes():
+  """On the CPU: the E8M0 decoder's PTX, run by the emulator on all 256 bytes (four per
+  word, as Triton packs them), gives ml_dtypes' float8_e8m0fnu values bit for bit."""
+  from pallas_kernels import fp4_codec  # pylint: disable=g-import-not-at-top
+  data = np.arange(256, dtype=np.uint8)
+  words = data.view(np.uint32)  # byte i of a word is element i
+  for i in range(4):
+    got = ptx_emulator.emulate(fp4_codec._E8M0X4_PTX, {4: words}, result=f"${i}")
+    _same_floats(got.astype(np.uint32).view(np.float32),
+                 data[i::4].view(ml_dtypes.float8_e8m0fnu).astype(np.float32))
 
 
 # ----------------------------------------------------------------------- the PTX step
