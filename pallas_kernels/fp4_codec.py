@@ -122,6 +122,16 @@ def ptx_scales_fit(block_n: int, num_warps: int) -> bool:
   return block_n >= 16
 
 
+# Set False to decode block scales with Pallas ops in the compiled kernels too (A/B switch).
+PTX_SCALES = True
+
+
+def use_ptx_scales(block_n: int, num_warps: int, interpret: bool) -> bool:
+  """Whether a kernel decodes its ``[1, block_n]`` scale rows with the inline-PTX
+  decoders: compiled (not interpret mode), :data:`PTX_SCALES` on, and a fitting width."""
+  return PTX_SCALES and not interpret and ptx_scales_fit(block_n, num_warps)
+
+
 def scale_decoder(scale_format: str, global_scale=None, *, use_ptx: bool = False):
   """``(decode, factor)`` for a scale format: ``decode(bytes) * factor`` is the f32
   multiplier of a block's partial product ``x_b @ (e2m1_b * 2**-14)``.

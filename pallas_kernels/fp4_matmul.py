@@ -138,13 +138,14 @@ def _e2m1_slab(words: jax.Array, j: int, dtype, paired: bool = False) -> jax.Arr
 
 
 def accumulate_k_tile(acc, words, load_x, load_scale, *, k_tile, tile_k, block_size,
-                      dtype, decode, factor, paired=False):
+                      dtype, decode, factor=None, paired=False):
   """``acc + x[:, k_tile : k_tile + tile_k] @ W[k_tile : k_tile + tile_k, cols]``.
 
   The dequantize-in-registers step every FP4 kernel shares: slab ``j`` of the packed
   words is turned into E2M1 values (times 2**-14) and multiplied against the matching
   ``[block_m, slab]`` slice of x; the block scale is applied to the f32 partial product
-  of each block, after the dots.
+  of each block, after the dots, times ``factor`` (the decoder's constant) where one is
+  given; else the caller applies it, once per output.
 
   Args:
     acc: ``[block_m, block_n]`` float32.
@@ -154,7 +155,7 @@ def accumulate_k_tile(acc, words, load_x, load_scale, *, k_tile, tile_k, block_s
     load_scale: ``load_scale(g) -> [1, block_n]`` uint8 scale bytes of block row ``g``.
     k_tile: first K row of the tile (traced or static).
     dtype: the activations' dtype (the dots run in it).
-    decode, factor: from :func:`scale_decoder`.
+    decode, factor: from :func:`scale_decoder` (factor None: applied by the caller).
     paired: decode two weights per inline-PTX instance (:func:`paired_decode`).
   """
   slab = tile_k // 8
@@ -166,7 +167,7 @@ def accumulate_k_tile(acc, words, load_x, load_scale, *, k_tile, tile_k, block_s
       d = plgpu.dot(load_x(k_tile + j * slab), _e2m1_slab(words, j, dtype, paired))  # f32
       part = d if part is None else part + d
     scale = decode(load_scale(k_tile // block_size + b))
-    acc += part * (scale * factor)
+    acc += part * (scale if factor is None else scale * factor)
   return acc
 
 

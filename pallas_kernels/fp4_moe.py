@@ -14,6 +14,12 @@ dequantizes them in registers exactly as the dense FP4 kernel does
 (:func:`pallas_kernels.fp4_matmul.accumulate_k_tile`), so unselected experts' weights are
 never read and no dequantized expert is written to memory. The products, in sorted order,
 are put back in pair order by XLA.
+
+Block scales decode in inline PTX where compiled (:func:`fp4_codec.e8m0_to_f32_ptx`), and
+the decoder's constant factor multiplies each output once. H100, 128 experts of 2880 x
+2880, top-4: T = 32 / 64 took 298.5 / 377.0 us against 327.0 / 413.8 with the Pallas-op
+decoder (BENCHMARKS.md, session 14). The dense tiled kernel keeps the Pallas-op decoder:
+there the PTX one measured mixed.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from qjax import MXFP4Weight
 from qjax._src import moe
 from qjax._src import packing
 from pallas_kernels import common
+from pallas_kernels import fp4_codec
 from pallas_kernels import fp4_matmul
 from pallas_kernels import int4_matmul
 
@@ -39,7 +46,8 @@ _TARGET_PROGRAMS = 256
 
 
 def _moe_kernel(tile_expert_ref, tile_start_ref, tile_end_ref, x_ref, w_ref, s_ref, o_ref,
-                *, k, tile_k, block_m, block_n, block_k, steps_per_split, split_k, paired):
+                *, k, tile_k, block_m, block_n, block_k, steps_per_split, split_k, paired,
+                ptx_scales):
   """One ``[block_m, block_n]`` tile of one expert's rows over ``steps_per_split`` K steps.
 
   Refs (whole arrays):
@@ -62,7 +70,7 @@ def _moe_kernel(tile_expert_ref, tile_start_ref, tile_end_ref, x_ref, w_ref, s_r
   n_ragged, k_ragged = n % block_n != 0, k % tile_k != 0
   slab = tile_k // 8
   block_size = MXFP4Weight.block_size
-  decode, factor = fp4_matmul.scale_decoder("e8m0")
+  decode, factor = fp4_matmul.scale_decoder("e8m0", use_ptx=ptx_scales)
 
   def load_x(k0):
     x_mask = m_mask[:, None]
@@ -83,13 +91,13 @@ def _moe_kernel(tile_expert_ref, tile_start_ref, tile_end_ref, x_ref, w_ref, s_r
           mask=n_mask[None, :] if n_ragged else None)
       acc = fp4_matmul.accumulate_k_tile(
           acc, words, load_x, load_scale, k_tile=k_tile, tile_k=tile_k,
-          block_size=block_size, dtype=x_ref.dtype, decode=decode, factor=factor,
-          paired=paired)
+          block_size=block_size, dtype=x_ref.dtype, decode=decode, paired=paired)
     return acc
 
   @pl.when(row_end > row0)
   def _():
     acc = lax.fori_loop(0, steps_per_split, step, jnp.zeros((block_m, block_n), jnp.float32))
+    acc = acc * factor  # the decoder's constant factor, once per output
     common.store_tile(o_ref, acc, m0=row0, n0=n0, block_m=block_m, block_n=block_n,
                       pid_k=pid_k, split_k=split_k, mask=m_mask[:, None] & n_mask[None, :])
 
@@ -146,7 +154,8 @@ def mxfp4_moe_matmul(rows: jax.Array, w: MXFP4Weight, pair_rows: jax.Array,
   kernel = functools.partial(
       _moe_kernel, k=k, tile_k=w.tile_k, block_m=block_m, block_n=config.block_n,
       block_k=config.block_k, steps_per_split=steps // split_k, split_k=split_k,
-      paired=fp4_matmul.paired_decode(rows.dtype, config.block_n, config.num_warps, interpret))
+      paired=fp4_matmul.paired_decode(rows.dtype, config.block_n, config.num_warps, interpret),
+      ptx_scales=fp4_codec.use_ptx_scales(config.block_n, config.num_warps, interpret))
   args = [groups.tile_experts, groups.tile_starts, groups.tile_ends, x, w.codes, w.scales]
   out = common.launch(kernel, args, m=padded, n=n, dtype=rows.dtype, config=config,
                       interpret=interpret, poison=poison, name="qjax_mxfp4_moe_matmul",
