@@ -177,7 +177,8 @@ def heuristic_config(num_pairs: int, k: int, n: int) -> KernelConfig:
   ``P * column blocks * splits`` near ``_TARGET_PROGRAMS``.
 
   E.g. K = N = 2880 (23 K-tiles): P = 1 -> 23 splits (1035 programs), P = 4 -> 5
-  splits (900), P = 16 -> 1 split (720). Not tuned on a GPU yet.
+  splits (900), P = 16 -> 1 split (720). An H100 sweep of 48 configs at P = 4, 16, 64,
+  128 (BENCHMARKS.md, session 14) found none faster.
   """
   tiles = -(-k // _TILE_K)
   tps = 2 if tiles % 2 == 0 else 1
