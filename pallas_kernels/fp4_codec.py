@@ -106,8 +106,8 @@ def e8m0_to_f32_ptx(e: jax.Array) -> jax.Array:
 
 def e4m3_to_f32_ptx(b: jax.Array) -> jax.Array:
   """uint8 float8_e4m3fn bits -> float32 values (0x7F / 0xFF: NaN), in a compiled
-  Pallas-Triton kernel on sm_89 or later, four bytes per inline-PTX instance: each thread
-  must hold a multiple of 4 consecutive bytes (:func:`ptx_scales_fit`)."""
+  Pallas-Triton kernel on sm_89 or later, four bytes per inline-PTX instance (row widths:
+  :func:`ptx_scales_fit`)."""
   [out] = plgpu.elementwise_inline_asm(
       _E4M3X4_PTX, args=[b], constraints="=f,=f,=f,=f,r", pack=4,
       result_shape_dtypes=[jax.ShapeDtypeStruct(b.shape, jnp.float32)])
