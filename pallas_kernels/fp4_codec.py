@@ -22,6 +22,7 @@ from jax import lax
 from jax.experimental.pallas import triton as plgpu
 
 from qjax import NVFP4Weight
+from pallas_kernels import int4_gemv
 
 E2M1_TO_F16_SCALE = 2.0 ** 14    # the f16 built from E2M1 bits is value * 2**-14
 E4M3_TO_F16_SCALE = 2.0 ** 8     # the f16 built from e4m3 bits is value * 2**-8
@@ -78,7 +79,7 @@ def _e8m0x4_ptx() -> str:
            f"lop3.b32 f, t, 0x80808080, 0, {_LOP3_NOT_A_AND_B:#04x};",
            "shr.u32 f, f, 1;",
            "shl.b32 hi, $4, 7;",
-           f"lop3.b32 hi, hi, 0x80808080, f, {_LOP3_A_AND_B_OR_C:#04x};",
+           f"lop3.b32 hi, hi, 0x80808080, f, {int4_gemv.LOP3_A_AND_B_OR_C:#04x};",
            "and.b32 lo, s, 0x7F7F7F7F;"]
   for i in range(4):
     selector = (i << 12) | ((4 + i) << 8) | ((8 | i) << 4) | (8 | i)
@@ -90,7 +91,6 @@ def _e8m0x4_ptx() -> str:
 # LOP3 truth tables (a = 0xF0, b = 0xCC, c = 0xAA).
 _LOP3_A_XOR_B_AND_C = 0x28
 _LOP3_NOT_A_AND_B = 0x0C
-_LOP3_A_AND_B_OR_C = 0xEA
 _E8M0X4_PTX = _e8m0x4_ptx()
 
 
@@ -114,11 +114,11 @@ def e4m3_to_f32_ptx(b: jax.Array) -> jax.Array:
   return out
 
 
-def ptx_scales_fit(block_n: int, num_warps: int) -> bool:
+def ptx_scales_fit(block_n: int) -> bool:
   """Whether the 4-byte PTX decoders (:func:`e8m0_to_f32_ptx`, :func:`e4m3_to_f32_ptx`)
   take a ``[1, block_n]`` row of scale bytes (measured: 16 to 256 columns with 4 or 8
-  warps compile and match the reference on an H100; tests/test_fp4_gemv.py)."""
-  del num_warps  # Triton packs the bytes for any warp count (compiled for 4 and 8).
+  warps compile and match the reference on an H100; Triton packs the bytes for either
+  warp count; tests/test_fp4_gemv.py)."""
   return block_n >= 16
 
 
@@ -126,10 +126,10 @@ def ptx_scales_fit(block_n: int, num_warps: int) -> bool:
 PTX_SCALES = True
 
 
-def use_ptx_scales(block_n: int, num_warps: int, interpret: bool) -> bool:
+def use_ptx_scales(block_n: int, interpret: bool) -> bool:
   """Whether a kernel decodes its ``[1, block_n]`` scale rows with the inline-PTX
   decoders: compiled (not interpret mode), :data:`PTX_SCALES` on, and a fitting width."""
-  return PTX_SCALES and not interpret and ptx_scales_fit(block_n, num_warps)
+  return PTX_SCALES and not interpret and ptx_scales_fit(block_n)
 
 
 def scale_decoder(scale_format: str, global_scale=None, *, use_ptx: bool = False):

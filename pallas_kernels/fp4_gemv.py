@@ -372,8 +372,8 @@ def fp4_gemv(x: jax.Array, w: MXFP4Weight | NVFP4Weight, *,
                block_n=config.block_n, tiles_per_step=tps, steps=steps, split_k=split,
                depth=min(max(1, config.num_stages), steps),
                use_ptx=variant == "ptx" and not interpret,
-               ptx_scales=(variant == "ptx" and fp4_codec.use_ptx_scales(
-                   config.block_n, config.num_warps, interpret)))
+               ptx_scales=(variant == "ptx"
+                           and fp4_codec.use_ptx_scales(config.block_n, interpret)))
   # Triton's own pipeliner does nothing for these loads; the prefetch depth is ours.
   launch_config = KernelConfig(block_m=1, block_n=config.block_n, block_k=_TILE_K * tps,
                                split_k=split, num_warps=config.num_warps, num_stages=1)

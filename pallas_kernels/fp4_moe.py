@@ -155,7 +155,7 @@ def mxfp4_moe_matmul(rows: jax.Array, w: MXFP4Weight, pair_rows: jax.Array,
       _moe_kernel, k=k, tile_k=w.tile_k, block_m=block_m, block_n=config.block_n,
       block_k=config.block_k, steps_per_split=steps // split_k, split_k=split_k,
       paired=fp4_matmul.paired_decode(rows.dtype, config.block_n, config.num_warps, interpret),
-      ptx_scales=fp4_codec.use_ptx_scales(config.block_n, config.num_warps, interpret))
+      ptx_scales=fp4_codec.use_ptx_scales(config.block_n, interpret))
   args = [groups.tile_experts, groups.tile_starts, groups.tile_ends, x, w.codes, w.scales]
   out = common.launch(kernel, args, m=padded, n=n, dtype=rows.dtype, config=config,
                       interpret=interpret, poison=poison, name="qjax_mxfp4_moe_matmul",

@@ -19,9 +19,9 @@ from qjax._src.int4 import quantize as quantize
 from qjax._src.packing import NATIVE_TILE_K as NATIVE_TILE_K
 from qjax._src.packing import PLAIN_TILE_K as PLAIN_TILE_K
 from qjax._src.serialization import load as load
+from qjax._src.serialization import save as save
 from qjax._src.stacked import LayerOf as LayerOf
 from qjax._src.stacked import layer_of as layer_of
-from qjax._src.serialization import save as save
 from qjax._src.tuning import KernelConfig as KernelConfig
 # GGUF
 from qjax._src.gguf_formats import GGUFBlockWeight as GGUFBlockWeight

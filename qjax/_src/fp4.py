@@ -372,27 +372,17 @@ def select_variant(m: int) -> str:
 
 def matmul_reduce(x: jax.Array, w: _FP4Weight) -> jax.Array:
   """``y[m, n] = sum_k x[m, k] W[k, n]`` in float32 as one fused multiply-and-sum over
-  the code words: each word's 8 nibbles are decoded, scaled and multiplied by their 8
-  elements of x in one term, so XLA's reduction reads every word once (0.53 byte per
-  weight) and writes no dequantized W. For small M: the arithmetic is M times one row's.
+  the code words (:func:`packing.word_plane_sum`): each word's 8 nibbles are decoded,
+  scaled and multiplied by their 8 elements of x in one term, so XLA's reduction reads
+  every word once (0.53 byte per weight) and writes no dequantized W. For small M: the
+  arithmetic is M times one row's.
 
-  Shapes: x ``[M, K]``; codes ``[Kp // 8, N]`` in tile order ``tile_k`` (nibble ``j``
-  of word ``r`` of K-tile ``t`` is row ``t * tile_k + j * tile_k / 8 + r``).
+  Shapes: x ``[M, K]``; codes ``[Kp // 8, N]`` in tile order ``tile_k``.
   """
-  m, k = x.shape
-  n = w.shape[1]
-  kp = w.codes.shape[0] * 8
-  tiles, slab = kp // w.tile_k, w.tile_k // 8
-  words = w.codes.reshape(tiles, slab, n)
   scales = jnp.repeat(w.block_scales(), w.block_size, axis=0)  # [K, N] f32
-  scales = jnp.pad(scales, ((0, kp - k), (0, 0))).reshape(tiles, 8, slab, n)
-  xr = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, kp - k))).reshape(m, tiles, 8, slab, 1)
-  acc = None
-  for j in range(8):
-    values = decode_e2m1((words >> (4 * j)) & 0xF) * scales[:, j]  # [tiles, slab, N]
-    term = xr[:, :, j] * values
-    acc = term if acc is None else acc + term
-  y = acc.sum(axis=(1, 2))
+  scales = packing.rows_by_plane(scales, w.codes.shape[0] * 8, w.tile_k)
+  y = packing.word_plane_sum(x, w.codes, x.shape[1], w.tile_k,
+                             lambda j, q: decode_e2m1(q) * scales[:, j])
   if isinstance(w, NVFP4Weight):
     y = y * jnp.asarray(w.global_scale, jnp.float32)
   return y.astype(x.dtype)

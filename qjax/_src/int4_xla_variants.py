@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 
 from qjax._src import int4
+from qjax._src import packing
 from qjax._src.int4 import Int4Weight
 
 F32 = jnp.float32
@@ -149,31 +150,25 @@ def matmul_int4(x: jax.Array, w: Int4Weight) -> jax.Array:
 
 def matmul_reduce(x: jax.Array, w: Int4Weight) -> jax.Array:
   """No dot: ``y[m, n] = sum_k x[m, k] W[k, n]`` in float32 as one multiply-and-sum over
-  the words: each word's 8 nibbles, dequantized and multiplied by their 8 elements of x,
-  are summed in one term, so XLA's reduction reads every word once."""
-  m, k = x.shape
+  the words (:func:`packing.word_plane_sum`): each word's 8 nibbles, dequantized and
+  multiplied by their 8 elements of x, are summed in one term, so XLA's reduction reads
+  every word once."""
   kp = w.codes.shape[0] * 8
-  # Nibble j of word (t, r) is row t * tile_k + j * slab + r (see packing).
-  tiles, slab = kp // w.tile_k, w.tile_k // 8
-  words = w.codes.reshape(tiles, slab, -1)
 
   def rows(a):  # [K // G, N] -> [tiles, 8, slab, N] per row, 0 on the padding rows
-    return jnp.pad(_expand(a.astype(F32), w), ((0, kp - k), (0, 0))).reshape(tiles, 8, slab, -1)
+    return packing.rows_by_plane(_expand(a.astype(F32), w), kp, w.tile_k)
 
   s = rows(w.scales)
   o = rows(w.biases) if w.biases is not None else (
       None if w.zeros is None else rows(w.zeros))
-  xr = jnp.pad(x.astype(F32), ((0, 0), (0, kp - k))).reshape(m, tiles, 8, slab, 1)
-  acc = None
-  for j in range(8):
-    q = ((words >> (4 * j)) & 0xF).astype(F32)  # [tiles, slab, N]
+
+  def plane_values(j, q):
+    q = q.astype(F32)  # [tiles, slab, N]
     if w.biases is not None:
-      wd = q * s[:, j] + o[:, j]
-    else:
-      wd = (q - (8 if o is None else o[:, j])) * s[:, j]
-    term = xr[:, :, j] * wd  # [M, tiles, slab, N]
-    acc = term if acc is None else acc + term
-  return acc.sum(axis=(1, 2)).astype(x.dtype)
+      return q * s[:, j] + o[:, j]
+    return (q - (8 if o is None else o[:, j])) * s[:, j]
+
+  return packing.word_plane_sum(x, w.codes, x.shape[1], w.tile_k, plane_values).astype(x.dtype)
 
 
 VARIANTS = {

@@ -18,6 +18,8 @@ Repacking between tile orders is lossless and jittable.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -91,3 +93,38 @@ def repack_codes(words: jax.Array, k: int, tile_k_from: int, tile_k_to: int) -> 
   if tile_k_from == tile_k_to:
     return words
   return pack_codes(unpack_codes(words, k, tile_k_from), tile_k_to)
+
+
+def rows_by_plane(a: jax.Array, kp: int, tile_k: int) -> jax.Array:
+  """Per-row values ``a [K, N]`` -> ``[Kp // tile_k, 8, tile_k // 8, N]``, indexed like the
+  nibbles of the packed words (tile, nibble plane, word), zero on the ``Kp - K`` padding
+  rows."""
+  k = a.shape[0]
+  return jnp.pad(a, ((0, kp - k), (0, 0))).reshape(kp // tile_k, 8, tile_k // 8, -1)
+
+
+def word_plane_sum(x: jax.Array, words: jax.Array, k: int, tile_k: int,
+                   plane_values: Callable[[int, jax.Array], jax.Array]) -> jax.Array:
+  """``y [M, N] = sum_k x[m, k] W[k, n]`` in float32 as one multiply-and-sum over the
+  packed words, with no dot: each word's 8 nibbles, turned into weights and multiplied by
+  their 8 elements of x, are summed in one term, so XLA's reduction reads every word once.
+  The XLA paths' one-row formulation (INT4 and FP4 ``matmul_reduce``).
+
+  Args:
+    x: ``[M, K]`` activations (computed in float32).
+    words: ``[Kp // 8, N]`` uint32 codes in tile order ``tile_k``: nibble ``j`` of word
+      ``r`` of tile ``t`` is row ``t * tile_k + j * tile_k / 8 + r``.
+    plane_values: ``(j, q) -> [Kp // tile_k, tile_k // 8, N]`` float32 weights of nibble
+      plane ``j`` from its codes ``q`` (uint32 in ``[0, 15]``, same shape); see
+      :func:`rows_by_plane` for per-row parameters in that order.
+  """
+  m = x.shape[0]
+  kp = words.shape[0] * 8
+  tiles, slab = kp // tile_k, tile_k // 8
+  words = words.reshape(tiles, slab, -1)
+  xr = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, kp - k))).reshape(m, tiles, 8, slab, 1)
+  acc = None
+  for j in range(8):
+    term = xr[:, :, j] * plane_values(j, (words >> (4 * j)) & 0xF)  # [M, tiles, slab, N]
+    acc = term if acc is None else acc + term
+  return acc.sum(axis=(1, 2))
