@@ -33,6 +33,7 @@ FMAs in registers.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -172,7 +173,8 @@ def accumulate_k_tile(acc, words, load_x, load_scale, *, k_tile, tile_k, block_s
 
 
 def _fp4_kernel(x_ref, w_ref, s_ref, g_ref, o_ref, *, m, k, scale_format, block_size,
-                tile_k, block_m, block_n, block_k, steps_per_split, split_k, paired):
+                tile_k, block_m, block_n, block_k, steps_per_split, split_k, paired,
+                factor_at_end, ptx_scales):
   """One ``[block_m, block_n]`` output tile over ``steps_per_split`` K steps.
 
   Refs (whole arrays):
@@ -181,6 +183,9 @@ def _fp4_kernel(x_ref, w_ref, s_ref, g_ref, o_ref, *, m, k, scale_format, block_
     s_ref: ``[K // B, N]`` uint8 scale bytes (E8M0 or e4m3 bits, per ``scale_format``).
     g_ref: ``[1, 1]`` float32 tensor scale (NVFP4), or None.
     o_ref: ``[M, N]`` in x's dtype (split_k == 1) or ``[split_k, M, N]`` float32.
+
+  ``factor_at_end``: the decoder's constant factor multiplies each output once instead of
+  every block's partial product; ``ptx_scales``: decode the scale bytes in inline PTX.
   """
   pid_n, pid_m, pid_k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   n = w_ref.shape[1]
@@ -192,7 +197,8 @@ def _fp4_kernel(x_ref, w_ref, s_ref, g_ref, o_ref, *, m, k, scale_format, block_
   # Masks along the contiguous axis keep Triton from vectorizing: only where ragged.
   m_ragged, n_ragged, k_ragged = m % block_m != 0, n % block_n != 0, k % tile_k != 0
   slab = tile_k // 8
-  decode, factor = scale_decoder(scale_format, None if g_ref is None else g_ref[...])
+  decode, factor = scale_decoder(scale_format, None if g_ref is None else g_ref[...],
+                                 use_ptx=ptx_scales)
 
   def load_x(k0):
     x_mask = m_mask[:, None] if m_ragged else None
@@ -213,10 +219,12 @@ def _fp4_kernel(x_ref, w_ref, s_ref, g_ref, o_ref, *, m, k, scale_format, block_
                     mask=n_mask[None, :] if n_ragged else None)
       acc = accumulate_k_tile(acc, words, load_x, load_scale, k_tile=k_tile, tile_k=tile_k,
                               block_size=block_size, dtype=x_ref.dtype, decode=decode,
-                              factor=factor, paired=paired)
+                              factor=None if factor_at_end else factor, paired=paired)
     return acc
 
   acc = lax.fori_loop(0, steps_per_split, step, jnp.zeros((block_m, block_n), jnp.float32))
+  if factor_at_end:
+    acc = acc * factor
   out_mask = m_mask[:, None] & n_mask[None, :] if (m_ragged or n_ragged) else None
   common.store_tile(o_ref, acc, m0=m0, n0=n0, block_m=block_m, block_n=block_n, pid_k=pid_k,
                     split_k=split_k, mask=out_mask)
@@ -264,7 +272,9 @@ def fp4_matmul(x: jax.Array, w: MXFP4Weight | NVFP4Weight, *, interpret: bool = 
       _fp4_kernel, m=m, k=k, scale_format=scale_format, block_size=w.block_size,
       tile_k=w.tile_k, block_m=config.block_m, block_n=config.block_n,
       block_k=config.block_k, steps_per_split=steps // split_k, split_k=split_k,
-      paired=paired_decode(x.dtype, config.block_n, config.num_warps, interpret))
+      paired=paired_decode(x.dtype, config.block_n, config.num_warps, interpret),
+      factor_at_end=config.ptx_scales,
+      ptx_scales=config.ptx_scales and fp4_codec.use_ptx_scales(config.block_n, interpret))
   return common.launch(kernel, [x, w.codes, scales, global_scale], m=m, n=n, dtype=x.dtype,
                        config=config, interpret=interpret, poison=poison,
                        name=f"qjax_{w.format_name}_matmul")
@@ -276,7 +286,14 @@ def _lookup_config(fmt: str, m: int, k: int, n: int) -> KernelConfig | None:
 
 
 def fp4_candidate_configs(m: int, k: int, n: int) -> list[KernelConfig]:
-  """The FP4 backend's search space: the GEMV kernel's at M = 1, else the tiled one's."""
+  """The FP4 backend's search space: the GEMV kernel's at M = 1, else the tiled one's,
+  each with the block scales decoded by Pallas ops and (where the width fits) by inline
+  PTX (``KernelConfig.ptx_scales``)."""
   if m == 1:
     return fp4_gemv.candidate_configs(k, n)
-  return candidate_configs(m, k, n)
+  out = []
+  for cfg in candidate_configs(m, k, n):
+    out.append(cfg)
+    if fp4_codec.ptx_scales_fit(cfg.block_n):
+      out.append(dataclasses.replace(cfg, ptx_scales=True))
+  return out

@@ -452,6 +452,14 @@ class TestInterpret(MatmulSuite):
     y = _kernel(x, w.repack(packing.PLAIN_TILE_K), True, cfg)
     assert rel_err(y, reference(x, w)) < 1e-2
 
+  @pytest.mark.parametrize("fmt", FORMATS)
+  def test_constant_factor_once_per_output(self, request, fmt):
+    """``ptx_scales`` configs apply the decoder's constant factor (2**14, NVFP4's tensor
+    scale) to each output once; in interpret mode the scales still decode with JAX ops."""
+    x, w = make_case(request.node.nodeid, fmt, 5, 1024, 96, jnp.bfloat16)
+    cfg = qjax.KernelConfig(block_m=16, block_n=32, block_k=256, split_k=2, ptx_scales=True)
+    assert rel_err(_kernel(x, w, True, cfg), reference(x, w)) < 1e-2
+
   def test_dispatcher_routes_interpret(self, request):
     x, w = make_case(request.node.nodeid, "mxfp4", 3, 256, 384, jnp.float16)
     assert qjax.implementation_name(w, "interpret") == "pallas_triton-interpret"
@@ -484,6 +492,17 @@ class TestPallasGpu(MatmulSuite):
   @pytest.mark.parametrize("case", _cases(SMALL + LARGE), ids=case_id)
   def test_matches_float64(self, request, case):
     self.check(request.node.nodeid, case)
+
+  @pytest.mark.parametrize("case", [c for c in _cases(SMALL) if c[1] > 1], ids=case_id)
+  @pytest.mark.parametrize("block_n", [64, 128])
+  def test_scales_in_ptx(self, request, case, block_n):
+    """The tiled kernel with its block scales decoded in inline PTX (a tuner choice)."""
+    fmt, m, k, n, dt = case
+    x, w = make_case(request.node.nodeid, fmt, m, k, n, dt)
+    cfg = qjax.KernelConfig(block_m=16, block_n=block_n, block_k=256, split_k=2,
+                            ptx_scales=True)
+    y = np.asarray(_kernel(x, w, False, cfg), np.float64)
+    assert np.isfinite(y).all() and rel_err(y, reference(x, w)) < 1e-2
 
   @pytest.mark.parametrize("fmt", FORMATS)
   def test_auto_picks_pallas_for_small_m(self, request, fmt):

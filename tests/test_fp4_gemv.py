@@ -272,7 +272,11 @@ def test_candidate_configs_are_gemv_configs_at_one_row():
   from pallas_kernels import fp4_matmul  # pylint: disable=g-import-not-at-top
   cfgs = fp4_matmul.fp4_candidate_configs(1, 2880, 5760)
   assert cfgs and all(c.block_m == 1 for c in cfgs) and len(set(cfgs)) == len(cfgs)
-  assert all(c.block_m > 1 for c in fp4_matmul.fp4_candidate_configs(8, 2880, 5760))
+  tiled = fp4_matmul.fp4_candidate_configs(8, 2880, 5760)
+  assert all(c.block_m > 1 for c in tiled) and len(set(tiled)) == len(tiled)
+  # Above one row the tuner also measures each tile with the scales decoded in PTX.
+  plain = [c for c in tiled if not c.ptx_scales]
+  assert {dataclasses.replace(c, ptx_scales=False) for c in tiled if c.ptx_scales} == set(plain)
   backend = dispatch.kernels_for_format(qjax.NVFP4Weight)[0]
   assert backend.candidate_configs(1, 4096, 4096)[0].block_m == 1
 

@@ -15,8 +15,21 @@ def test_kernel_config_rejects_bad_fields_by_name():
     qjax.KernelConfig(block_m=16, block_n=48, block_k=128)
   with pytest.raises(ValueError, match="split_k=0 must be a positive int"):
     qjax.KernelConfig(block_m=16, block_n=64, block_k=128, split_k=0)
+  with pytest.raises(ValueError, match="num_warps=True must be a positive int"):
+    qjax.KernelConfig(block_m=16, block_n=64, block_k=128, num_warps=True)
+  with pytest.raises(ValueError, match="ptx_scales=1 must be True or False"):
+    qjax.KernelConfig(block_m=16, block_n=64, block_k=128, ptx_scales=1)
   cfg = qjax.KernelConfig(block_m=1, block_n=64, block_k=256, split_k=7, num_stages=1)
   assert qjax.KernelConfig.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg
+
+
+def test_kernel_config_ptx_scales_round_trips_and_is_optional_in_json():
+  cfg = qjax.KernelConfig(block_m=16, block_n=64, block_k=256, ptx_scales=True)
+  assert cfg.to_json()["ptx_scales"] is True
+  assert qjax.KernelConfig.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg
+  plain = qjax.KernelConfig(block_m=16, block_n=64, block_k=256)
+  assert "ptx_scales" not in plain.to_json()  # the tables written before it stay valid
+  assert qjax.KernelConfig.from_json(plain.to_json()) == plain and not plain.ptx_scales
 
 
 @pytest.mark.parametrize("m,bucket", [(1, 1), (2, 2), (3, 4), (16, 16), (17, 32), (64, 64),

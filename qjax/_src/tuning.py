@@ -25,18 +25,28 @@ M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KernelConfig:
-  """Tiling of a fused dequant-matmul kernel (hashable; round-trips JSON)."""
+  """Tiling of a fused dequant-matmul kernel (hashable; round-trips JSON).
+
+  ``ptx_scales``: the FP4 tiled kernel decodes its block scales in inline PTX and applies
+  the decoder's constant factor once per output (the GEMV kernels decide that from
+  ``block_n`` alone; other kernels ignore it). Measured per shape by the tuner: it wins on
+  some shapes and loses on others.
+  """
   block_m: int
   block_n: int
   block_k: int
   split_k: int = 1
   num_warps: int = 4
   num_stages: int = 3
+  ptx_scales: bool = False
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
       v = getattr(self, f.name)
-      if not isinstance(v, int) or v < 1:
+      if f.type in (bool, "bool"):
+        if not isinstance(v, bool):
+          raise ValueError(f"KernelConfig.{f.name}={v!r} must be True or False")
+      elif isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"KernelConfig.{f.name}={v!r} must be a positive int")
     for name in ("block_m", "block_n", "block_k"):
       v = getattr(self, name)
@@ -44,11 +54,15 @@ class KernelConfig:
         raise ValueError(f"KernelConfig.{name}={v} must be a power of two (Triton needs it)")
 
   def to_json(self) -> dict[str, Any]:
-    return dataclasses.asdict(self)
+    """The fields as a dict; ``ptx_scales`` only where set (older tables lack it)."""
+    d = dataclasses.asdict(self)
+    if not self.ptx_scales:
+      del d["ptx_scales"]
+    return d
 
   @classmethod
   def from_json(cls, d: dict[str, Any]) -> "KernelConfig":
-    return cls(**{k: int(v) for k, v in d.items()})
+    return cls(**{k: (bool(v) if k == "ptx_scales" else int(v)) for k, v in d.items()})
 
 
 def m_bucket(m: int) -> int:
