@@ -25,7 +25,11 @@ them as its exact subnormal ``e2m1 * 2**-126`` and one ``fma.rn.bf16x2`` by ``2*
 brings it to the same ``2**-14``). H100, M = 4-64: from 1.40x faster to 1.03x slower
 than the Pallas-op decode (BENCHMARKS.md, session 10).
 
-Block scales are decoded from their bytes in the kernel (:mod:`pallas_kernels.fp4_codec`).
+Block scales are decoded from their bytes in the kernel (:mod:`pallas_kernels.fp4_codec`),
+with Pallas ops or, where the config asks (``KernelConfig.ptx_scales``, chosen per shape
+by the tuner), in inline PTX with the decoder's constant factor applied once per output.
+H100, M = 16, tuned: MXFP4 4096x14336 38.2 -> 32.9 us, 8192x28672 134.8 -> 101.5 us; on
+4096x4096 the Pallas-op decoder stays faster (BENCHMARKS.md, session 15).
 
 One row of x (M = 1) goes to :mod:`pallas_kernels.fp4_gemv` instead: no tensor cores,
 FMAs in registers.

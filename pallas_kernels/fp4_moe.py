@@ -18,8 +18,8 @@ are put back in pair order by XLA.
 Block scales decode in inline PTX where compiled (:func:`fp4_codec.e8m0_to_f32_ptx`), and
 the decoder's constant factor multiplies each output once. H100, 128 experts of 2880 x
 2880, top-4: T = 32 / 64 took 298.5 / 377.0 us against 327.0 / 413.8 with the Pallas-op
-decoder (BENCHMARKS.md, session 14). The dense tiled kernel keeps the Pallas-op decoder:
-there the PTX one measured mixed.
+decoder (BENCHMARKS.md, session 14). The dense tiled kernel, where the PTX decoder measured
+mixed, lets the tuner choose per shape (``KernelConfig.ptx_scales``).
 """
 
 from __future__ import annotations
