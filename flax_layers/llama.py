@@ -169,11 +169,9 @@ class LlamaConfig:
 def matmul(x: jax.Array, w: Any, implementation: str | None) -> jax.Array:
   """``qjax.matmul``; a weight whose format has no kernel runs XLA even when
   ``implementation`` is "pallas" or "interpret" (e.g. a Q8_0 embedding used as the head).
-  ``w`` may be a :class:`qjax.ShardedWeight` (tensor parallel, inside shard_map)."""
-  if isinstance(w, qjax.ShardedWeight):
-    fmt = w.format_cls
-  else:
-    fmt = type(w.stack) if isinstance(w, qjax.LayerOf) else type(w)
+  ``w`` may be a :class:`qjax.ShardedWeight` (tensor parallel, inside shard_map), a
+  :class:`qjax.LayerOf` or both (a layer of a split stack)."""
+  fmt = w.format_cls if isinstance(w, (qjax.ShardedWeight, qjax.LayerOf)) else type(w)
   if implementation in ("pallas", "interpret") and not dispatch.kernels_for_format(fmt):
     implementation = "xla"
   return qjax.matmul(x, w, implementation=implementation)

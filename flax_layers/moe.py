@@ -125,10 +125,11 @@ class MXFP4MoE(nn.Module):
       raise ValueError(f"{self.name or 'MXFP4MoE'}: params have no {name!r}; call init or "
                        "give MXFP4 expert weights")
     want = (shape[0], *shape[1:])
-    if isinstance(w, qjax.ShardedWeight):  # expert / tensor parallel, inside shard_map
-      if w.global_shape != shape[1:]:
-        raise ValueError(f"{name}: experts of logical shape {w.global_shape}; this layer "
-                         f"needs {want}")
+    split = w.stack if isinstance(w, qjax.LayerOf) else w  # a layer of a split stack too
+    if isinstance(split, qjax.ShardedWeight):  # expert / tensor parallel, inside shard_map
+      if split.global_shape != shape[1:]:
+        raise ValueError(f"{name}: experts of logical shape {split.global_shape}; this "
+                         f"layer needs {want}")
       return w
     # One layer of stacked experts (flax_layers.scan_layers): codes [layers, E, ...].
     experts = (w.stack.codes.shape[1] if isinstance(w, qjax.LayerOf) else

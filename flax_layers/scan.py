@@ -18,12 +18,16 @@ import jax.numpy as jnp
 import qjax
 
 
+def _is_weight(p: Any) -> bool:
+  return qjax.is_quantized(p) or isinstance(p, qjax.ShardedWeight)
+
+
 def layer_params(stacked_params: Any, index: jax.Array) -> Any:
   """Layer ``index`` of ``stacked_params`` (every leaf with a leading ``[layers]`` axis):
-  quantized weights as ``qjax.layer_of(weight, index)``, other arrays sliced."""
-  return jax.tree.map(
-      lambda p: qjax.layer_of(p, index) if qjax.is_quantized(p) else p[index],
-      stacked_params, is_leaf=qjax.is_quantized)
+  quantized weights, split ones (``qjax.ShardedWeight``, inside ``shard_map``) included,
+  as ``qjax.layer_of(weight, index)``, other arrays sliced."""
+  return jax.tree.map(lambda p: qjax.layer_of(p, index) if _is_weight(p) else p[index],
+                      stacked_params, is_leaf=_is_weight)
 
 
 def scan_layers(module: nn.Module, stacked_params: Any, carry: Any, xs: Any = None,

@@ -55,3 +55,16 @@ def smollm2_path() -> str | None:
     return generate.default_model_path()
   except generate.UsageError:
     return None
+
+
+def pallas_operand_shapes(jaxpr) -> list[list[tuple[int, ...]]]:
+  """The operand shapes of every pallas_call in ``jaxpr`` and its sub-jaxprs (to check
+  which arrays a kernel is handed, e.g. a whole stack of layers rather than a copy)."""
+  from jax.extend import core as jex_core  # pylint: disable=g-import-not-at-top
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      found.append([tuple(v.aval.shape) for v in eqn.invars])
+    for sub in jex_core.jaxprs_in_params(eqn.params):
+      found += pallas_operand_shapes(sub)
+  return found

@@ -13,11 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend import core as jex_core
 
 import qjax
 from qjax._src import bench
 from conftest import needs_gpu
+from conftest import pallas_operand_shapes
 from flax_layers import Int4Dense, MXFP4MoE, llama
 from flax_layers.scan import layer_params, scan_layers
 
@@ -33,17 +33,6 @@ def _weights(fmt, k, n):
     return [qjax.quantize(jax.random.normal(jax.random.key(i), (k, n)), group_size=64,
                           symmetric=False) for i in range(LAYERS)]
   return [bench.random_weight(fmt, k, n, jax.random.key(7 * i + 1)) for i in range(LAYERS)]
-
-
-def _pallas_operand_shapes(jaxpr) -> list[list[tuple[int, ...]]]:
-  """The operand shapes of every pallas_call in ``jaxpr`` and its sub-jaxprs."""
-  found = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "pallas_call":
-      found.append([tuple(v.aval.shape) for v in eqn.invars])
-    for sub in jex_core.jaxprs_in_params(eqn.params):
-      found += _pallas_operand_shapes(sub)
-  return found
 
 
 @pytest.mark.parametrize("fmt", ["int4", "mxfp4", "nvfp4", "codebook"])
@@ -67,7 +56,7 @@ def test_scanned_layers_equal_each_layer_bit_for_bit(fmt, m, implementation):
         x, w).astype(jnp.float32))
     np.testing.assert_array_equal(got[i], want, err_msg=f"layer {i}")
   if implementation != "xla":
-    calls = _pallas_operand_shapes(jax.make_jaxpr(scanned)(x, stack).jaxpr)
+    calls = pallas_operand_shapes(jax.make_jaxpr(scanned)(x, stack).jaxpr)
     assert calls, "no pallas_call traced"
     codes = jax.tree.leaves(stack)[0].shape
     for shapes in calls:  # the stacked codes themselves reach the kernel
@@ -103,7 +92,22 @@ def test_layer_of_rejects_bad_arguments():
     qjax.layer_of(ragged, 0)
   view = qjax.layer_of(stack, 1)
   assert view.shape == (256, 64) and view.num_layers == 2
+  assert view.format_cls is qjax.Int4Weight
   assert qjax.implementation_name(view, "xla") == "xla"
+
+
+def test_layer_of_a_split_stack():
+  """A ShardedWeight of a stack (tensor-parallel scanned layers) is a valid stack too; its
+  layers have the stack's format (end-to-end: tests/test_sharding.py)."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  w = qjax.quantize(jax.random.normal(jax.random.key(0), (256, 64)))
+  split = qjax.ShardedWeight.of(_stack([w, w, w]), mesh, "tp", "column")
+  view = qjax.layer_of(split, 2)
+  assert view.format_cls is qjax.Int4Weight and view.num_layers == 3
+  assert view.shape == (256, 64)
+  x = jnp.ones((1, 256), jnp.float32)
+  np.testing.assert_array_equal(np.asarray(qjax.matmul(x, view, implementation="xla")),
+                                np.asarray(qjax.matmul(x, w, implementation="xla")))
 
 
 def test_llama_scan_hands_the_kernels_the_stacked_weights(tmp_path):
@@ -116,7 +120,7 @@ def test_llama_scan_hands_the_kernels_the_stacked_weights(tmp_path):
   cfg = dataclasses.replace(cfg, implementation="interpret", dtype=jnp.bfloat16)
   tokens = jnp.asarray(hf_case.TOKENS)
   jaxpr = jax.make_jaxpr(lambda p: llama.forward(p, tokens, cfg=cfg))(params).jaxpr
-  calls = _pallas_operand_shapes(jaxpr)
+  calls = pallas_operand_shapes(jaxpr)
   # q, k, v, o, gate, up and down, traced once in the scan body, take the stacked codes
   # and the layer index ([1] int32, last); the output head is a plain call.
   in_layers = [shapes for shapes in calls if shapes[-1] == (1,)]
@@ -152,7 +156,7 @@ def test_scanned_moe_layers_equal_each_layer_bit_for_bit(tokens, implementation)
     np.testing.assert_array_equal(got[i], np.asarray(want.astype(jnp.float32)),
                                   err_msg=f"layer {i}")
   if implementation != "xla":
-    calls = _pallas_operand_shapes(jax.make_jaxpr(scanned)(x, stack).jaxpr)
+    calls = pallas_operand_shapes(jax.make_jaxpr(scanned)(x, stack).jaxpr)
     codes = stack.codes.shape
     assert calls and all(any(s == codes for s in shapes) for shapes in calls), calls
 
@@ -182,7 +186,7 @@ def test_scan_layers_equals_applying_each_layer(implementation):
   np.testing.assert_array_equal(np.asarray(final), np.asarray(h))
   if implementation != "xla":
     jaxpr = jax.make_jaxpr(lambda p, x: scan_layers(module, p, x, scales))(stacked, x).jaxpr
-    [shapes] = _pallas_operand_shapes(jaxpr)
+    [shapes] = pallas_operand_shapes(jaxpr)
     assert shapes[1] == stacked["Int4Dense_0"]["kernel"].codes.shape, shapes
 
 

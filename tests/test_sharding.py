@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import qjax
-from conftest import rel_err, seed_from
+from conftest import pallas_operand_shapes, rel_err, seed_from
 from qjax._src import check
 from qjax._src import gguf_formats as gf
 from qjax._src import gguf_tiled
@@ -297,6 +297,44 @@ def test_moe_layer_expert_parallel():
   assert rel_err(y, single) < TOL
 
 
+def test_moe_layers_expert_parallel_scanned_read_the_stack_in_place():
+  """Two devices, two MXFP4MoE layers run by flax_layers.scan_layers over expert-split
+  stacked weights: equal to the single-device layers, and the kernels (interpret mode) take
+  each device's slice of the stack rather than a per-layer copy."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  from flax_layers import MXFP4MoE, scan_layers  # pylint: disable=g-import-not-at-top
+  mesh = _mesh(2, "ep")
+
+  class Layer(nn.Module):
+
+    @nn.compact
+    def __call__(self, h, _):
+      moe = MXFP4MoE(num_experts=8, top_k=2, intermediate_size=64,
+                     implementation="interpret", name="moe")
+      return h + moe(h), None
+
+  x = jnp.asarray(np.random.default_rng(seed_from("moe-scan")).standard_normal((6, 128)),
+                  jnp.float32)
+  per_layer = [Layer().init(jax.random.key(i), x, None)["params"] for i in range(2)]
+  want = x
+  for p in per_layer:
+    want = Layer().apply({"params": p}, want, None)[0]
+  stacked = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+  sharded = {"moe": {name: (qjax.ShardedWeight.of(v, mesh, "ep", "expert")
+                            if name in ("gate_up", "down") else v)
+                     for name, v in stacked["moe"].items()}}
+  is_split = lambda v: isinstance(v, qjax.ShardedWeight)
+  specs = jax.tree.map(lambda v: v.partition_specs() if is_split(v) else P(), sharded,
+                       is_leaf=is_split)
+  fn = sharding_lib.shard_map(lambda p, x: scan_layers(Layer(), p, x, None)[0], mesh,
+                              in_specs=(specs, P()), out_specs=P())
+  assert rel_err(jax.jit(fn)(sharded, x), want) < TOL
+  local = {tuple(sharded["moe"][n].arrays["codes"].sharding.shard_shape(
+      sharded["moe"][n].arrays["codes"].shape)) for n in ("gate_up", "down")}
+  calls = pallas_operand_shapes(jax.make_jaxpr(fn)(sharded, x).jaxpr)
+  assert len([c for c in calls if any(s in local for s in c)]) == 2, (calls, local)
+
+
 # -- errors -------------------------------------------------------------------------------
 
 
@@ -533,6 +571,28 @@ def test_llama_tensor_parallel_prefill_and_decode_match_single_device():
   got, _ = flax_layers.tp_decode_step(sharded, tokens[:, -1], 7, tp_cache, cfg=cfg, mesh=mesh)
   assert rel_err(got_prefill, want_prefill) < TOL
   assert rel_err(got, want) < TOL
+
+
+def test_llama_tensor_parallel_scanned_layers_read_the_stack_in_place():
+  """Two devices, scanned layers, the kernels (interpret mode): each layer's kernels take
+  the device's slice of the whole stack (qjax.layer_of through the ShardedWeight), not a
+  per-layer copy, and the logits match the single-device forward."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  import flax_layers  # pylint: disable=g-import-not-at-top
+  mesh = _mesh(2)
+  cfg, params, tokens = llama_case(True)
+  cfg = dataclasses.replace(cfg, implementation="interpret")
+  single = flax_layers.forward(params, tokens, cfg=cfg)
+  sharded = flax_layers.shard_llama_params(params, mesh, cfg)
+  run = lambda p, t: flax_layers.tp_forward(p, t, cfg=cfg, mesh=mesh)
+  assert rel_err(run(sharded, tokens), single) < TOL
+  stacked = sharded["params"]["blocks"]
+  local = {tuple(a.sharding.shard_shape(a.shape)) for a in jax.tree.leaves(stacked)
+           if a.ndim >= 3}  # each device's slice of a stacked quantized array
+  calls = pallas_operand_shapes(jax.make_jaxpr(run)(sharded, tokens).jaxpr)
+  # q, k, v, o, gate, up, down: traced once in the scan body, each handed its stacked
+  # arrays (3-D: a per-layer copy would be 2-D).
+  assert len([c for c in calls if any(s in local for s in c)]) == 7, (calls, local)
 
 
 def test_llama_head_counts_must_divide():

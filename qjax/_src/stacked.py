@@ -32,7 +32,8 @@ from jax import lax
 class LayerOf:
   """Layer ``index`` of ``stack``, a quantized-weight pytree whose every array has a
   leading ``[layers]`` axis (as ``jax.tree.map(jnp.stack, ...)`` or a scan's stacked
-  params make it).
+  params make it), or a :class:`qjax.ShardedWeight` of such a stack (tensor-parallel
+  layers, inside ``shard_map``).
 
   Build it with :func:`layer_of`, which checks the arguments.
 
@@ -53,6 +54,11 @@ class LayerOf:
   def num_layers(self) -> int:
     return jax.tree.leaves(self.stack)[0].shape[0]
 
+  @property
+  def format_cls(self) -> type:
+    """The class of one layer's weight (a ShardedWeight's ``format_cls`` through it)."""
+    return getattr(self.stack, "format_cls", type(self.stack))
+
   def layer(self) -> Any:
     """The layer as a weight of the stack's format (each array sliced at ``index``)."""
     index = jnp.asarray(self.index, jnp.int32)
@@ -72,14 +78,19 @@ def layer_of(stack: Any, index: Any) -> LayerOf:
   >>> jax.lax.scan(body, 0, jnp.arange(3))[1].shape
   (3, 1, 64)
 
+  ``stack`` may also be a :class:`qjax.ShardedWeight` whose arrays carry the leading
+  ``[layers]`` axis (tensor-parallel layers inside ``shard_map``): each device's kernels
+  then read its slice of the stack in place.
+
   Raises:
     TypeError: ``stack`` is not a quantized weight, or ``index`` not an integer scalar.
     ValueError: the arrays of ``stack`` do not share one leading ``[layers]`` axis.
   """
   from qjax._src import formats  # pylint: disable=g-import-not-at-top
-  if not formats.is_quantized(stack):
-    raise TypeError(f"layer_of needs a stacked quantized weight (a qjax.QuantizedWeight); "
-                    f"got {type(stack).__name__}")
+  from qjax._src import sharding  # pylint: disable=g-import-not-at-top
+  if not (formats.is_quantized(stack) or isinstance(stack, sharding.ShardedWeight)):
+    raise TypeError(f"layer_of needs a stacked quantized weight (a qjax.QuantizedWeight or "
+                    f"a qjax.ShardedWeight of one); got {type(stack).__name__}")
   if jnp.ndim(index) != 0 or not jnp.issubdtype(jnp.result_type(index), jnp.integer):
     raise TypeError(f"layer_of index must be an integer scalar; got {index!r}")
   leading = {jnp.shape(a)[0] if jnp.ndim(a) else None for a in jax.tree.leaves(stack)}
