@@ -105,6 +105,8 @@ def test_layer_of_a_split_stack():
   view = qjax.layer_of(split, 2)
   assert view.format_cls is qjax.Int4Weight and view.num_layers == 3
   assert view.shape == (256, 64)
+  assert qjax.implementation_name(view, "interpret") == "pallas_triton-interpret"
+  assert qjax.implementation_name(view, "xla") == "xla"
   x = jnp.ones((1, 256), jnp.float32)
   np.testing.assert_array_equal(np.asarray(qjax.matmul(x, view, implementation="xla")),
                                 np.asarray(qjax.matmul(x, w, implementation="xla")))

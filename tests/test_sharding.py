@@ -323,6 +323,8 @@ def test_moe_layers_expert_parallel_scanned_read_the_stack_in_place():
   sharded = {"moe": {name: (qjax.ShardedWeight.of(v, mesh, "ep", "expert")
                             if name in ("gate_up", "down") else v)
                      for name, v in stacked["moe"].items()}}
+  assert qjax.moe_implementation_name(sharded["moe"]["down"],
+                                     "interpret") == "pallas_triton-interpret"
   is_split = lambda v: isinstance(v, qjax.ShardedWeight)
   specs = jax.tree.map(lambda v: v.partition_specs() if is_split(v) else P(), sharded,
                        is_leaf=is_split)

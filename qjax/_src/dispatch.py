@@ -266,10 +266,10 @@ def implementation_name(w: Any, implementation: str | None = None, *, m: int = 1
                         dtype=jnp.bfloat16) -> str:
   """The name of the implementation ``matmul`` would run for ``w`` and ``m`` rows of x of
   ``dtype`` on this machine."""
-  if isinstance(w, sharded_weight_class()):
-    w = w.as_weight()
   if isinstance(w, stacked.LayerOf):
     w = w.stack  # its static fields are one layer's; only they are read here
+  if isinstance(w, sharded_weight_class()):
+    w = w.as_weight()
   name, _ = resolve(w, implementation)
   if implementation is None and name != "xla":
     backend = next(b for b in kernels_for(w) if b.name == name)

@@ -321,4 +321,6 @@ def moe_implementation_name(w: Any, implementation: str | None = None,
   with ``num_pairs`` = tokens x top_k (None: a call no decode rule applies to)."""
   if isinstance(w, stacked.LayerOf):
     w = w.stack  # its static fields are one layer's; only they are read here
+  if isinstance(w, dispatch.sharded_weight_class()):
+    w = w.as_weight()
   return resolve_moe(w, implementation, num_pairs)[0]
