@@ -248,6 +248,17 @@ def matmul(x: jax.Array, w: Any, *, implementation: str | None = None) -> jax.Ar
   return y.reshape(*lead, w.shape[1])
 
 
+def resolvable_weight(w: Any) -> Any:
+  """The weight whose format and static fields pick an implementation for ``w``: a
+  :class:`qjax.LayerOf`'s stack (its static fields are one layer's; only they are read),
+  then a :class:`qjax.ShardedWeight`'s weight (the local one inside shard_map)."""
+  if isinstance(w, stacked.LayerOf):
+    w = w.stack
+  if isinstance(w, sharded_weight_class()):
+    w = w.as_weight()
+  return w
+
+
 def sharded_weight_class() -> type:
   """:class:`qjax.ShardedWeight` (imported here on demand: its module imports this one)."""
   from qjax._src import sharding  # pylint: disable=g-import-not-at-top
@@ -266,10 +277,7 @@ def implementation_name(w: Any, implementation: str | None = None, *, m: int = 1
                         dtype=jnp.bfloat16) -> str:
   """The name of the implementation ``matmul`` would run for ``w`` and ``m`` rows of x of
   ``dtype`` on this machine."""
-  if isinstance(w, stacked.LayerOf):
-    w = w.stack  # its static fields are one layer's; only they are read here
-  if isinstance(w, sharded_weight_class()):
-    w = w.as_weight()
+  w = resolvable_weight(w)
   name, _ = resolve(w, implementation)
   if implementation is None and name != "xla":
     backend = next(b for b in kernels_for(w) if b.name == name)

@@ -319,8 +319,4 @@ def moe_implementation_name(w: Any, implementation: str | None = None,
                             num_pairs: int | None = None) -> str:
   """The implementation ``moe_matmul`` would run for ``w`` on this machine, for a call
   with ``num_pairs`` = tokens x top_k (None: a call no decode rule applies to)."""
-  if isinstance(w, stacked.LayerOf):
-    w = w.stack  # its static fields are one layer's; only they are read here
-  if isinstance(w, dispatch.sharded_weight_class()):
-    w = w.as_weight()
-  return resolve_moe(w, implementation, num_pairs)[0]
+  return resolve_moe(dispatch.resolvable_weight(w), implementation, num_pairs)[0]
