@@ -1,4 +1,5 @@
-"""Fused dequantize + matmul kernels in Pallas, lowered to Triton on NVIDIA GPUs.
+"""Fused dequantize + matmul kernels in Pallas, lowered to Triton on NVIDIA GPUs (and one
+in Pallas Mosaic GPU for Hopper: ``int4_wgmma``).
 
 Importing this package registers each kernel with qjax's dispatcher as the GPU backend of
 the formats it serves (qjax finds it through the ``qjax.backends`` entry point).
@@ -14,6 +15,7 @@ from pallas_kernels import fp4_moe as fp4_moe
 from pallas_kernels import fp4_moe_gemv as fp4_moe_gemv
 from pallas_kernels import int4_gemv as int4_gemv
 from pallas_kernels import int4_matmul as int4_matmul
+from pallas_kernels import int4_wgmma as int4_wgmma
 from qjax._src import gguf_formats as _gguf_formats
 from qjax._src import gguf_tiled as _gguf_tiled
 
@@ -86,3 +88,11 @@ qjax.register_kernel(
                  supported_on=triton_supported,
                  # Same bound as INT4 until the codebook kernel has its own H100 sweeps.
                  auto_max_m=64))
+
+# Int4NKWeight (codes [N, K // 8]): the Mosaic GPU wgmma kernel, Hopper only. At M = 2048
+# on the H100 it took 1.06-1.11x the bf16 GEMM's time, where XLA's dequantize-then-GEMM
+# takes 1.17x (BENCHMARKS.md, session 16).
+qjax.register_kernel(
+    qjax.Int4NKWeight,
+    qjax.Backend(name="mosaic_gpu_wgmma", fn=int4_wgmma.int4_nk_matmul,
+                 supported_on=int4_wgmma.supported))

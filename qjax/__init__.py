@@ -16,6 +16,8 @@ from qjax._src.formats import is_quantized as is_quantized
 from qjax._src.int4 import Int4Weight as Int4Weight
 from qjax._src.int4 import dequantize as dequantize
 from qjax._src.int4 import quantize as quantize
+from qjax._src.int4_nk import Int4NKWeight as Int4NKWeight
+from qjax._src.int4_nk import to_int4_nk as to_int4_nk
 from qjax._src.packing import NATIVE_TILE_K as NATIVE_TILE_K
 from qjax._src.packing import PLAIN_TILE_K as PLAIN_TILE_K
 from qjax._src.serialization import load as load

@@ -32,13 +32,14 @@ from qjax._src import tuning
 from qjax._src.codebook import CodebookWeight
 from qjax._src.fp4 import MXFP4Weight
 from qjax._src.fp4 import NVFP4Weight
+from qjax._src.int4_nk import Int4NKWeight
 from qjax._src.int4 import Int4Weight
 
 GPU_M = (1, 16, 64, 256, 2048)
 GPU_SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672))
 CPU_M = (1, 16)
 CPU_SHAPES = ((512, 512), (1024, 768))
-BENCH_FORMATS = ("int4", "mxfp4", "nvfp4", "codebook", "codebook2")
+BENCH_FORMATS = ("int4", "int4nk", "mxfp4", "nvfp4", "codebook", "codebook2")
 L2_BYTES = 50 * 2**20  # H100; rotation targets several times this
 
 
@@ -75,6 +76,13 @@ def random_weight(fmt: str, k: int, n: int, key: jax.Array) -> Any:
     scales = (jax.random.uniform(ks, (k // group, n), jnp.float32, 0.5, 1.5) / 64).astype(
         jnp.bfloat16)
     return Int4Weight(codes=codes, scales=scales, zeros=None, shape=(k, n), group_size=group)
+  if fmt == "int4nk":
+    # The same weight distribution in the [N, K // 8] layout of the Hopper wgmma kernel.
+    kc, ks = jax.random.split(key)
+    codes = jax.random.bits(kc, (n, k // 8), jnp.uint32)
+    scales = (jax.random.uniform(ks, (k // 128, n), jnp.float32, 0.5, 1.5) / 64).astype(
+        jnp.bfloat16)
+    return Int4NKWeight(codes=codes, scales=scales, shape=(k, n), group_size=128)
   if fmt in ("mxfp4", "nvfp4"):
     kc, ks = jax.random.split(key)
     codes = jax.random.bits(kc, (-(-k // 128) * 16, n), jnp.uint32)
@@ -141,10 +149,14 @@ def bench_shape(m: int, k: int, n: int, fmt: str, *, bandwidth: float, impls: Se
   w0 = random_weight(fmt, k, n, kw)
   reps = _rotation(w0.nbytes)
   ws = [w0] + [random_weight(fmt, k, n, jax.random.fold_in(kw, i)) for i in range(1, reps)]
-  times, source = {}, "trace"
+  times, source, notes = {}, "trace", []
   for impl in impls:
     f = jax.jit(lambda x_, w_, impl=impl: dispatch.matmul(x_, w_, implementation=impl))
-    t = devtime.device_time(f, [(x, w) for w in ws], calls=calls)
+    try:
+      t = devtime.device_time(f, [(x, w) for w in ws], calls=calls)
+    except NotImplementedError as e:  # e.g. a kernel without interpret mode: nan in the table
+      notes.append(f"{impl}: {e}")
+      continue
     times[impl] = t.us
     source = t.source
   del ws
@@ -158,7 +170,7 @@ def bench_shape(m: int, k: int, n: int, fmt: str, *, bandwidth: float, impls: Se
   default = "xla" if dispatch.implementation_name(w0, m=m) == "xla" else "pallas"
   return Row(m=m, k=k, n=n, fmt=fmt, times_us=times, bf16_us=bf16,
              floor_us=floor_bytes / bandwidth * 1e6, floor_bytes=floor_bytes, source=source,
-             default_impl=default)
+             notes="; ".join(notes), default_impl=default)
 
 
 def format_table(rows: Sequence[Row], impls: Sequence[str]) -> str:

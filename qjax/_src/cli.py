@@ -71,7 +71,8 @@ def _add_bench(sub) -> None:
   p.add_argument("--shapes", help="comma-separated KxN, e.g. 4096x4096,4096x14336 "
                  "(default GPU: the four Llama shapes; CPU: 512x512,1024x768)")
   p.add_argument("--format", default="int4", help="comma-separated formats: int4 (group "
-                 "128, symmetric; the default), mxfp4, nvfp4, codebook (group 128, Hadamard; "
+                 "128, symmetric; the default), int4nk (the same in the [N, K / 8] layout of "
+                 "qjax.to_int4_nk, served by the Hopper wgmma kernel), mxfp4, nvfp4, codebook (group 128, Hadamard; "
                  "the floor adds its rotation matrices), codebook2 (two passes)")
   p.add_argument("--impl", help="comma-separated implementations to time (default GPU: "
                  "pallas,xla; CPU: xla,interpret)")

@@ -1,0 +1,303 @@
+"""INT4 x bf16 GEMM for Hopper (sm_90) in Pallas Mosaic GPU: TMA pipeline, wgmma with the
+weight as the register operand.
+
+Computes ``y [M, N] = x [M, K] @ W`` for a :class:`qjax.Int4NKWeight` (codes
+``[N, K // 8]``, the bytes of an int4 ``W^T``) as ``y^T = W^T x^T``, so that the
+dequantized weight never goes through shared memory:
+
+* A persistent grid, one program (CTA) per SM, walks the output tiles. A CTA has three
+  warpgroups: one issues the TMA copies of a ``max_concurrent_steps``-deep pipeline over
+  K (x ``[tile_m, tile_k]`` bf16, W^T ``[2 tile_n, tile_k]`` int4, one scale row
+  ``[2 tile_n]``), two compute.
+* Each compute warpgroup loads its ``[tile_n, tile_k]`` half of W^T from shared memory
+  into registers, converts int4 to bf16 there (Mosaic's lop3 / prmt conversion),
+  multiplies each row by its group scale, and issues ``wgmma`` with that register operand
+  against the x tile in shared memory (transposed view), accumulating
+  ``[tile_n, tile_m]`` in float32.
+* The epilogue relays the accumulator to the transposed wgmma layout and stores it into
+  a transposed shared-memory view, so the TMA store writes ``y`` (not ``y^T``) tiles.
+* ``split_k > 1`` (for grids with fewer tiles than SMs: small M and N) gives each split
+  its own float32 ``[M, N]`` slice of the output, summed by XLA afterwards.
+
+The weight is rounded to bf16 once per element (``bf16(c) * bf16(s)``, exact inputs, one
+rounding), as the XLA path's dequantization does; products accumulate in float32.
+
+Jax's Pallas Triton backend is deprecated in favour of Mosaic GPU (JAX 0.11); this is the
+project's first Mosaic GPU kernel and registers with the dispatcher like the others.
+Mosaic GPU has no interpret mode that runs this kernel on the CPU (its GPU interpreter
+lacks layout casts and stalls on the warp-specialized pipeline), so CPU tests lower it for
+CUDA without running it, and tests/test_int4_nk.py runs it on the GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from qjax._src import int4_nk
+
+# Shared memory for the pipeline and the epilogue's buffers (the H100 allows 227 KiB per
+# block; the rest is barriers).
+_SMEM_BUDGET = 220 * 1024
+_WG = 2  # compute warpgroups per CTA, each owning tile_n rows of W^T
+
+
+@dataclasses.dataclass(frozen=True)
+class WgmmaConfig:
+  """Static tile configuration of :func:`int4_nk_matmul`.
+
+  Attributes:
+    tile_n: rows of W^T (columns of y) per compute warpgroup; wgmma's M: 64 or 128.
+    tile_m: rows of x per CTA; wgmma's N: a multiple of 8, at most 256.
+    tile_k: K per pipeline step: 64 or 128, dividing the group size.
+    stages: pipeline depth (TMA copies in flight).
+    epi_m: rows of y per epilogue store; divides tile_m.
+    split_k: K splits (float32 partial outputs summed by XLA when > 1).
+    m_minor: walk output tiles with M fastest (each W^T tile read once from memory, x
+      tiles from L2) instead of N fastest.
+  """
+  tile_n: int = 64
+  tile_m: int = 256
+  tile_k: int = 64
+  stages: int = 4
+  epi_m: int = 64
+  split_k: int = 1
+  m_minor: bool = False
+
+  def __post_init__(self):
+    for name in ("tile_n", "tile_m", "tile_k", "stages", "epi_m", "split_k"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ValueError(f"WgmmaConfig.{name}={v!r} must be a positive int")
+    if self.tile_n not in (64, 128):
+      raise ValueError(f"WgmmaConfig.tile_n={self.tile_n} must be 64 or 128 (wgmma M)")
+    if self.tile_m % 8 or self.tile_m > 256:
+      raise ValueError(f"WgmmaConfig.tile_m={self.tile_m} must be a multiple of 8 up to 256")
+    if self.tile_k not in (64, 128):
+      raise ValueError(f"WgmmaConfig.tile_k={self.tile_k} must be 64 or 128")
+    if self.tile_m % self.epi_m or self.epi_m % 8:
+      raise ValueError(
+          f"WgmmaConfig.epi_m={self.epi_m} must be a multiple of 8 dividing tile_m="
+          f"{self.tile_m}")
+
+  def epilogue_bytes(self) -> int:
+    """Shared memory of the epilogue: two buffers per compute warpgroup."""
+    return _WG * 2 * self.epi_m * self.tile_n * (4 if self.split_k > 1 else 2)
+
+  def stage_bytes(self) -> int:
+    """Shared memory of one pipeline stage: x tile, W^T tile (int4), scale row."""
+    return self.tile_m * self.tile_k * 2 + _WG * self.tile_n * self.tile_k // 2 + _WG * self.tile_n * 2
+
+
+def supported(device: jax.Device) -> bool:
+  """wgmma is an sm_90a instruction: NVIDIA Hopper (H100, H200) only."""
+  if device.platform != "gpu":
+    return False
+  cc = getattr(device, "compute_capability", None)
+  try:
+    return cc is not None and float(cc) == 9.0
+  except (TypeError, ValueError):
+    return False
+
+
+def _round_up(a: int, b: int) -> int:
+  return -(-a // b) * b
+
+
+def config_for(m: int, k: int, n: int, group_size: int, num_sms: int = 132) -> WgmmaConfig:
+  """The configuration for an ``[m, k] x [k, n]`` problem: from the H100 sweep recorded
+  in BENCHMARKS.md (session 16); shapes not measured get the nearest rule."""
+  tile_k = 128 if group_size % 128 == 0 else 64
+  if m > 128:
+    tiles_256 = -(-m // 256) * (n // (_WG * 64))
+    tile_m = 256 if m >= 512 or tiles_256 >= num_sms // 2 else 128
+    if tile_m == 256:
+      tile_k = 64
+  else:
+    tile_m = min(128, _round_up(max(m, 8), 8))
+  epi_m = 64 if tile_m % 64 == 0 else tile_m
+  cfg = WgmmaConfig(tile_n=64, tile_m=tile_m, tile_k=tile_k, stages=2, epi_m=epi_m)
+  tiles = -(-m // tile_m) * (n // (_WG * cfg.tile_n))
+  split_k = 1
+  while (tiles * split_k * 2 <= num_sms and k % (split_k * 2 * group_size) == 0
+         and k // (split_k * 2) // tile_k >= 4):
+    split_k *= 2
+  cfg = dataclasses.replace(cfg, split_k=split_k)
+  stages = (_SMEM_BUDGET - cfg.epilogue_bytes()) // cfg.stage_bytes()
+  return dataclasses.replace(cfg, stages=max(2, min(4 if tile_m == 256 else 8, stages)))
+
+
+def _check(x: jax.Array, w: Any, cfg: WgmmaConfig) -> None:
+  """NotImplementedError (the dispatcher falls back to XLA) for what the kernel lacks."""
+  if not isinstance(w, int4_nk.Int4NKWeight):
+    raise NotImplementedError(f"int4_nk_matmul takes an Int4NKWeight, got {type(w).__name__}")
+  if w.codes.ndim != 2:
+    raise NotImplementedError("int4_nk_matmul takes one weight, not a stack (no layer_of yet)")
+  if x.dtype != jnp.bfloat16:
+    raise NotImplementedError(
+        f"x.dtype={jnp.dtype(x.dtype).name}: the wgmma kernel converts int4 to bf16 and "
+        "takes bf16 activations")
+  if w.scales.dtype != jnp.bfloat16:
+    raise NotImplementedError(
+        f"scales of dtype {jnp.dtype(w.scales.dtype).name}: the kernel multiplies by bf16 "
+        "scales in registers; rounding others would change the weight")
+  k, n = w.shape
+  if w.group_size % cfg.tile_k:
+    raise NotImplementedError(
+        f"group_size={w.group_size} is not a multiple of tile_k={cfg.tile_k}")
+  if k % (cfg.split_k * w.group_size):
+    raise NotImplementedError(f"K={k} is not a multiple of split_k * group_size = "
+                              f"{cfg.split_k * w.group_size}")
+  if n % (_WG * cfg.tile_n):
+    raise NotImplementedError(f"N={n} is not a multiple of {_WG * cfg.tile_n}")
+
+
+def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, cfg: WgmmaConfig,
+                 group_size: int, num_sms: int, out_dtype) -> jax.Array:
+  """``[split_k, M, N]`` (``out_dtype``) partial products; M a multiple of tile_m.
+
+  x: ``[M, K]`` bf16; wt: ``[N, K]`` int4; scales: ``[K // G, N]`` bf16.
+  """
+  m, k = x.shape
+  n = wt.shape[0]
+  tn, tm, tk, splits = cfg.tile_n, cfg.tile_m, cfg.tile_k, cfg.split_k
+  cta_n = _WG * tn
+  m_iters, n_iters = m // tm, n // cta_n
+  k_per_split = k // splits
+  k_iters = k_per_split // tk
+  steps_per_group = group_size // tk
+  out_bits = jnp.dtype(out_dtype).itemsize * 8
+
+  x_swizzle = plgpu.find_swizzle(tk * 16, "lhs")
+  w_swizzle = plgpu.find_swizzle(tk * 4, "rhs")
+  o_swizzle = plgpu.find_swizzle(tn * out_bits, "out")
+  x_transforms = (plgpu.TilingTransform((8, x_swizzle * 8 // 16)),
+                  plgpu.SwizzleTransform(x_swizzle))
+  w_transforms = (plgpu.TilingTransform((8, w_swizzle * 8 // 4)),
+                  plgpu.SwizzleTransform(w_swizzle))
+  o_transforms = (plgpu.TilingTransform((8, o_swizzle * 8 // out_bits)),
+                  plgpu.SwizzleTransform(o_swizzle))
+  tiles = m_iters * n_iters * splits
+  grid = min(num_sms, tiles)
+
+  def kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem):
+    def pipeline(body, context):
+      return plgpu.emit_pipeline_warp_specialized(
+          body, grid=(k_iters,), memory_registers=40,
+          in_specs=[
+              plgpu.BlockSpec((tm, tk), lambda kk: (0, kk), transforms=x_transforms),
+              plgpu.BlockSpec((cta_n, tk), lambda kk: (0, kk), transforms=w_transforms),
+              plgpu.BlockSpec((1, cta_n), lambda kk: (kk // steps_per_group, 0)),
+          ],
+          wg_axis="wg", num_compute_wgs=_WG, max_concurrent_steps=cfg.stages,
+          compute_context=context)
+
+    ignore = lambda *_, **__: None
+
+    @functools.partial(
+        pl.run_scoped,
+        allocations=pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem, s_gmem),
+        collective_axes="wg")
+    def _scope(allocations):
+      wg = lax.axis_index("wg")
+      wg_rows = pl.ds(wg * tn, tn)
+
+      @plgpu.nd_loop((tiles,), collective_axes="sm")
+      def _tile(info):
+        (lin,) = info.index
+        if cfg.m_minor:
+          mi = lin % m_iters
+          rest = lin // m_iters
+          ni, si = rest % n_iters, rest // n_iters
+        else:
+          ni = lin % n_iters
+          rest = lin // n_iters
+          mi, si = rest % m_iters, rest // m_iters
+        m0, n0 = mi * tm, ni * cta_n
+        k0 = si * k_per_split
+
+        def context(run):
+          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tn, tm), jnp.float32))
+          def _acc(acc_ref):
+            run(acc_ref)
+            acc = acc_ref[...].astype(out_dtype)
+            acc = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            for e in range(tm // cfg.epi_m):
+              rows = slice(e * cfg.epi_m, (e + 1) * cfg.epi_m)
+              slot = e % 2
+              plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+              out_smem.at[wg, slot].transpose((1, 0))[...] = acc[:, rows]
+              plgpu.commit_smem()
+              plgpu.copy_smem_to_gmem(
+                  out_smem.at[wg, slot],
+                  out_gmem.at[si, pl.ds(m0 + e * cfg.epi_m, cfg.epi_m),
+                              pl.ds(n0 + wg * tn, tn)])
+
+        def body(_, x_smem, w_smem, s_smem, acc_ref):
+          w = w_smem[wg_rows].astype(jnp.bfloat16)  # [tn, tk], int4 -> bf16 in registers
+          s = plgpu.layout_cast(s_smem[0, wg_rows], plgpu.Layout.WGMMA.reduce(1))
+          w = w * lax.broadcast_in_dim(s, w.shape, [0])
+          plgpu.wgmma(acc_ref, w, x_smem.transpose((1, 0)))
+          plgpu.wgmma_wait(0)
+          return acc_ref
+
+        pipeline(body, context)(
+            x_gmem.at[pl.ds(m0, tm), pl.ds(k0, k_per_split)],
+            w_gmem.at[pl.ds(n0, cta_n), pl.ds(k0, k_per_split)],
+            s_gmem.at[pl.ds(k0 // group_size, k_per_split // group_size), pl.ds(n0, cta_n)],
+            allocations=allocations)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  call = plgpu.kernel(
+      kernel, out_type=jax.ShapeDtypeStruct((splits, m, n), out_dtype),
+      grid=(grid,), grid_names=("sm",), num_threads=_WG + 1, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      scratch_types=dict(out_smem=plgpu.SMEM((_WG, 2, cfg.epi_m, tn), out_dtype,
+                                             transforms=o_transforms)))
+  return call(x, wt, scales)
+
+
+def int4_nk_matmul(x: jax.Array, w: int4_nk.Int4NKWeight, *, interpret: bool = False,
+                   config: WgmmaConfig | None = None, num_sms: int | None = None
+                   ) -> jax.Array:
+  """``x [M, K] @ W -> [M, N]`` in bf16 for an :class:`qjax.Int4NKWeight` on Hopper.
+
+  Args:
+    x: ``[M, K]`` bf16; any M (rows are padded to the tile internally).
+    w: symmetric INT4 with bf16 scales, codes ``[N, K // 8]``; N a multiple of 128 and
+      the group size a multiple of 64.
+    interpret: must be False (raises NotImplementedError: no CPU interpret mode).
+    config: tiles; default :func:`config_for`.
+    num_sms: CTAs of the persistent grid; default the device's SM count.
+
+  Raises:
+    NotImplementedError: an argument the kernel does not handle (the dispatcher's
+      default route then runs the XLA path).
+  """
+  if interpret:
+    raise NotImplementedError(
+        "the Mosaic GPU wgmma kernel has no interpret mode; use implementation='xla' on "
+        "the CPU")
+  m = x.shape[0]
+  k, n = w.shape
+  if num_sms is None:
+    num_sms = getattr(jax.devices()[0], "core_count", None) or 132
+  cfg = config or config_for(m, k, n, w.group_size, num_sms)
+  _check(x, w, cfg)
+  mp = _round_up(m, cfg.tile_m)
+  xp = jnp.pad(x, ((0, mp - m), (0, 0))) if mp != m else x
+  wt = lax.bitcast_convert_type(w.codes, jnp.int4).reshape(n, k)
+  out_dtype = jnp.float32 if cfg.split_k > 1 else jnp.bfloat16
+  y = _kernel_call(xp, wt, w.scales, cfg, w.group_size, num_sms, out_dtype)
+  y = y[0] if cfg.split_k == 1 else y.sum(0).astype(jnp.bfloat16)
+  return y[:m] if mp != m else y

@@ -1,0 +1,145 @@
+"""Symmetric INT4 weights stored by output column: codes ``[N, K // 8]``.
+
+:class:`~qjax.Int4Weight` packs eight codes of one column per word and lays the words out
+``[K // 8, N]``, the layout of the Triton kernels (GEMV and tiled). This format holds the
+same weight with the words transposed, ``[N, K // 8]``, and the codes as two's-complement
+``q - 8``: its bytes are a ``jnp.int4 [N, K]`` array (XLA packs int4 low nibble first), so
+a kernel views them as int4 with a bitcast. That is the operand the Hopper ``wgmma``
+kernel (``pallas_kernels.int4_wgmma``, Pallas Mosaic GPU) loads with the tensor memory
+accelerator and converts to bf16 in registers, as the left operand of ``W^T x^T``.
+
+Convert once, at load: ``qjax.to_int4_nk(w)`` from a symmetric :class:`~qjax.Int4Weight`
+(bit-exact, and :meth:`Int4NKWeight.to_int4` is its inverse). Keep :class:`Int4Weight`
+where decode (M = 1 .. 64) dominates: the GEMV kernels read that layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qjax._src import dispatch
+from qjax._src import formats
+from qjax._src import int4
+from qjax._src import packing
+
+
+@formats.register_format
+@dataclasses.dataclass(frozen=True)
+class Int4NKWeight(formats.QuantizedWeight):
+  """Symmetric 4-bit weight of logical shape ``[K, N]``, used as ``y = x @ W``.
+
+  ``W[k, n] = c[n, k] * scales[k // G, n]`` with integer codes ``c`` in ``[-8, 7]`` (the
+  ``q - 8`` of a symmetric :class:`~qjax.Int4Weight`).
+
+  Attributes:
+    codes: ``[N, K // 8]`` uint32; bits ``4i .. 4i + 3`` of word ``(n, j)`` hold
+      ``c[n, 8j + i]`` in two's complement: the bytes of a ``jnp.int4 [N, K]`` array.
+    scales: ``[K // G, N]`` bf16, f16 or f32.
+    shape: the logical ``(K, N)``.
+    group_size: ``G``; a divisor of K (K itself for one scale per column).
+  """
+
+  format_name = "int4_nk"
+
+  codes: jax.Array
+  scales: jax.Array
+  shape: tuple[int, int] = formats.static_field()
+  group_size: int = formats.static_field()
+
+  def __post_init__(self):
+    object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+    k, n = self.shape
+    if k % 8:
+      raise ValueError(f"Int4NKWeight needs K={k} to be a multiple of 8 (8 codes per word)")
+    if self.group_size <= 0 or k % self.group_size:
+      raise ValueError(
+          f"K={k} must be a multiple of group_size={self.group_size}; pad K or choose a "
+          "group size that divides it")
+    if not self._leaves_concrete_2d():
+      return
+    want = {"codes": ((n, k // 8), (jnp.uint32,)),
+            "scales": ((k // self.group_size, n), int4.SCALE_DTYPES)}
+    for name, (shape, dtypes) in want.items():
+      a = getattr(self, name)
+      if tuple(a.shape[-2:]) != shape or jnp.dtype(a.dtype) not in [jnp.dtype(d) for d in dtypes]:
+        raise ValueError(
+            f"Int4NKWeight.{name} must be {shape} of dtype "
+            f"{[jnp.dtype(d).name for d in dtypes]}, got {tuple(a.shape)} "
+            f"{jnp.dtype(a.dtype).name} (shape={self.shape}, group_size={self.group_size})")
+
+  @property
+  def num_groups(self) -> int:
+    return self.shape[0] // self.group_size
+
+  def signed_codes(self) -> jax.Array:
+    """``[..., N, K]`` int8 codes ``c`` in ``[-8, 7]``."""
+    xp = np if isinstance(self.codes, np.ndarray) else jnp
+    shifts = (xp.arange(8, dtype=xp.uint32) * 4)
+    nibbles = (self.codes[..., None] >> shifts) & xp.uint32(0xF)  # [..., N, K // 8, 8]
+    c = nibbles.astype(xp.int8)
+    c = xp.where(c >= 8, c - 16, c).astype(xp.int8)
+    return c.reshape(*self.codes.shape[:-1], self.shape[0])
+
+  def dequantize(self, dtype=jnp.float32) -> jax.Array:
+    """``[K, N]`` W in ``dtype``: ``c * s`` computed in float32, rounded once."""
+    return jnp.swapaxes(self.dequantize_nk(dtype), -1, -2)
+
+  def dequantize_nk(self, dtype=jnp.float32) -> jax.Array:
+    """``[N, K]`` W^T in ``dtype``: ``c * s`` computed in float32, rounded once."""
+    s = jnp.repeat(jnp.swapaxes(self.scales, -1, -2).astype(jnp.float32), self.group_size,
+                   axis=-1)  # [..., N, K]
+    return (self.signed_codes().astype(jnp.float32) * s).astype(dtype)
+
+  def to_int4(self, tile_k: int = packing.NATIVE_TILE_K) -> int4.Int4Weight:
+    """The same weight as a symmetric :class:`~qjax.Int4Weight` (lossless, jittable)."""
+    q = (jnp.swapaxes(self.signed_codes(), -1, -2).astype(jnp.int32) + 8).astype(jnp.uint8)
+    return int4.Int4Weight(codes=packing.pack_codes(q, tile_k), scales=self.scales, zeros=None,
+                           shape=self.shape, group_size=self.group_size, tile_k=tile_k)
+
+
+def to_int4_nk(w: int4.Int4Weight) -> Int4NKWeight:
+  """``w`` in the ``[N, K // 8]`` layout of :class:`Int4NKWeight`: bit-exact, jittable.
+
+  Args:
+    w: a symmetric :class:`~qjax.Int4Weight` (no zero points, no biases); K a multiple
+      of 8. Its scales are kept as they are (dtype included).
+
+  >>> import jax, qjax
+  >>> w = qjax.quantize(jax.random.normal(jax.random.key(0), (256, 128)))
+  >>> wn = qjax.to_int4_nk(w)
+  >>> wn.codes.shape, bool((wn.dequantize() == w.dequantize()).all())
+  ((128, 32), True)
+  """
+  if not isinstance(w, int4.Int4Weight):
+    raise TypeError(f"to_int4_nk takes an Int4Weight, got {type(w).__name__}")
+  if not w.symmetric:
+    raise ValueError(
+        "to_int4_nk needs a symmetric Int4Weight (zero point 8): this one has "
+        f"{'zero points' if w.zeros is not None else 'float biases'}; quantize with "
+        "symmetric=True or keep the Int4Weight")
+  k, _ = w.shape
+  if k % 8:
+    raise ValueError(f"to_int4_nk needs K={k} to be a multiple of 8")
+  q = w.unpacked_codes().astype(jnp.uint32)  # [..., K, N] in [0, 15]
+  signed = q ^ jnp.uint32(8)  # q - 8 in 4-bit two's complement
+  words = packing.pack_codes(signed, packing.PLAIN_TILE_K)  # [..., K // 8, N]
+  return Int4NKWeight(codes=jnp.swapaxes(words, -1, -2), scales=w.scales, shape=w.shape,
+                      group_size=w.group_size)
+
+
+def matmul_xla(x: jax.Array, w: Int4NKWeight) -> jax.Array:
+  """``x [M, K] @ W`` in x's dtype: W^T dequantized in x's dtype (float32 math, one
+  rounding) and contracted on its K axis, so XLA runs the GEMM on W^T as it is."""
+  wt = w.dequantize_nk(x.dtype)
+  if x.dtype == jnp.float32:
+    return jax.lax.dot_general(x, wt, (((1,), (1,)), ((), ())),
+                               precision=jax.lax.Precision.HIGHEST,
+                               preferred_element_type=jnp.float32)
+  return jax.lax.dot_general(x, wt, (((1,), (1,)), ((), ())))
+
+
+dispatch.register_xla(Int4NKWeight, matmul_xla)

@@ -1,0 +1,229 @@
+"""Int4NKWeight (codes ``[N, K // 8]``) and its Hopper wgmma kernel (Pallas Mosaic GPU).
+
+CPU: the layout conversion is bit-exact both ways and is the byte image of a ``jnp.int4
+[N, K]`` array; the XLA path against a float64 reference; the kernel's configurations and
+argument checks; the kernel lowers for CUDA (Mosaic GPU's layout inference and lowering run
+without a GPU). GPU (Hopper): the compiled kernel against float64 on fresh random inputs,
+many shapes including odd M, N and K, every configuration family.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import qjax
+from pallas_kernels import int4_wgmma as kw
+from tests.conftest import needs_gpu, rel_err, seed_from
+
+
+def make_case(name, m, k, n, group=128, dtype=jnp.bfloat16, scale_dtype=jnp.bfloat16):
+  """x ``[m, k]``, an Int4Weight from Gaussian weights, and its Int4NKWeight."""
+  rng = np.random.default_rng(seed_from(name))
+  x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+  w = qjax.quantize(jnp.asarray(rng.standard_normal((k, n)) * 0.05, jnp.float32),
+                    group_size=group, scale_dtype=scale_dtype)
+  return x, w, qjax.to_int4_nk(w)
+
+
+def reference(x, w):
+  """float64 ``x @ W`` of an Int4Weight, decoded from its codes and scales in numpy."""
+  q = np.asarray(w.unpacked_codes(), np.float64) - 8.0
+  s = np.repeat(np.asarray(w.scales.astype(jnp.float32), np.float64), w.group_size, axis=0)
+  return np.asarray(x.astype(jnp.float32), np.float64) @ (q * s)
+
+
+@pytest.mark.parametrize("k,n,group", [(128, 8, 128), (384, 37, 128), (1000, 24, None),
+                                       (256, 130, 256), (512, 64, 32)])
+def test_layout_is_bit_exact(request, k, n, group):
+  _, w, wn = make_case(request.node.nodeid, 1, k, n, group)
+  assert wn.codes.shape == (n, k // 8) and wn.codes.dtype == jnp.uint32
+  assert wn.scales is w.scales
+  q = np.asarray(w.unpacked_codes(), np.int64) - 8
+  # The words are the bytes of an int4 [N, K] array: XLA's own view agrees.
+  view = jax.lax.bitcast_convert_type(wn.codes, jnp.int4).reshape(n, k)
+  np.testing.assert_array_equal(np.asarray(view.astype(jnp.int8)), q.T)
+  np.testing.assert_array_equal(np.asarray(wn.signed_codes()), q.T)
+  np.testing.assert_array_equal(np.asarray(wn.dequantize()), np.asarray(w.dequantize()))
+  back = wn.to_int4(tile_k=w.tile_k)
+  np.testing.assert_array_equal(np.asarray(back.codes), np.asarray(w.codes))
+  assert back.shape == w.shape and back.group_size == w.group_size and back.symmetric
+
+
+def test_layout_of_a_stack(request):
+  ws = [make_case(f"{request.node.nodeid}{i}", 1, 256, 64)[1] for i in range(3)]
+  stack = jax.tree.map(lambda *a: jnp.stack(a), *ws)
+  wn = qjax.to_int4_nk(stack)
+  assert wn.codes.shape == (3, 64, 32)
+  for i, w in enumerate(ws):
+    np.testing.assert_array_equal(np.asarray(wn.dequantize()[i]), np.asarray(w.dequantize()))
+
+
+def test_conversion_is_jittable(request):
+  _, w, wn = make_case(request.node.nodeid, 1, 256, 48)
+  jitted = jax.jit(qjax.to_int4_nk)(w)
+  np.testing.assert_array_equal(np.asarray(jitted.codes), np.asarray(wn.codes))
+
+
+def test_rejects_what_it_cannot_hold(request):
+  rng = np.random.default_rng(seed_from(request.node.nodeid))
+  wf = jnp.asarray(rng.standard_normal((256, 32)), jnp.float32)
+  with pytest.raises(ValueError, match="symmetric"):
+    qjax.to_int4_nk(qjax.quantize(wf, symmetric=False))
+  with pytest.raises(TypeError, match="Int4Weight"):
+    qjax.to_int4_nk(wf)
+  wn = qjax.to_int4_nk(qjax.quantize(wf))
+  with pytest.raises(ValueError, match=r"codes must be \(32, 32\)"):
+    dataclasses.replace(wn, codes=wn.codes[:, :16])
+  with pytest.raises(ValueError, match="group_size"):
+    dataclasses.replace(wn, group_size=96)
+
+
+@pytest.mark.parametrize("m,k,n,group,dtype", [
+    (1, 256, 128, 128, jnp.bfloat16), (5, 384, 37, 128, jnp.bfloat16),
+    (33, 512, 96, 64, jnp.float16), (7, 256, 64, 256, jnp.float32)])
+def test_xla_path(request, m, k, n, group, dtype):
+  x, w, wn = make_case(request.node.nodeid, m, k, n, group, dtype)
+  y = jax.jit(lambda a, b: qjax.matmul(a, b, implementation="xla"))(x, wn)
+  assert y.shape == (m, n) and y.dtype == dtype
+  assert rel_err(y, reference(x, w)) < (1e-5 if dtype == jnp.float32 else 1e-2)
+
+
+def test_dispatch_on_this_device(request):
+  x, _, wn = make_case(request.node.nodeid, 3, 256, 128)
+  on_hopper = kw.supported(jax.devices()[0])
+  assert qjax.implementation_name(wn) == ("mosaic_gpu_wgmma" if on_hopper else "xla")
+  with pytest.raises(NotImplementedError, match="no interpret mode"):
+    qjax.matmul(x, wn, implementation="interpret")
+
+
+@pytest.mark.parametrize("m", [1, 8, 16, 64, 100, 256, 512, 2048])
+@pytest.mark.parametrize("k,n", [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672),
+                                 (1024, 384)])
+def test_config_for_is_legal(m, k, n):
+  cfg = kw.config_for(m, k, n, 128)
+  # Small M takes one row tile (M rounded up to 8), large M tiles of 128 or 256 rows.
+  assert cfg.tile_m == (-(-m // 8) * 8 if m <= 128 else cfg.tile_m) and cfg.tile_m in (
+      *range(8, 129, 8), 256)
+  assert cfg.stages >= 2
+  assert cfg.stages * cfg.stage_bytes() + cfg.epilogue_bytes() <= kw._SMEM_BUDGET
+  assert k % (cfg.split_k * 128) == 0 and 128 % cfg.tile_k == 0
+  tiles = -(-m // cfg.tile_m) * (n // 128)
+  assert cfg.split_k == 1 or tiles * cfg.split_k <= 132
+
+
+@pytest.mark.parametrize("field,value", [("tile_n", 96), ("tile_m", 12), ("tile_m", 264),
+                                         ("tile_k", 32), ("epi_m", 24), ("split_k", 0),
+                                         ("stages", True)])
+def test_config_validation_names_the_field(field, value):
+  with pytest.raises(ValueError, match=f"WgmmaConfig.{field}"):
+    kw.WgmmaConfig(**{field: value})
+
+
+def test_kernel_declines_what_it_lacks(request):
+  x, w, wn = make_case(request.node.nodeid, 4, 256, 128)
+  cases = [
+      (x.astype(jnp.float16), wn, "bf16 activations"),
+      (x, qjax.to_int4_nk(make_case(request.node.nodeid, 4, 256, 128,
+                                    scale_dtype=jnp.float32)[1]), "bf16 scales"),
+      (x, qjax.to_int4_nk(make_case(request.node.nodeid, 4, 256, 64)[1]), "N=64"),
+      (x, qjax.to_int4_nk(make_case(request.node.nodeid, 4, 256, 128, group=32)[1]),
+       "group_size=32"),
+      (x, w, "takes an Int4NKWeight"),
+  ]
+  for xi, wi, match in cases:
+    with pytest.raises(NotImplementedError, match=match):
+      kw.int4_nk_matmul(xi, wi, num_sms=132)
+
+
+LOWERED = [
+    (2048, 4096, 4096, None), (1, 4096, 4096, None), (16, 4096, 14336, None),
+    (64, 4096, 4096, None), (100, 1024, 384, None),
+    (512, 1024, 512, kw.WgmmaConfig(m_minor=True)),
+    (64, 1024, 256, kw.WgmmaConfig(tile_m=64, tile_k=128, split_k=2, stages=6)),
+    (128, 512, 256, kw.WgmmaConfig(tile_n=128, tile_m=128, stages=3)),
+]
+
+
+@pytest.mark.parametrize("m,k,n,cfg", LOWERED)
+def test_kernel_lowers_for_cuda(m, k, n, cfg):
+  """Mosaic GPU's layout inference and lowering to its dialect run here without a GPU
+  (PTX and the launch need one: the GPU tests below)."""
+  x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+  wn = qjax.Int4NKWeight(codes=jax.ShapeDtypeStruct((n, k // 8), jnp.uint32),
+                         scales=jax.ShapeDtypeStruct((k // 128, n), jnp.bfloat16),
+                         shape=(k, n), group_size=128)
+  lowered = jax.jit(lambda a, b: kw.int4_nk_matmul(a, b, config=cfg, num_sms=132)).trace(
+      x, wn).lower(lowering_platforms=("cuda",))
+  assert "mosaic_gpu" in lowered.as_text()
+
+
+needs_hopper = pytest.mark.skipif(
+    not kw.supported(jax.devices()[0]),
+    reason="the wgmma kernel needs an NVIDIA Hopper GPU (sm_90)")
+
+
+def _poisoned_run(fn, x, wn, cfg):
+  """Runs the kernel right after freeing a NaN buffer of its output's size, so the
+  allocator hands that memory to the output: a tile the kernel does not write stays NaN
+  (XLA may place the output elsewhere; the float64 comparison still fails then, since
+  the inputs are fresh)."""
+  m, (k, n) = x.shape[0], wn.shape
+  splits = cfg.split_k if cfg else kw.config_for(m, k, n, wn.group_size).split_k
+  rows = -(-m // (cfg.tile_m if cfg else 256)) * 256
+  poison = jnp.full((splits, rows, n), jnp.nan, jnp.float32 if splits > 1 else jnp.bfloat16)
+  poison.block_until_ready()
+  poison.delete()
+  return np.asarray(fn(x, wn).astype(jnp.float32))
+
+
+GPU_CASES = [
+    (1, 256, 128, None), (7, 512, 384, None), (16, 1024, 256, None), (64, 4096, 4096, None),
+    (100, 1024, 384, None), (256, 2048, 512, None), (300, 512, 640, None),
+    (2048, 1024, 1024, None), (520, 4096, 1280, None),
+    (512, 1024, 512, kw.WgmmaConfig(m_minor=True)),
+    (200, 1024, 256, kw.WgmmaConfig(tile_m=64, tile_k=128, split_k=4, stages=6)),
+    (256, 512, 256, kw.WgmmaConfig(tile_n=128, tile_m=128, stages=3)),
+    (96, 768, 384, kw.WgmmaConfig(tile_m=96, tile_k=64, epi_m=32, stages=5)),
+]
+
+
+@needs_gpu
+@needs_hopper
+@pytest.mark.parametrize("m,k,n,cfg", GPU_CASES)
+def test_kernel_matches_float64(request, m, k, n, cfg):
+  x, w, wn = make_case(request.node.nodeid, m, k, n)
+  fn = jax.jit(lambda a, b: kw.int4_nk_matmul(a, b, config=cfg))
+  y = _poisoned_run(fn, x, wn, cfg)
+  assert y.shape == (m, n)
+  assert np.isfinite(y).all(), "unwritten (poisoned) or non-finite outputs"
+  ref = reference(x, w)
+  assert rel_err(y, ref) < 1e-2
+  # Every element is right, not just the norm: bf16 rounding of the weight and of y
+  # leaves each output within a few 2^-9 of the outputs' rms.
+  rms = np.sqrt(np.mean(ref ** 2))
+  assert np.abs(y - ref).max() < 2e-2 * rms
+
+
+@needs_gpu
+@needs_hopper
+@pytest.mark.parametrize("group", [64, 256])
+def test_kernel_group_sizes(request, group):
+  x, w, wn = make_case(request.node.nodeid, 130, 1024, 256, group)
+  y = jax.jit(lambda a, b: qjax.matmul(a, b, implementation="pallas"))(x, wn)
+  assert rel_err(y, reference(x, w)) < 1e-2
+
+
+@needs_gpu
+@needs_hopper
+def test_default_route_runs_the_kernel(request):
+  x, w, wn = make_case(request.node.nodeid, 48, 512, 256)
+  assert qjax.implementation_name(wn) == "mosaic_gpu_wgmma"
+  y = jax.jit(qjax.matmul)(x.reshape(4, 12, 512), wn)
+  assert y.shape == (4, 12, 256)
+  assert rel_err(y.reshape(48, 256), reference(x, w)) < 1e-2
+  # Arguments it does not take fall back to XLA under the default route.
+  y32 = qjax.matmul(x.astype(jnp.float32), wn)
+  assert rel_err(y32, reference(x, w)) < 1e-5
