@@ -193,7 +193,7 @@ GPU_CASES = [
 @needs_gpu
 @needs_hopper
 @pytest.mark.parametrize("m,k,n,cfg", GPU_CASES)
-def test_kernel_matches_float64(request, m, k, n, cfg):
+def test_wgmma_matches_float64(request, m, k, n, cfg):
   x, w, wn = make_case(request.node.nodeid, m, k, n)
   fn = jax.jit(lambda a, b: kw.int4_nk_matmul(a, b, config=cfg))
   y = _poisoned_run(fn, x, wn, cfg)
@@ -210,7 +210,7 @@ def test_kernel_matches_float64(request, m, k, n, cfg):
 @needs_gpu
 @needs_hopper
 @pytest.mark.parametrize("group", [64, 256])
-def test_kernel_group_sizes(request, group):
+def test_wgmma_group_sizes(request, group):
   x, w, wn = make_case(request.node.nodeid, 130, 1024, 256, group)
   y = jax.jit(lambda a, b: qjax.matmul(a, b, implementation="pallas"))(x, wn)
   assert rel_err(y, reference(x, w)) < 1e-2
@@ -218,7 +218,7 @@ def test_kernel_group_sizes(request, group):
 
 @needs_gpu
 @needs_hopper
-def test_default_route_runs_the_kernel(request):
+def test_wgmma_default_route(request):
   x, w, wn = make_case(request.node.nodeid, 48, 512, 256)
   assert qjax.implementation_name(wn) == "mosaic_gpu_wgmma"
   y = jax.jit(qjax.matmul)(x.reshape(4, 12, 512), wn)
