@@ -5,11 +5,11 @@ Computes ``y [M, N] = x [M, K] @ W`` for a :class:`qjax.Int4NKWeight` (codes
 ``[N, K // 8]``, the bytes of an int4 ``W^T``) as ``y^T = W^T x^T``, so that the
 dequantized weight never goes through shared memory:
 
-* A persistent grid, one program (CTA) per SM, walks the output tiles. A CTA has three
-  warpgroups: one issues the TMA copies of a ``max_concurrent_steps``-deep pipeline over
-  K (x ``[tile_m, tile_k]`` bf16, W^T ``[2 tile_n, tile_k]`` int4, one scale row
-  ``[2 tile_n]``), two compute.
-* Each compute warpgroup loads its ``[tile_n, tile_k]`` half of W^T from shared memory
+* A persistent grid, one program (CTA) per SM, walks the output tiles. A CTA has
+  ``consumers + 1`` warpgroups: one issues the TMA copies of a ``stages``-deep pipeline
+  over K (x ``[tile_m, tile_k]`` bf16, W^T ``[consumers * tile_n, tile_k]`` int4, one
+  scale row ``[consumers * tile_n]``), the others compute.
+* Each compute warpgroup loads its ``[tile_n, tile_k]`` slice of W^T from shared memory
   into registers, converts int4 to bf16 there (Mosaic's lop3 / prmt conversion),
   multiplies each row by its group scale, and issues ``wgmma`` with that register operand
   against the x tile in shared memory (transposed view), accumulating
@@ -46,7 +46,6 @@ from qjax._src import int4_nk
 # Shared memory for the pipeline and the epilogue's buffers (the H100 allows 227 KiB per
 # block; the rest is barriers).
 _SMEM_BUDGET = 220 * 1024
-_WG = 2  # compute warpgroups per CTA, each owning tile_n rows of W^T
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +61,10 @@ class WgmmaConfig:
     split_k: K splits (float32 partial outputs summed by XLA when > 1).
     m_minor: walk output tiles with M fastest (each W^T tile read once from memory, x
       tiles from L2) instead of N fastest.
+    consumers: compute warpgroups per CTA, each owning tile_n rows of W^T: 2 (3 and 4
+      compiled but hung on the H100).
+    snake_width: 0, or walk the tiles along a snake of this many rows (columns with
+      m_minor) for locality in L2 (``plgpu.planar_snake``).
   """
   tile_n: int = 64
   tile_m: int = 256
@@ -70,8 +73,16 @@ class WgmmaConfig:
   epi_m: int = 64
   split_k: int = 1
   m_minor: bool = False
+  consumers: int = 2
+  snake_width: int = 0
 
   def __post_init__(self):
+    if (isinstance(self.snake_width, bool) or not isinstance(self.snake_width, int)
+        or self.snake_width < 0):
+      raise ValueError(f"WgmmaConfig.snake_width={self.snake_width!r} must be an int >= 0")
+    if self.consumers != 2:
+      # 3 and 4 lowered but hung on the H100 (session 16): the pipeline is only run with 2.
+      raise ValueError(f"WgmmaConfig.consumers={self.consumers!r} must be 2")
     for name in ("tile_n", "tile_m", "tile_k", "stages", "epi_m", "split_k"):
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -89,11 +100,12 @@ class WgmmaConfig:
 
   def epilogue_bytes(self) -> int:
     """Shared memory of the epilogue: two buffers per compute warpgroup."""
-    return _WG * 2 * self.epi_m * self.tile_n * (4 if self.split_k > 1 else 2)
+    return self.consumers * 2 * self.epi_m * self.tile_n * (4 if self.split_k > 1 else 2)
 
   def stage_bytes(self) -> int:
     """Shared memory of one pipeline stage: x tile, W^T tile (int4), scale row."""
-    return self.tile_m * self.tile_k * 2 + _WG * self.tile_n * self.tile_k // 2 + _WG * self.tile_n * 2
+    c = self.consumers
+    return self.tile_m * self.tile_k * 2 + c * self.tile_n * self.tile_k // 2 + c * self.tile_n * 2
 
 
 def supported(device: jax.Device) -> bool:
@@ -111,20 +123,22 @@ def _round_up(a: int, b: int) -> int:
   return -(-a // b) * b
 
 
-def config_for(m: int, k: int, n: int, group_size: int, num_sms: int = 132) -> WgmmaConfig:
+def config_for(m: int, k: int, n: int, group_size: int, num_sms: int = 132,
+               consumers: int = 2) -> WgmmaConfig:
   """The configuration for an ``[m, k] x [k, n]`` problem: from the H100 sweep recorded
   in BENCHMARKS.md (session 16); shapes not measured get the nearest rule."""
   tile_k = 128 if group_size % 128 == 0 else 64
   if m > 128:
-    tiles_256 = -(-m // 256) * (n // (_WG * 64))
+    tiles_256 = -(-m // 256) * (n // 128)
     tile_m = 256 if m >= 512 or tiles_256 >= num_sms // 2 else 128
     if tile_m == 256:
       tile_k = 64
   else:
     tile_m = min(128, _round_up(max(m, 8), 8))
   epi_m = 64 if tile_m % 64 == 0 else tile_m
-  cfg = WgmmaConfig(tile_n=64, tile_m=tile_m, tile_k=tile_k, stages=2, epi_m=epi_m)
-  tiles = -(-m // tile_m) * (n // (_WG * cfg.tile_n))
+  cfg = WgmmaConfig(tile_n=64, tile_m=tile_m, tile_k=tile_k, stages=2, epi_m=epi_m,
+                    consumers=consumers)
+  tiles = -(-m // tile_m) * (n // (cfg.consumers * cfg.tile_n))
   split_k = 1
   while (tiles * split_k * 2 <= num_sms and k % (split_k * 2 * group_size) == 0
          and k // (split_k * 2) // tile_k >= 4):
@@ -155,8 +169,9 @@ def _check(x: jax.Array, w: Any, cfg: WgmmaConfig) -> None:
   if k % (cfg.split_k * w.group_size):
     raise NotImplementedError(f"K={k} is not a multiple of split_k * group_size = "
                               f"{cfg.split_k * w.group_size}")
-  if n % (_WG * cfg.tile_n):
-    raise NotImplementedError(f"N={n} is not a multiple of {_WG * cfg.tile_n}")
+  if n % (cfg.consumers * cfg.tile_n):
+    raise NotImplementedError(f"N={n} is not a multiple of consumers * tile_n = "
+                              f"{cfg.consumers * cfg.tile_n}")
 
 
 def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, cfg: WgmmaConfig,
@@ -168,7 +183,8 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, cfg: WgmmaConfi
   m, k = x.shape
   n = wt.shape[0]
   tn, tm, tk, splits = cfg.tile_n, cfg.tile_m, cfg.tile_k, cfg.split_k
-  cta_n = _WG * tn
+  wgs = cfg.consumers
+  cta_n = wgs * tn
   m_iters, n_iters = m // tm, n // cta_n
   k_per_split = k // splits
   k_iters = k_per_split // tk
@@ -196,7 +212,7 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, cfg: WgmmaConfi
               plgpu.BlockSpec((cta_n, tk), lambda kk: (0, kk), transforms=w_transforms),
               plgpu.BlockSpec((1, cta_n), lambda kk: (kk // steps_per_group, 0)),
           ],
-          wg_axis="wg", num_compute_wgs=_WG, max_concurrent_steps=cfg.stages,
+          wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=cfg.stages,
           compute_context=context)
 
     ignore = lambda *_, **__: None
@@ -212,14 +228,14 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, cfg: WgmmaConfi
       @plgpu.nd_loop((tiles,), collective_axes="sm")
       def _tile(info):
         (lin,) = info.index
-        if cfg.m_minor:
-          mi = lin % m_iters
-          rest = lin // m_iters
-          ni, si = rest % n_iters, rest // n_iters
+        si, rest = lin // (m_iters * n_iters), lin % (m_iters * n_iters)
+        if cfg.snake_width:
+          mi, ni = plgpu.planar_snake(rest, (m_iters, n_iters), 0 if cfg.m_minor else 1,
+                                      cfg.snake_width)
+        elif cfg.m_minor:
+          mi, ni = rest % m_iters, rest // m_iters
         else:
-          ni = lin % n_iters
-          rest = lin // n_iters
-          mi, si = rest % m_iters, rest // m_iters
+          mi, ni = rest // n_iters, rest % n_iters
         m0, n0 = mi * tm, ni * cta_n
         k0 = si * k_per_split
 
@@ -259,10 +275,10 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, cfg: WgmmaConfi
 
   call = plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct((splits, m, n), out_dtype),
-      grid=(grid,), grid_names=("sm",), num_threads=_WG + 1, thread_name="wg",
+      grid=(grid,), grid_names=("sm",), num_threads=wgs + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      scratch_types=dict(out_smem=plgpu.SMEM((_WG, 2, cfg.epi_m, tn), out_dtype,
+      scratch_types=dict(out_smem=plgpu.SMEM((wgs, 2, cfg.epi_m, tn), out_dtype,
                                              transforms=o_transforms)))
   return call(x, wt, scales)
 

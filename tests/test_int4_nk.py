@@ -116,7 +116,8 @@ def test_config_for_is_legal(m, k, n):
 
 @pytest.mark.parametrize("field,value", [("tile_n", 96), ("tile_m", 12), ("tile_m", 264),
                                          ("tile_k", 32), ("epi_m", 24), ("split_k", 0),
-                                         ("stages", True)])
+                                         ("stages", True), ("consumers", 3),
+                                         ("snake_width", -1)])
 def test_config_validation_names_the_field(field, value):
   with pytest.raises(ValueError, match=f"WgmmaConfig.{field}"):
     kw.WgmmaConfig(**{field: value})
@@ -144,6 +145,7 @@ LOWERED = [
     (512, 1024, 512, kw.WgmmaConfig(m_minor=True)),
     (64, 1024, 256, kw.WgmmaConfig(tile_m=64, tile_k=128, split_k=2, stages=6)),
     (128, 512, 256, kw.WgmmaConfig(tile_n=128, tile_m=128, stages=3)),
+    (512, 1024, 768, kw.WgmmaConfig(snake_width=2)),
 ]
 
 
@@ -187,6 +189,9 @@ GPU_CASES = [
     (200, 1024, 256, kw.WgmmaConfig(tile_m=64, tile_k=128, split_k=4, stages=6)),
     (256, 512, 256, kw.WgmmaConfig(tile_n=128, tile_m=128, stages=3)),
     (96, 768, 384, kw.WgmmaConfig(tile_m=96, tile_k=64, epi_m=32, stages=5)),
+    (3, 2048, 768, kw.WgmmaConfig(tile_m=8, tile_k=128, epi_m=8, split_k=2)),
+    (768, 1024, 768, kw.WgmmaConfig(snake_width=2)),
+    (512, 512, 1024, kw.WgmmaConfig(m_minor=True, snake_width=4)),
 ]
 
 
