@@ -522,5 +522,5 @@ def test_bench_fp4_formats_floor_from_packed_bytes(tmp_path):
   # codes: 256 * 128 / 2 bytes; scales: one byte per 32 (MXFP4) or 16 (NVFP4) weights.
   assert rows["mxfp4"]["floor_bytes"] == 16384 + 1024 + io_bytes
   assert rows["nvfp4"]["floor_bytes"] == 16384 + 2048 + 4 + io_bytes
-  with pytest.raises(ValueError, match="known formats: int4,mxfp4,nvfp4"):
+  with pytest.raises(ValueError, match="known formats: int4,int4nk,mxfp4,nvfp4"):
     cli.main(["bench", "--format", "fp4", "--m", "1", "--shapes", "256x128"])

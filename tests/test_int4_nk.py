@@ -232,3 +232,28 @@ def test_wgmma_default_route(request):
   # Arguments it does not take fall back to XLA under the default route.
   y32 = qjax.matmul(x.astype(jnp.float32), wn)
   assert rel_err(y32, reference(x, w)) < 1e-5
+
+
+def test_flax_int4_dense_takes_the_layout(request):
+  """Int4Dense holds any quantized pytree: params converted to the [N, K / 8] layout give
+  the same outputs (XLA here; the wgmma kernel on Hopper)."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  from flax_layers import Int4Dense, quantize_dense_params  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(seed_from(request.node.nodeid))
+  x = jnp.asarray(rng.standard_normal((3, 256)), jnp.bfloat16)
+  params = quantize_dense_params(nn.Dense(128).init(jax.random.key(0), x)["params"],
+                                 group_size=128)
+  nk = jax.tree.map(lambda a: qjax.to_int4_nk(a) if isinstance(a, qjax.Int4Weight) else a,
+                    params, is_leaf=lambda a: isinstance(a, qjax.Int4Weight))
+  assert isinstance(nk["kernel"], qjax.Int4NKWeight)
+  y = Int4Dense(128).apply({"params": params}, x)
+  y_nk = Int4Dense(128).apply({"params": nk}, x)
+  np.testing.assert_array_equal(np.asarray(y_nk), np.asarray(y))
+
+
+def test_bench_floor_counts_the_same_bytes_as_int4():
+  from qjax._src import bench  # pylint: disable=g-import-not-at-top
+  key = jax.random.key(0)
+  a, b = bench.random_weight("int4", 4096, 512, key), bench.random_weight("int4nk", 4096, 512, key)
+  assert isinstance(b, qjax.Int4NKWeight) and b.codes.shape == (512, 512)
+  assert bench.floor_weight_bytes(a) == bench.floor_weight_bytes(b)
