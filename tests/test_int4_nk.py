@@ -248,7 +248,10 @@ def test_flax_int4_dense_takes_the_layout(request):
   assert isinstance(nk["kernel"], qjax.Int4NKWeight)
   y = Int4Dense(128).apply({"params": params}, x)
   y_nk = Int4Dense(128).apply({"params": nk}, x)
-  np.testing.assert_array_equal(np.asarray(y_nk), np.asarray(y))
+  ref = reference(x, params["kernel"]) + np.asarray(params["bias"], np.float64)
+  assert rel_err(y_nk, ref) < 1e-2
+  if not kw.supported(jax.devices()[0]):  # both through XLA's dequantize-and-dot
+    np.testing.assert_array_equal(np.asarray(y_nk), np.asarray(y))
 
 
 def test_bench_floor_counts_the_same_bytes_as_int4():
