@@ -68,6 +68,8 @@ WEIGHTS = {
         _normal(r, (768, 56)), group_size=32, symmetric=False, tile_k=8,
         scale_dtype=jnp.float16),
     "int4-biases-q4_1": lambda r: gguf_blocks("Q4_1", 1024, 24, 5).to_int4(),
+    "int4_nk-g128": lambda r: qjax.to_int4_nk(_quantize(_normal(r, (1024, 40)),
+                                                        group_size=128)),
     "mxfp4": lambda r: _mxfp4(_normal(r, (1024, 24))),
     "nvfp4": lambda r: _nvfp4(_normal(r, (1024, 40))),
     "gguf-q4_k-tiled": lambda r: gguf_tiled.GGUFTiledWeight.from_gguf(

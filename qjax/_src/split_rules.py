@@ -33,6 +33,7 @@ from qjax._src import formats
 from qjax._src import gguf_formats as gf
 from qjax._src import gguf_tiled
 from qjax._src import int4
+from qjax._src import int4_nk
 
 MODES = ("column", "row", "expert")
 
@@ -133,6 +134,14 @@ def _int4_rule(s: dict[str, Any]) -> SplitRule:
                  f"(group_size={g})")
 
 
+def _int4_nk_rule(s: dict[str, Any]) -> SplitRule:
+  g = s["group_size"]
+  return SplitRule(
+      fields=(("codes", FieldAxes(ndim=2, k=-1, n=-2)), ("scales", MATRIX)),
+      k_unit=math.lcm(8, g),
+      k_unit_why=f"whole groups (group_size={g}) of whole 8-code words")
+
+
 def _fp4_rule(block: int, extra: tuple[tuple[str, FieldAxes], ...]):
   def rule(s: dict[str, Any]) -> SplitRule:
     tile = s["tile_k"]
@@ -183,6 +192,7 @@ def _codebook_rule(s: dict[str, Any]) -> SplitRule:
 
 
 register_split_rule(int4.Int4Weight, _int4_rule)
+register_split_rule(int4_nk.Int4NKWeight, _int4_nk_rule)
 register_split_rule(fp4.MXFP4Weight, _fp4_rule(fp4.MXFP4_BLOCK, ()))
 register_split_rule(fp4.NVFP4Weight, _fp4_rule(fp4.NVFP4_BLOCK, (("global_scale", SCALAR),)))
 register_split_rule(gguf_tiled.GGUFTiledWeight, _tiled_rule)
