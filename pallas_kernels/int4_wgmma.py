@@ -123,8 +123,7 @@ def _round_up(a: int, b: int) -> int:
   return -(-a // b) * b
 
 
-def config_for(m: int, k: int, n: int, group_size: int, num_sms: int = 132,
-               consumers: int = 2) -> WgmmaConfig:
+def config_for(m: int, k: int, n: int, group_size: int, num_sms: int = 132) -> WgmmaConfig:
   """The configuration for an ``[m, k] x [k, n]`` problem: from the H100 sweep recorded
   in BENCHMARKS.md (session 16); shapes not measured get the nearest rule."""
   tile_k = 128 if group_size % 128 == 0 else 64
@@ -136,8 +135,7 @@ def config_for(m: int, k: int, n: int, group_size: int, num_sms: int = 132,
   else:
     tile_m = min(128, _round_up(max(m, 8), 8))
   epi_m = 64 if tile_m % 64 == 0 else tile_m
-  cfg = WgmmaConfig(tile_n=64, tile_m=tile_m, tile_k=tile_k, stages=2, epi_m=epi_m,
-                    consumers=consumers)
+  cfg = WgmmaConfig(tile_n=64, tile_m=tile_m, tile_k=tile_k, stages=2, epi_m=epi_m)
   tiles = -(-m // tile_m) * (n // (cfg.consumers * cfg.tile_n))
   split_k = 1
   while (tiles * split_k * 2 <= num_sms and k % (split_k * 2 * group_size) == 0
@@ -310,6 +308,8 @@ def int4_nk_matmul(x: jax.Array, w: int4_nk.Int4NKWeight, *, interpret: bool = F
     num_sms = getattr(jax.devices()[0], "core_count", None) or 132
   cfg = config or config_for(m, k, n, w.group_size, num_sms)
   _check(x, w, cfg)
+  if m == 0:
+    return jnp.zeros((0, n), jnp.bfloat16)
   mp = _round_up(m, cfg.tile_m)
   xp = jnp.pad(x, ((0, mp - m), (0, 0))) if mp != m else x
   wt = lax.bitcast_convert_type(w.codes, jnp.int4).reshape(n, k)

@@ -139,6 +139,12 @@ def test_kernel_declines_what_it_lacks(request):
       kw.int4_nk_matmul(xi, wi, num_sms=132)
 
 
+def test_kernel_with_no_rows(request):
+  x, _, wn = make_case(request.node.nodeid, 2, 256, 128)
+  y = kw.int4_nk_matmul(x[:0], wn, num_sms=132)
+  assert y.shape == (0, 128) and y.dtype == jnp.bfloat16
+
+
 LOWERED = [
     (2048, 4096, 4096, None), (1, 4096, 4096, None), (16, 4096, 14336, None),
     (64, 4096, 4096, None), (100, 1024, 384, None),
