@@ -90,7 +90,7 @@ qjax.register_kernel(
                  auto_max_m=64))
 
 # Int4NKWeight (codes [N, K // 8]): the Mosaic GPU wgmma kernel, Hopper only. At M = 2048
-# on the H100 it took 1.06-1.11x the bf16 GEMM's time, where XLA's dequantize-then-GEMM
+# on the H100 it took 1.04-1.12x the bf16 GEMM's time (two runs), where dequantize-then-GEMM
 # takes 1.17x (BENCHMARKS.md, session 16).
 qjax.register_kernel(
     qjax.Int4NKWeight,
