@@ -83,12 +83,24 @@ def test_rejects_what_it_cannot_hold(request):
 
 @pytest.mark.parametrize("m,k,n,group,dtype", [
     (1, 256, 128, 128, jnp.bfloat16), (5, 384, 37, 128, jnp.bfloat16),
-    (33, 512, 96, 64, jnp.float16), (7, 256, 64, 256, jnp.float32)])
+    (33, 512, 96, 64, jnp.float16), (7, 256, 64, 256, jnp.float32),
+    (1, 512, 40, 32, jnp.float32), (1, 1000, 24, None, jnp.float16)])
 def test_xla_path(request, m, k, n, group, dtype):
   x, w, wn = make_case(request.node.nodeid, m, k, n, group, dtype)
   y = jax.jit(lambda a, b: qjax.matmul(a, b, implementation="xla"))(x, wn)
   assert y.shape == (m, n) and y.dtype == dtype
   assert rel_err(y, reference(x, w)) < (1e-5 if dtype == jnp.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("group,dtype", [(32, jnp.bfloat16), (128, jnp.float16),
+                                         (None, jnp.bfloat16)])
+def test_xla_dequantization_in_word_pairs_is_bit_exact(request, group, dtype):
+  from qjax._src import int4_nk  # pylint: disable=g-import-not-at-top
+  _, _, wn = make_case(request.node.nodeid, 1, 512, 72, group)
+  pairs = jax.jit(int4_nk._dequantize_nk_pairs, static_argnums=1)(wn, dtype)
+  plain = wn.dequantize_nk(dtype)
+  np.testing.assert_array_equal(np.asarray(pairs.view(jnp.uint16)),
+                                np.asarray(plain.view(jnp.uint16)))
 
 
 def test_dispatch_on_this_device(request):

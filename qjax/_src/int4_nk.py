@@ -131,10 +131,54 @@ def to_int4_nk(w: int4.Int4Weight) -> Int4NKWeight:
                       group_size=w.group_size)
 
 
+def _signed_planes(codes: jax.Array) -> list[jax.Array]:
+  """The 8 nibble planes of ``codes [..., N, K // 8]`` as float32 codes in ``[-8, 7]``:
+  plane ``i`` holds ``c[n, 8j + i]`` at ``[n, j]``."""
+  planes = []
+  for i in range(8):
+    v = ((codes >> jnp.uint32(4 * i)) & jnp.uint32(0xF)).astype(jnp.int32)
+    planes.append(((v ^ 8) - 8).astype(jnp.float32))
+  return planes
+
+
+def _row_xla(x: jax.Array, w: Int4NKWeight) -> jax.Array:
+  """One row: ``x [1, K] @ W`` as one multiply-and-sum over the packed words (XLA fuses
+  the unpacking into the reduction, reading each word once), float32 throughout."""
+  k, n = w.shape
+  xs = x.astype(jnp.float32).reshape(k // 8, 8)
+  acc = sum(p * xs[:, i] for i, p in enumerate(_signed_planes(w.codes)))  # [N, K // 8]
+  per_group = acc.reshape(n, k // w.group_size, w.group_size // 8).sum(-1)  # [N, K // G]
+  y = (per_group * w.scales.T.astype(jnp.float32)).sum(-1)
+  return y[None].astype(x.dtype)
+
+
+def _dequantize_nk_pairs(w: Int4NKWeight, dtype) -> jax.Array:
+  """``[N, K]`` W^T in a 16-bit ``dtype``, bit for bit :meth:`Int4NKWeight.dequantize_nk`,
+  written as uint32 words of two neighbouring K (XLA writes 16-bit results an element at
+  a time, far below bandwidth; see :func:`formats.column_pairs`)."""
+  k, n = w.shape
+  s = jnp.repeat(w.scales.T.astype(jnp.float32), w.group_size // 8, axis=1)  # [N, K // 8]
+  planes = _signed_planes(w.codes)
+
+  def bits(v):
+    return jax.lax.bitcast_convert_type((v * s).astype(dtype), jnp.uint16).astype(jnp.uint32)
+
+  pairs = [bits(planes[2 * p]) | (bits(planes[2 * p + 1]) << jnp.uint32(16)) for p in range(4)]
+  words = jnp.stack(pairs, axis=-1)  # [N, K // 8, 4]: K pairs in order
+  return jax.lax.bitcast_convert_type(words, dtype).reshape(n, k)
+
+
 def matmul_xla(x: jax.Array, w: Int4NKWeight) -> jax.Array:
-  """``x [M, K] @ W`` in x's dtype: W^T dequantized in x's dtype (float32 math, one
-  rounding) and contracted on its K axis, so XLA runs the GEMM on W^T as it is."""
-  wt = w.dequantize_nk(x.dtype)
+  """``x [M, K] @ W`` in x's dtype. One row: a fused multiply-and-sum over the packed
+  words. More rows: W^T dequantized in x's dtype (float32 math, one rounding; 16-bit
+  dtypes written two per word) and contracted on its K axis, so XLA's GEMM reads W^T as
+  it is."""
+  if x.shape[0] == 1 and w.codes.ndim == 2:
+    return _row_xla(x, w)
+  if jnp.dtype(x.dtype).itemsize == 2 and w.codes.ndim == 2:
+    wt = _dequantize_nk_pairs(w, x.dtype)
+  else:
+    wt = w.dequantize_nk(x.dtype)
   if x.dtype == jnp.float32:
     return jax.lax.dot_general(x, wt, (((1,), (1,)), ((), ())),
                                precision=jax.lax.Precision.HIGHEST,
