@@ -9,8 +9,9 @@ kernel (``pallas_kernels.int4_wgmma``, Pallas Mosaic GPU) loads with the tensor 
 accelerator and converts to bf16 in registers, as the left operand of ``W^T x^T``.
 
 Convert once, at load: ``qjax.to_int4_nk(w)`` from a symmetric :class:`~qjax.Int4Weight`
-(bit-exact, and :meth:`Int4NKWeight.to_int4` is its inverse). Keep :class:`Int4Weight`
-where decode (M = 1 .. 64) dominates: the GEMV kernels read that layout.
+(bit-exact, and :meth:`Int4NKWeight.to_int4` is its inverse). On the H100 the wgmma
+kernel beats the Triton kernels from M = 16 up (mostly) and at M = 64, but not the M = 1
+GEMV: keep :class:`Int4Weight` where one-row decode dominates (BENCHMARKS.md).
 """
 
 from __future__ import annotations
