@@ -191,9 +191,10 @@ def _poisoned_run(fn, x, wn, cfg):
   (XLA may place the output elsewhere; the float64 comparison still fails then, since
   the inputs are fresh)."""
   m, (k, n) = x.shape[0], wn.shape
-  splits = cfg.split_k if cfg else kw.config_for(m, k, n, wn.group_size).split_k
-  rows = -(-m // (cfg.tile_m if cfg else 256)) * 256
-  poison = jnp.full((splits, rows, n), jnp.nan, jnp.float32 if splits > 1 else jnp.bfloat16)
+  c = cfg or kw.config_for(m, k, n, wn.group_size, jax.devices()[0].core_count)
+  rows = -(-m // c.tile_m) * c.tile_m  # the kernel's padded rows
+  poison = jnp.full((c.split_k, rows, n), jnp.nan,
+                    jnp.float32 if c.split_k > 1 else jnp.bfloat16)
   poison.block_until_ready()
   poison.delete()
   return np.asarray(fn(x, wn).astype(jnp.float32))
