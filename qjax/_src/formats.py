@@ -94,6 +94,21 @@ class QuantizedWeight:
         hasattr(a, "shape") and hasattr(a, "dtype") and hasattr(a, "ndim") for a in leaves)
 
 
+def check_trailing_fields(w: Any, want: dict[str, tuple[tuple[int, ...], Sequence[Any]]],
+                          context: str) -> None:
+  """Raises ValueError for the first array field of ``w`` whose last dims or dtype differ
+  from ``want[name] = (shape, dtypes)`` (leading batch axes, e.g. stacked layers, are
+  free). The message names the field, what it must be and what it is, then ``context``
+  (the weight's static fields)."""
+  for name, (shape, dtypes) in want.items():
+    a = getattr(w, name)
+    allowed = [jnp.dtype(d) for d in dtypes]
+    if tuple(a.shape[-len(shape):]) != tuple(shape) or jnp.dtype(a.dtype) not in allowed:
+      raise ValueError(
+          f"{type(w).__name__}.{name} must be {shape} of dtype {[d.name for d in allowed]}"
+          f", got {tuple(a.shape)} {jnp.dtype(a.dtype).name} ({context})")
+
+
 def column_pairs(columns: Callable[..., jax.Array], arrays: Sequence[jax.Array | None],
                  dtype) -> jax.Array:
   """``columns(*arrays)`` in a 16-bit ``dtype``, computed two columns per 32-bit word.

@@ -70,13 +70,9 @@ class Int4Weight(formats.QuantizedWeight):
       want["zeros"] = ((k // self.group_size, n), (jnp.uint8,))
     if self.biases is not None:
       want["biases"] = ((k // self.group_size, n), SCALE_DTYPES)
-    for name, (shape, dtypes) in want.items():
-      a = getattr(self, name)
-      if tuple(a.shape[-2:]) != shape or jnp.dtype(a.dtype) not in [jnp.dtype(d) for d in dtypes]:
-        raise ValueError(
-            f"Int4Weight.{name} must be {shape} of dtype {[jnp.dtype(d).name for d in dtypes]}"
-            f", got {tuple(a.shape)} {jnp.dtype(a.dtype).name} (shape={self.shape}, "
-            f"group_size={self.group_size}, tile_k={self.tile_k})")
+    formats.check_trailing_fields(
+        self, want,
+        f"shape={self.shape}, group_size={self.group_size}, tile_k={self.tile_k}")
 
   @property
   def symmetric(self) -> bool:
