@@ -278,4 +278,5 @@ def test_bench_floor_counts_the_same_bytes_as_int4():
   key = jax.random.key(0)
   a, b = bench.random_weight("int4", 4096, 512, key), bench.random_weight("int4nk", 4096, 512, key)
   assert isinstance(b, qjax.Int4NKWeight) and b.codes.shape == (512, 512)
+  np.testing.assert_array_equal(np.asarray(b.dequantize()), np.asarray(a.dequantize()))
   assert bench.floor_weight_bytes(a) == bench.floor_weight_bytes(b)

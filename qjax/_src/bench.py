@@ -32,7 +32,7 @@ from qjax._src import tuning
 from qjax._src.codebook import CodebookWeight
 from qjax._src.fp4 import MXFP4Weight
 from qjax._src.fp4 import NVFP4Weight
-from qjax._src.int4_nk import Int4NKWeight
+from qjax._src.int4_nk import to_int4_nk
 from qjax._src.int4 import Int4Weight
 
 GPU_M = (1, 16, 64, 256, 2048)
@@ -77,12 +77,8 @@ def random_weight(fmt: str, k: int, n: int, key: jax.Array) -> Any:
         jnp.bfloat16)
     return Int4Weight(codes=codes, scales=scales, zeros=None, shape=(k, n), group_size=group)
   if fmt == "int4nk":
-    # The same weight distribution in the [N, K // 8] layout of the Hopper wgmma kernel.
-    kc, ks = jax.random.split(key)
-    codes = jax.random.bits(kc, (n, k // 8), jnp.uint32)
-    scales = (jax.random.uniform(ks, (k // 128, n), jnp.float32, 0.5, 1.5) / 64).astype(
-        jnp.bfloat16)
-    return Int4NKWeight(codes=codes, scales=scales, shape=(k, n), group_size=128)
+    # The int4 weight of the same key in the [N, K // 8] layout of the Hopper wgmma kernel.
+    return to_int4_nk(random_weight("int4", k, n, key))
   if fmt in ("mxfp4", "nvfp4"):
     kc, ks = jax.random.split(key)
     codes = jax.random.bits(kc, (-(-k // 128) * 16, n), jnp.uint32)

@@ -20,7 +20,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from qjax._src import dispatch
 from qjax._src import formats
@@ -64,13 +63,8 @@ class Int4NKWeight(formats.QuantizedWeight):
       return
     want = {"codes": ((n, k // 8), (jnp.uint32,)),
             "scales": ((k // self.group_size, n), int4.SCALE_DTYPES)}
-    for name, (shape, dtypes) in want.items():
-      a = getattr(self, name)
-      if tuple(a.shape[-2:]) != shape or jnp.dtype(a.dtype) not in [jnp.dtype(d) for d in dtypes]:
-        raise ValueError(
-            f"Int4NKWeight.{name} must be {shape} of dtype "
-            f"{[jnp.dtype(d).name for d in dtypes]}, got {tuple(a.shape)} "
-            f"{jnp.dtype(a.dtype).name} (shape={self.shape}, group_size={self.group_size})")
+    formats.check_trailing_fields(self, want,
+                                  f"shape={self.shape}, group_size={self.group_size}")
 
   @property
   def num_groups(self) -> int:
@@ -78,12 +72,8 @@ class Int4NKWeight(formats.QuantizedWeight):
 
   def signed_codes(self) -> jax.Array:
     """``[..., N, K]`` int8 codes ``c`` in ``[-8, 7]``."""
-    xp = np if isinstance(self.codes, np.ndarray) else jnp
-    shifts = (xp.arange(8, dtype=xp.uint32) * 4)
-    nibbles = (self.codes[..., None] >> shifts) & xp.uint32(0xF)  # [..., N, K // 8, 8]
-    c = nibbles.astype(xp.int8)
-    c = xp.where(c >= 8, c - 16, c).astype(xp.int8)
-    return c.reshape(*self.codes.shape[:-1], self.shape[0])
+    planes = _signed_planes(self.codes, jnp.int8)  # 8 x [..., N, K // 8]
+    return jnp.stack(planes, axis=-1).reshape(*self.codes.shape[:-1], self.shape[0])
 
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
     """``[K, N]`` W in ``dtype``: ``c * s`` computed in float32, rounded once."""
@@ -132,13 +122,14 @@ def to_int4_nk(w: int4.Int4Weight) -> Int4NKWeight:
                       group_size=w.group_size)
 
 
-def _signed_planes(codes: jax.Array) -> list[jax.Array]:
-  """The 8 nibble planes of ``codes [..., N, K // 8]`` as float32 codes in ``[-8, 7]``:
-  plane ``i`` holds ``c[n, 8j + i]`` at ``[n, j]``."""
+def _signed_planes(codes: jax.Array, dtype=jnp.float32) -> list[jax.Array]:
+  """The 8 nibble planes of ``codes [..., N, K // 8]`` as codes in ``[-8, 7]`` of
+  ``dtype``: plane ``i`` holds ``c[n, 8j + i]`` at ``[n, j]`` (the two's-complement nibble
+  ``v`` is ``(v ^ 8) - 8``)."""
   planes = []
   for i in range(8):
     v = ((codes >> jnp.uint32(4 * i)) & jnp.uint32(0xF)).astype(jnp.int32)
-    planes.append(((v ^ 8) - 8).astype(jnp.float32))
+    planes.append(((v ^ 8) - 8).astype(dtype))
   return planes
 
 
