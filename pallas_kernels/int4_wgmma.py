@@ -2,18 +2,21 @@
 weight as the register operand.
 
 Computes ``y [M, N] = x [M, K] @ W`` for a :class:`qjax.Int4NKWeight` (codes
-``[N, K // 8]``, the bytes of an int4 ``W^T``) as ``y^T = W^T x^T``, so that the
-dequantized weight never goes through shared memory:
+``[N, K // 8]``: int4 ``W^T`` with K permuted in runs of 32 into wgmma's register fragment
+order) as ``y^T = W^T x^T``, so that the dequantized weight never goes through shared
+memory:
 
 * A persistent grid, one program (CTA) per SM, walks the output tiles. A CTA has
   ``consumers + 1`` warpgroups: one issues the TMA copies of a ``stages``-deep pipeline
   over K (x ``[tile_m, tile_k]`` bf16, W^T ``[consumers * tile_n, tile_k]`` int4, one
   scale row ``[consumers * tile_n]``), the others compute.
 * Each compute warpgroup loads its ``[tile_n, tile_k]`` slice of W^T from shared memory
-  into registers, converts int4 to bf16 there (Mosaic's lop3 / prmt conversion),
-  multiplies each row by its group scale, and issues ``wgmma`` with that register operand
-  against the x tile in shared memory (transposed view), accumulating
-  ``[tile_n, tile_m]`` in float32.
+  into registers, a 32-bit word per thread and row of each 32-code run: thanks to the
+  format's permuted order these words are already wgmma's register fragments
+  (:func:`_as_wgmma_fragments` only renames them). It converts int4 to bf16 there
+  (Mosaic's prmt / lop3 conversion), multiplies each row by its group scale, and issues
+  ``wgmma`` with that register operand against the x tile in shared memory (transposed
+  view), accumulating ``[tile_n, tile_m]`` in float32.
 * The epilogue relays the accumulator to the transposed wgmma layout and stores it into
   a transposed shared-memory view, so the TMA store writes ``y`` (not ``y^T``) tiles.
 * ``split_k > 1`` (for grids with fewer tiles than SMs: small M and N) gives each split
@@ -37,6 +40,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -172,6 +176,54 @@ def _check(x: jax.Array, w: Any, cfg: WgmmaConfig) -> None:
                               f"{cfg.consumers * cfg.tile_n}")
 
 
+def _as_wgmma_fragments(w):
+  """``w``: int4 ``[tile_n, tile_k]`` loaded in the WGMMA_UPCAST_4X layout (thread ``c``
+  of each four-thread row group holds word ``c`` of every 32-code run of its two rows),
+  renamed as the same registers in the WGMMA operand layout: nibbles ``2i, 2i + 1`` of a
+  word are the thread's K pair of 8-column tile ``i`` of the run. Right because the
+  format stores each run in that order (``int4_nk.SLOT_TO_K``); no data moves (Mosaic's
+  own relayout from the plain order costs a lane shuffle and a prmt per word)."""
+  shape = w.shape
+
+  @plgpu.inline_mgpu(
+      arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
+      return_type=plgpu.ShapeDtypeStruct(shape, w.dtype, layout=plgpu.Layout.WGMMA))
+  def rename(ctx, w4):
+    del ctx
+    from jax.experimental.mosaic import gpu as mgpu  # pylint: disable=g-import-not-at-top
+    fa = mgpu.fragmented_array
+    regs = np.empty(fa.WGMMA_LAYOUT.registers_shape(shape), dtype=object)
+    for idx, reg in np.ndenumerate(w4.registers):  # idx[1]: the 32-code run
+      for i in range(4):
+        regs[(idx[0], idx[1] * 4 + i, *idx[2:])] = mgpu.utils.vector_slice(
+            reg, slice(2 * i, 2 * i + 2))
+    return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT,
+                              _is_signed=w4.is_signed)
+
+  return rename(w)
+
+
+def _convert_and_multiply(acc_ref, w_smem, s_smem, x_smem) -> None:
+  """One pipeline step of a compute warpgroup: ``acc += (W^T * s) x^T``.
+
+  w_smem: ``[tile_n, tile_k]`` int4 in fragment order; s_smem: ``[tile_n]`` bf16 (the
+  step's group scales); x_smem: ``[tile_m, tile_k]`` bf16; acc_ref: ``[tile_n, tile_m]``
+  float32. The named scopes show in Mosaic GPU's profiler (``CompilerParams.profile_dir``;
+  examples/wgmma_profile.py).
+  """
+  with jax.named_scope("smem_load"):
+    w = plgpu.layout_cast(w_smem[...], plgpu.Layout.WGMMA_UPCAST_4X)
+  with jax.named_scope("convert"):
+    w = _as_wgmma_fragments(w).astype(jnp.bfloat16)
+  with jax.named_scope("scale"):
+    s = plgpu.layout_cast(s_smem[...], plgpu.Layout.WGMMA.reduce(1))
+    w = w * lax.broadcast_in_dim(s, w.shape, [0])
+  with jax.named_scope("wgmma"):
+    plgpu.wgmma(acc_ref, w, x_smem.transpose((1, 0)))
+  with jax.named_scope("wgmma_wait"):
+    plgpu.wgmma_wait(0)
+
+
 def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, cfg: WgmmaConfig,
                  group_size: int, num_sms: int, out_dtype) -> jax.Array:
   """``[split_k, M, N]`` (``out_dtype``) partial products; M a multiple of tile_m.
@@ -256,11 +308,7 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, cfg: WgmmaConfi
                               pl.ds(n0 + wg * tn, tn)])
 
         def body(_, x_smem, w_smem, s_smem, acc_ref):
-          w = w_smem[wg_rows].astype(jnp.bfloat16)  # [tn, tk], int4 -> bf16 in registers
-          s = plgpu.layout_cast(s_smem[0, wg_rows], plgpu.Layout.WGMMA.reduce(1))
-          w = w * lax.broadcast_in_dim(s, w.shape, [0])
-          plgpu.wgmma(acc_ref, w, x_smem.transpose((1, 0)))
-          plgpu.wgmma_wait(0)
+          _convert_and_multiply(acc_ref, w_smem.at[wg_rows], s_smem.at[0, wg_rows], x_smem)
           return acc_ref
 
         pipeline(body, context)(
@@ -288,8 +336,8 @@ def int4_nk_matmul(x: jax.Array, w: int4_nk.Int4NKWeight, *, interpret: bool = F
 
   Args:
     x: ``[M, K]`` bf16; any M (rows are padded to the tile internally).
-    w: symmetric INT4 with bf16 scales, codes ``[N, K // 8]``; N a multiple of 128 and
-      the group size a multiple of 64.
+    w: symmetric INT4 with bf16 scales, codes ``[N, K // 8]`` in fragment order; N a
+      multiple of 128 and the group size a multiple of 64.
     interpret: must be False (raises NotImplementedError: no CPU interpret mode).
     config: tiles; default :func:`config_for`.
     num_sms: CTAs of the persistent grid; default the device's SM count.

@@ -1,7 +1,7 @@
 """Int4NKWeight (codes ``[N, K // 8]``) and its Hopper wgmma kernel (Pallas Mosaic GPU).
 
-CPU: the layout conversion is bit-exact both ways and is the byte image of a ``jnp.int4
-[N, K]`` array; the XLA path against a float64 reference; the kernel's configurations and
+CPU: the layout conversion is bit-exact both ways and stores the codes in the documented
+fragment order (numpy reference of ``SLOT_TO_K``); the XLA path against a float64 reference; the kernel's configurations and
 argument checks; the kernel lowers for CUDA (Mosaic GPU's layout inference and lowering run
 without a GPU). GPU (Hopper): the compiled kernel against float64 on fresh random inputs,
 many shapes including odd M, N and K, every configuration family.
@@ -35,16 +35,35 @@ def reference(x, w):
   return np.asarray(x.astype(jnp.float32), np.float64) @ (q * s)
 
 
-@pytest.mark.parametrize("k,n,group", [(128, 8, 128), (384, 37, 128), (1000, 24, None),
+def fragment_order_reference(q):
+  """numpy: the words of ``q [K, N]`` (codes in [-8, 7]) as the format documents them:
+  nibble e of word (n, 4t + c) holds q[32t + 8 (e // 2) + 2c + e % 2, n], two's
+  complement."""
+  k, n = q.shape
+  words = np.zeros((n, k // 8), np.uint64)
+  for t in range(k // 32):
+    for c in range(4):
+      for e in range(8):
+        kk = 32 * t + 8 * (e // 2) + 2 * c + e % 2
+        words[:, 4 * t + c] |= (q[kk, :].astype(np.int64) & 0xF).astype(np.uint64) << (4 * e)
+  return words.astype(np.uint32)
+
+
+@pytest.mark.parametrize("k,n,group", [(128, 8, 128), (384, 37, 128), (992, 24, None),
                                        (256, 130, 256), (512, 64, 32)])
 def test_layout_is_bit_exact(request, k, n, group):
   _, w, wn = make_case(request.node.nodeid, 1, k, n, group)
   assert wn.codes.shape == (n, k // 8) and wn.codes.dtype == jnp.uint32
   assert wn.scales is w.scales
   q = np.asarray(w.unpacked_codes(), np.int64) - 8
-  # The words are the bytes of an int4 [N, K] array: XLA's own view agrees.
-  view = jax.lax.bitcast_convert_type(wn.codes, jnp.int4).reshape(n, k)
-  np.testing.assert_array_equal(np.asarray(view.astype(jnp.int8)), q.T)
+  np.testing.assert_array_equal(np.asarray(wn.codes), fragment_order_reference(q))
+  # Viewed as int4 [N, K] (XLA's nibble order), the words are W^T with K permuted by
+  # SLOT_TO_K in each run of 32.
+  from qjax._src import int4_nk  # pylint: disable=g-import-not-at-top
+  view = np.asarray(jax.lax.bitcast_convert_type(wn.codes, jnp.int4).reshape(n, k)
+                    .astype(jnp.int8))
+  perm = (np.arange(k) // 32 * 32 + int4_nk.SLOT_TO_K[np.arange(k) % 32])
+  np.testing.assert_array_equal(view, q.T[:, perm])
   np.testing.assert_array_equal(np.asarray(wn.signed_codes()), q.T)
   np.testing.assert_array_equal(np.asarray(wn.dequantize()), np.asarray(w.dequantize()))
   back = wn.to_int4(tile_k=w.tile_k)
@@ -79,12 +98,35 @@ def test_rejects_what_it_cannot_hold(request):
     dataclasses.replace(wn, codes=wn.codes[:, :16])
   with pytest.raises(ValueError, match="group_size"):
     dataclasses.replace(wn, group_size=96)
+  with pytest.raises(ValueError, match="group_size=16 must be a multiple of 32"):
+    dataclasses.replace(wn, group_size=16)
+  odd_k = qjax.quantize(jnp.asarray(rng.standard_normal((1000, 8)), jnp.float32),
+                        group_size=None)
+  with pytest.raises(ValueError, match="K=1000 .* multiples of 32"):
+    qjax.to_int4_nk(odd_k)
+
+
+def test_save_and_load(request, tmp_path):
+  _, w, wn = make_case(request.node.nodeid, 1, 256, 40, 64)
+  qjax.save(tmp_path / "w.qjax", {"w": wn})
+  back = qjax.load(tmp_path / "w.qjax")["w"]
+  assert isinstance(back, qjax.Int4NKWeight) and back.group_size == 64
+  np.testing.assert_array_equal(np.asarray(back.codes), np.asarray(wn.codes))
+  np.testing.assert_array_equal(np.asarray(back.dequantize()), np.asarray(w.dequantize()))
+  # A file of session 16's plain word order (format "int4_nk") must not load as this one.
+  raw = (tmp_path / "w.qjax").read_bytes()
+  old = raw.replace(b'\\"int4_nk.v2\\"', b'\\"int4_nk\\"   ')  # same header length
+  assert old != raw
+  (tmp_path / "old.qjax").write_bytes(old)
+  with pytest.raises(ValueError, match="'int4_nk' is retired.*to_int4_nk"):
+    qjax.load(tmp_path / "old.qjax")
 
 
 @pytest.mark.parametrize("m,k,n,group,dtype", [
     (1, 256, 128, 128, jnp.bfloat16), (5, 384, 37, 128, jnp.bfloat16),
     (33, 512, 96, 64, jnp.float16), (7, 256, 64, 256, jnp.float32),
-    (1, 512, 40, 32, jnp.float32), (1, 1000, 24, None, jnp.float16)])
+    (1, 512, 40, 32, jnp.float32), (1, 992, 24, None, jnp.float16),
+    (3, 992, 24, None, jnp.bfloat16)])
 def test_xla_path(request, m, k, n, group, dtype):
   x, w, wn = make_case(request.node.nodeid, m, k, n, group, dtype)
   y = jax.jit(lambda a, b: qjax.matmul(a, b, implementation="xla"))(x, wn)

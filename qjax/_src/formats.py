@@ -42,10 +42,21 @@ def static_field(**kwargs: Any) -> Any:
   return dataclasses.field(metadata={"static": True}, **kwargs)
 
 
+# Format names that files may hold but whose layout changed: what to do instead.
+RETIRED_FORMATS = {
+    "int4_nk": "Int4NKWeight's codes of session 16 (plain K order); session 17 stores them "
+               "in wgmma fragment order (format 'int4_nk.v2'): save the Int4Weight and "
+               "convert it again with qjax.to_int4_nk",
+}
+
+
 def format_class(name: str) -> type["QuantizedWeight"]:
   try:
     return _FORMATS[name]
   except KeyError:
+    if name in RETIRED_FORMATS:
+      raise ValueError(f"quantized format {name!r} is retired: {RETIRED_FORMATS[name]}"
+                       ) from None
     raise ValueError(
         f"unknown quantized format {name!r}; known formats: {sorted(_FORMATS)}"
     ) from None

@@ -1,17 +1,21 @@
-"""Symmetric INT4 weights stored by output column: codes ``[N, K // 8]``.
+"""Symmetric INT4 weights stored by output column: codes ``[N, K // 8]`` in the order of
+Hopper's wgmma register fragments.
 
 :class:`~qjax.Int4Weight` packs eight codes of one column per word and lays the words out
 ``[K // 8, N]``, the layout of the Triton kernels (GEMV and tiled). This format holds the
 same weight with the words transposed, ``[N, K // 8]``, and the codes as two's-complement
-``q - 8``: its bytes are a ``jnp.int4 [N, K]`` array (XLA packs int4 low nibble first), so
-a kernel views them as int4 with a bitcast. That is the operand the Hopper ``wgmma``
-kernel (``pallas_kernels.int4_wgmma``, Pallas Mosaic GPU) loads with the tensor memory
-accelerator and converts to bf16 in registers, as the left operand of ``W^T x^T``.
+``q - 8``. Within each run of 32 codes of a row (four words), the codes are permuted so that
+word ``c`` holds exactly the codes that thread ``c`` of a four-thread row group holds in
+wgmma's register operand layout (:data:`SLOT_TO_K`). The Hopper ``wgmma`` kernel
+(``pallas_kernels.int4_wgmma``, Pallas Mosaic GPU) loads the words with the tensor memory
+accelerator, then each thread reads whole 32-bit words from shared memory and converts them
+to bf16 in place as the left operand of ``W^T x^T``: no register shuffles (BENCHMARKS.md,
+session 17: 3-11 % faster than the plain ``jnp.int4 [N, K]`` order of session 16).
 
 Convert once, at load: ``qjax.to_int4_nk(w)`` from a symmetric :class:`~qjax.Int4Weight`
 (bit-exact, and :meth:`Int4NKWeight.to_int4` is its inverse). On the H100 the wgmma
-kernel beats the Triton kernels from M = 16 up (mostly) and at M = 64, but not the M = 1
-GEMV: keep :class:`Int4Weight` where one-row decode dominates (BENCHMARKS.md).
+kernel beats the Triton kernels from M = 16 up, but not the M = 1 GEMV: keep
+:class:`Int4Weight` where one-row decode dominates (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -21,10 +25,21 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+import numpy as np
+
 from qjax._src import dispatch
 from qjax._src import formats
 from qjax._src import int4
 from qjax._src import packing
+
+
+# Codes per permuted run: four words, one per thread of a wgmma row group.
+CHUNK = 32
+# SLOT_TO_K[8 c + e] = the K offset (within a run of 32) of the code held by nibble e of
+# word c: thread c of wgmma's register layout holds K pairs (2c, 2c + 1) + 8 i, i = 0..3,
+# and nibbles 2i, 2i + 1 of its word are the pair i.
+SLOT_TO_K = np.array([8 * (e // 2) + 2 * c + e % 2 for c in range(4) for e in range(8)])
+K_TO_SLOT = np.argsort(SLOT_TO_K)
 
 
 @formats.register_format
@@ -36,14 +51,18 @@ class Int4NKWeight(formats.QuantizedWeight):
   ``q - 8`` of a symmetric :class:`~qjax.Int4Weight`).
 
   Attributes:
-    codes: ``[N, K // 8]`` uint32; bits ``4i .. 4i + 3`` of word ``(n, j)`` hold
-      ``c[n, 8j + i]`` in two's complement: the bytes of a ``jnp.int4 [N, K]`` array.
+    codes: ``[N, K // 8]`` uint32; bits ``4e .. 4e + 3`` of word ``(n, 4t + c)`` hold
+      ``c[n, 32t + 8 (e // 2) + 2c + e % 2]`` in two's complement (``c`` in 0..3, ``e``
+      in 0..7; :data:`SLOT_TO_K`). Bitcast to ``jnp.int4 [N, K]`` they are ``W^T`` with K
+      permuted within each run of 32.
     scales: ``[K // G, N]`` bf16, f16 or f32.
-    shape: the logical ``(K, N)``.
-    group_size: ``G``; a divisor of K (K itself for one scale per column).
+    shape: the logical ``(K, N)``; K a multiple of 32.
+    group_size: ``G``; a multiple of 32 dividing K (K itself for one scale per column).
   """
 
-  format_name = "int4_nk"
+  # ".v2": the fragment order of session 17. Files of session 16's plain order (format
+  # "int4_nk") no longer load, rather than load wrong.
+  format_name = "int4_nk.v2"
 
   codes: jax.Array
   scales: jax.Array
@@ -53,12 +72,13 @@ class Int4NKWeight(formats.QuantizedWeight):
   def __post_init__(self):
     object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
     k, n = self.shape
-    if k % 8:
-      raise ValueError(f"Int4NKWeight needs K={k} to be a multiple of 8 (8 codes per word)")
-    if self.group_size <= 0 or k % self.group_size:
+    if k % CHUNK:
+      raise ValueError(f"Int4NKWeight needs K={k} to be a multiple of {CHUNK} (codes are "
+                       f"permuted in runs of {CHUNK}); pad K or keep the Int4Weight")
+    if self.group_size <= 0 or k % self.group_size or self.group_size % CHUNK:
       raise ValueError(
-          f"K={k} must be a multiple of group_size={self.group_size}; pad K or choose a "
-          "group size that divides it")
+          f"group_size={self.group_size} must be a multiple of {CHUNK} dividing K={k}; "
+          "choose such a group size or keep the Int4Weight")
     if not self._leaves_concrete_2d():
       return
     want = {"codes": ((n, k // 8), (jnp.uint32,)),
@@ -71,9 +91,11 @@ class Int4NKWeight(formats.QuantizedWeight):
     return self.shape[0] // self.group_size
 
   def signed_codes(self) -> jax.Array:
-    """``[..., N, K]`` int8 codes ``c`` in ``[-8, 7]``."""
+    """``[..., N, K]`` int8 codes ``c`` in ``[-8, 7]``, K in logical order."""
     planes = _signed_planes(self.codes, jnp.int8)  # 8 x [..., N, K // 8]
-    return jnp.stack(planes, axis=-1).reshape(*self.codes.shape[:-1], self.shape[0])
+    lead = self.codes.shape[:-1]
+    slots = jnp.stack(planes, axis=-1).reshape(*lead, self.shape[0] // CHUNK, CHUNK)
+    return slots[..., K_TO_SLOT].reshape(*lead, self.shape[0])
 
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
     """``[K, N]`` W in ``dtype``: ``c * s`` computed in float32, rounded once."""
@@ -112,20 +134,23 @@ def to_int4_nk(w: int4.Int4Weight) -> Int4NKWeight:
         "to_int4_nk needs a symmetric Int4Weight (zero point 8): this one has "
         f"{'zero points' if w.zeros is not None else 'float biases'}; quantize with "
         "symmetric=True or keep the Int4Weight")
-  k, _ = w.shape
-  if k % 8:
-    raise ValueError(f"to_int4_nk needs K={k} to be a multiple of 8")
+  k, n = w.shape
+  if k % CHUNK or w.group_size % CHUNK:
+    raise ValueError(f"to_int4_nk needs K={k} and group_size={w.group_size} to be "
+                     f"multiples of {CHUNK}; keep the Int4Weight for this shape")
   q = w.unpacked_codes().astype(jnp.uint32)  # [..., K, N] in [0, 15]
   signed = q ^ jnp.uint32(8)  # q - 8 in 4-bit two's complement
-  words = packing.pack_codes(signed, packing.PLAIN_TILE_K)  # [..., K // 8, N]
+  lead = signed.shape[:-2]
+  slots = signed.reshape(*lead, k // CHUNK, CHUNK, n)[..., SLOT_TO_K, :].reshape(*lead, k, n)
+  words = packing.pack_codes(slots, packing.PLAIN_TILE_K)  # [..., K // 8, N]
   return Int4NKWeight(codes=jnp.swapaxes(words, -1, -2), scales=w.scales, shape=w.shape,
                       group_size=w.group_size)
 
 
 def _signed_planes(codes: jax.Array, dtype=jnp.float32) -> list[jax.Array]:
   """The 8 nibble planes of ``codes [..., N, K // 8]`` as codes in ``[-8, 7]`` of
-  ``dtype``: plane ``i`` holds ``c[n, 8j + i]`` at ``[n, j]`` (the two's-complement nibble
-  ``v`` is ``(v ^ 8) - 8``)."""
+  ``dtype``: plane ``e`` holds nibble ``e`` of word ``[n, j]`` (storage order; its K is
+  given by :data:`SLOT_TO_K`; the two's-complement nibble ``v`` is ``(v ^ 8) - 8``)."""
   planes = []
   for i in range(8):
     v = ((codes >> jnp.uint32(4 * i)) & jnp.uint32(0xF)).astype(jnp.int32)
@@ -137,7 +162,9 @@ def _row_xla(x: jax.Array, w: Int4NKWeight) -> jax.Array:
   """One row: ``x [1, K] @ W`` as one multiply-and-sum over the packed words (XLA fuses
   the unpacking into the reduction, reading each word once), float32 throughout."""
   k, n = w.shape
-  xs = x.astype(jnp.float32).reshape(k // 8, 8)
+  # x in the codes' storage order: xs[j, e] multiplies nibble e of word j. Nibble
+  # e = 2i + b of word 4t + c is K = 32t + 8i + 2c + b: a transpose of (i, c).
+  xs = jnp.swapaxes(x.astype(jnp.float32).reshape(k // CHUNK, 4, 4, 2), 1, 2).reshape(k // 8, 8)
   acc = sum(p * xs[:, i] for i, p in enumerate(_signed_planes(w.codes)))  # [N, K // 8]
   per_group = acc.reshape(n, k // w.group_size, w.group_size // 8).sum(-1)  # [N, K // G]
   y = (per_group * w.scales.T.astype(jnp.float32)).sum(-1)
@@ -155,8 +182,10 @@ def _dequantize_nk_pairs(w: Int4NKWeight, dtype) -> jax.Array:
   def bits(v):
     return jax.lax.bitcast_convert_type((v * s).astype(dtype), jnp.uint16).astype(jnp.uint32)
 
-  pairs = [bits(planes[2 * p]) | (bits(planes[2 * p + 1]) << jnp.uint32(16)) for p in range(4)]
-  words = jnp.stack(pairs, axis=-1)  # [N, K // 8, 4]: K pairs in order
+  # Nibbles 2p, 2p + 1 of word 4t + c are K = 32t + 8p + 2c (+ 1): the K pair 16t + 4p + c.
+  pairs = [(bits(planes[2 * p]) | (bits(planes[2 * p + 1]) << jnp.uint32(16))
+            ).reshape(n, k // CHUNK, 4) for p in range(4)]  # [N, t, c] each
+  words = jnp.stack(pairs, axis=-2)  # [N, t, p, c]: K pairs in order
   return jax.lax.bitcast_convert_type(words, dtype).reshape(n, k)
 
 

@@ -138,8 +138,9 @@ def _int4_nk_rule(s: dict[str, Any]) -> SplitRule:
   g = s["group_size"]
   return SplitRule(
       fields=(("codes", FieldAxes(ndim=2, k=-1, n=-2)), ("scales", MATRIX)),
-      k_unit=math.lcm(8, g),
-      k_unit_why=f"whole groups (group_size={g}) of whole 8-code words")
+      k_unit=math.lcm(int4_nk.CHUNK, g),
+      k_unit_why=f"whole groups (group_size={g}) of whole {int4_nk.CHUNK}-code runs (the "
+                 "codes are permuted within each run)")
 
 
 def _fp4_rule(block: int, extra: tuple[tuple[str, FieldAxes], ...]):
