@@ -12,9 +12,9 @@ memory:
   scale row ``[consumers * tile_n]``), the others compute.
 * Each compute warpgroup loads its ``[tile_n, tile_k]`` slice of W^T from shared memory
   into registers, a 32-bit word per thread and row of each 32-code run: thanks to the
-  format's permuted order these words are already wgmma's register fragments
-  (:func:`_as_wgmma_fragments` only renames them). It converts int4 to bf16 there
-  (Mosaic's prmt / lop3 conversion), multiplies each row by its group scale, and issues
+  format's permuted order each word holds four of the thread's wgmma operand pairs, which
+  :func:`_to_bf16_fragments` converts to bf16 in place (a shift, a LOP3 and a bf16
+  subtraction per pair). It multiplies each row by its group scale, and issues
   ``wgmma`` with that register operand against the x tile in shared memory (transposed
   view), accumulating ``[tile_n, tile_m]`` in float32.
 * The epilogue relays the accumulator to the transposed wgmma layout and stores it into
@@ -176,31 +176,54 @@ def _check(x: jax.Array, w: Any, cfg: WgmmaConfig) -> None:
                               f"{cfg.consumers * cfg.tile_n}")
 
 
-def _as_wgmma_fragments(w):
+# bf16 136.0 in both halves: 0x4300 (128.0) with the code's nibble (two's complement,
+# bit 3 flipped, i.e. q + 8) in the low mantissa bits is 136 + q.
+_BF16X2_136 = 0x43084308
+_LOP3_AND_XOR = 0x6A  # LOP3 truth table of (a & b) ^ c (a = 0xF0, b = 0xCC, c = 0xAA)
+
+
+def _to_bf16_fragments(w):
   """``w``: int4 ``[tile_n, tile_k]`` loaded in the WGMMA_UPCAST_4X layout (thread ``c``
-  of each four-thread row group holds word ``c`` of every 32-code run of its two rows),
-  renamed as the same registers in the WGMMA operand layout: nibbles ``2i, 2i + 1`` of a
-  word are the thread's K pair of 8-column tile ``i`` of the run. Right because the
-  format stores each run in that order (``int4_nk.SLOT_TO_K``); no data moves (Mosaic's
-  own relayout from the plain order costs a lane shuffle and a prmt per word)."""
+  of each four-thread row group holds word ``c`` of every 32-code run of its two rows)
+  -> bf16 codes in wgmma's register operand layout.
+
+  The format stores each run so that nibbles ``i`` and ``i + 4`` of a word are the
+  thread's K pair of the run's 8-column tile ``i`` (``int4_nk.SLOT_TO_K``): a shift by
+  ``4i`` and one LOP3 (mask both nibbles, flip their sign bits, or in bf16 128.0) make
+  ``136 + q`` in both halves of a register, and one ``sub.bf16x2`` makes ``q``: per pair
+  two integer instructions (one for ``i = 0``) and one bf16 one, where Mosaic's own
+  conversion after its relayout from the plain order took a lane shuffle and four integer
+  instructions (session 17 profile, BENCHMARKS.md).
+  """
   shape = w.shape
 
   @plgpu.inline_mgpu(
       arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
-      return_type=plgpu.ShapeDtypeStruct(shape, w.dtype, layout=plgpu.Layout.WGMMA))
-  def rename(ctx, w4):
+      return_type=plgpu.ShapeDtypeStruct(shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA))
+  def convert(ctx, w4):
     del ctx
-    from jax.experimental.mosaic import gpu as mgpu  # pylint: disable=g-import-not-at-top
+    # pylint: disable=g-import-not-at-top
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import llvm
     fa = mgpu.fragmented_array
+    i32 = ir.IntegerType.get_signless(32)
+    bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
     regs = np.empty(fa.WGMMA_LAYOUT.registers_shape(shape), dtype=object)
     for idx, reg in np.ndenumerate(w4.registers):  # idx[1]: the 32-code run
+      word = mgpu.utils.bitcast(reg, i32)
       for i in range(4):
-        regs[(idx[0], idx[1] * 4 + i, *idx[2:])] = mgpu.utils.vector_slice(
-            reg, slice(2 * i, 2 * i + 2))
-    return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT,
-                              _is_signed=w4.is_signed)
+        shift = f"shr.u32 t, $1, {4 * i};" if i else "mov.b32 t, $1;"
+        pair = llvm.inline_asm(
+            i32, [word],
+            f"{{ .reg .b32 t, u, b; {shift} "
+            f"lop3.b32 u, t, 0x000F000F, {_BF16X2_136:#010x}, {_LOP3_AND_XOR:#04x}; "
+            f"mov.b32 b, {_BF16X2_136:#010x}; sub.bf16x2 $0, u, b; }}",
+            "=r,r")
+        regs[(idx[0], idx[1] * 4 + i, *idx[2:])] = mgpu.utils.bitcast(pair, bf16x2)
+    return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
-  return rename(w)
+  return convert(w)
 
 
 def _convert_and_multiply(acc_ref, w_smem, s_smem, x_smem) -> None:
@@ -214,7 +237,7 @@ def _convert_and_multiply(acc_ref, w_smem, s_smem, x_smem) -> None:
   with jax.named_scope("smem_load"):
     w = plgpu.layout_cast(w_smem[...], plgpu.Layout.WGMMA_UPCAST_4X)
   with jax.named_scope("convert"):
-    w = _as_wgmma_fragments(w).astype(jnp.bfloat16)
+    w = _to_bf16_fragments(w)
   with jax.named_scope("scale"):
     s = plgpu.layout_cast(s_smem[...], plgpu.Layout.WGMMA.reduce(1))
     w = w * lax.broadcast_in_dim(s, w.shape, [0])

@@ -37,14 +37,14 @@ def reference(x, w):
 
 def fragment_order_reference(q):
   """numpy: the words of ``q [K, N]`` (codes in [-8, 7]) as the format documents them:
-  nibble e of word (n, 4t + c) holds q[32t + 8 (e // 2) + 2c + e % 2, n], two's
+  nibble e of word (n, 4t + c) holds q[32t + 8 (e % 4) + 2c + e // 4, n], two's
   complement."""
   k, n = q.shape
   words = np.zeros((n, k // 8), np.uint64)
   for t in range(k // 32):
     for c in range(4):
       for e in range(8):
-        kk = 32 * t + 8 * (e // 2) + 2 * c + e % 2
+        kk = 32 * t + 8 * (e % 4) + 2 * c + e // 4
         words[:, 4 * t + c] |= (q[kk, :].astype(np.int64) & 0xF).astype(np.uint64) << (4 * e)
   return words.astype(np.uint32)
 

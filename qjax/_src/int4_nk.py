@@ -36,9 +36,10 @@ from qjax._src import packing
 # Codes per permuted run: four words, one per thread of a wgmma row group.
 CHUNK = 32
 # SLOT_TO_K[8 c + e] = the K offset (within a run of 32) of the code held by nibble e of
-# word c: thread c of wgmma's register layout holds K pairs (2c, 2c + 1) + 8 i, i = 0..3,
-# and nibbles 2i, 2i + 1 of its word are the pair i.
-SLOT_TO_K = np.array([8 * (e // 2) + 2 * c + e % 2 for c in range(4) for e in range(8)])
+# word c: thread c of wgmma's register layout holds the K pairs (2c + 8i, 2c + 8i + 1),
+# i = 0..3, and nibbles i and i + 4 of its word are the pair i, so one shift and one LOP3
+# put both codes of a pair into the two halves of a 32-bit register.
+SLOT_TO_K = np.array([8 * (e % 4) + 2 * c + e // 4 for c in range(4) for e in range(8)])
 K_TO_SLOT = np.argsort(SLOT_TO_K)
 
 
@@ -52,7 +53,7 @@ class Int4NKWeight(formats.QuantizedWeight):
 
   Attributes:
     codes: ``[N, K // 8]`` uint32; bits ``4e .. 4e + 3`` of word ``(n, 4t + c)`` hold
-      ``c[n, 32t + 8 (e // 2) + 2c + e % 2]`` in two's complement (``c`` in 0..3, ``e``
+      ``c[n, 32t + 8 (e % 4) + 2c + e // 4]`` in two's complement (``c`` in 0..3, ``e``
       in 0..7; :data:`SLOT_TO_K`). Bitcast to ``jnp.int4 [N, K]`` they are ``W^T`` with K
       permuted within each run of 32.
     scales: ``[K // G, N]`` bf16, f16 or f32.
@@ -163,8 +164,9 @@ def _row_xla(x: jax.Array, w: Int4NKWeight) -> jax.Array:
   the unpacking into the reduction, reading each word once), float32 throughout."""
   k, n = w.shape
   # x in the codes' storage order: xs[j, e] multiplies nibble e of word j. Nibble
-  # e = 2i + b of word 4t + c is K = 32t + 8i + 2c + b: a transpose of (i, c).
-  xs = jnp.swapaxes(x.astype(jnp.float32).reshape(k // CHUNK, 4, 4, 2), 1, 2).reshape(k // 8, 8)
+  # e = 4b + i of word 4t + c is K = 32t + 8i + 2c + b: a transpose of (i, c, b).
+  xs = jnp.transpose(x.astype(jnp.float32).reshape(k // CHUNK, 4, 4, 2),
+                     (0, 2, 3, 1)).reshape(k // 8, 8)
   acc = sum(p * xs[:, i] for i, p in enumerate(_signed_planes(w.codes)))  # [N, K // 8]
   per_group = acc.reshape(n, k // w.group_size, w.group_size // 8).sum(-1)  # [N, K // G]
   y = (per_group * w.scales.T.astype(jnp.float32)).sum(-1)
@@ -182,8 +184,8 @@ def _dequantize_nk_pairs(w: Int4NKWeight, dtype) -> jax.Array:
   def bits(v):
     return jax.lax.bitcast_convert_type((v * s).astype(dtype), jnp.uint16).astype(jnp.uint32)
 
-  # Nibbles 2p, 2p + 1 of word 4t + c are K = 32t + 8p + 2c (+ 1): the K pair 16t + 4p + c.
-  pairs = [(bits(planes[2 * p]) | (bits(planes[2 * p + 1]) << jnp.uint32(16))
+  # Nibbles p, p + 4 of word 4t + c are K = 32t + 8p + 2c (+ 1): the K pair 16t + 4p + c.
+  pairs = [(bits(planes[p]) | (bits(planes[p + 4]) << jnp.uint32(16))
             ).reshape(n, k // CHUNK, 4) for p in range(4)]  # [N, t, c] each
   words = jnp.stack(pairs, axis=-2)  # [N, t, p, c]: K pairs in order
   return jax.lax.bitcast_convert_type(words, dtype).reshape(n, k)
