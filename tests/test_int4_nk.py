@@ -322,3 +322,26 @@ def test_bench_floor_counts_the_same_bytes_as_int4():
   assert isinstance(b, qjax.Int4NKWeight) and b.codes.shape == (512, 512)
   np.testing.assert_array_equal(np.asarray(b.dequantize()), np.asarray(a.dequantize()))
   assert bench.floor_weight_bytes(a) == bench.floor_weight_bytes(b)
+
+
+def test_profile_summary_of_a_trace():
+  """examples/wgmma_profile.py's summary of Mosaic GPU profiler events (B / E per
+  warpgroup, cycles / 1000 in "ts")."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+  path = pathlib.Path(__file__).parent.parent / "examples" / "wgmma_profile.py"
+  spec = importlib.util.spec_from_file_location("wgmma_profile", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  events = []
+  for tid in (1, 2):
+    t = 0.0
+    for name, dur in (("convert", 0.3), ("wgmma", 0.1), ("convert", 0.5)):
+      events += [{"name": name, "ph": "B", "ts": t, "tid": tid},
+                 {"name": name, "ph": "E", "ts": t + dur, "tid": tid}]
+      t += dur + 0.1  # 0.1 between scopes: barrier waits
+  scopes, span = mod.summarise(events)
+  assert span == pytest.approx(1100.0)
+  assert scopes["convert"][0] == 4 and scopes["convert"][1] == pytest.approx(400.0)
+  assert scopes["convert"][2] == pytest.approx(0.8 / 1.1)
+  assert scopes["wgmma"] == (2, pytest.approx(100.0), pytest.approx(0.1 / 1.1))
