@@ -249,7 +249,8 @@ def _convert_and_multiply(acc_ref, w_smem, s_smem, x_smem) -> None:
 
 def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, cfg: WgmmaConfig,
                  group_size: int, num_sms: int, out_dtype) -> jax.Array:
-  """``[split_k, M, N]`` (``out_dtype``) partial products; M a multiple of tile_m.
+  """``[split_k, M, N]`` (``out_dtype``) partial products; M below 8 or a multiple of
+  tile_m (:func:`padded_rows`).
 
   x: ``[M, K]`` bf16; wt: ``[N, K]`` int4; scales: ``[K // G, N]`` bf16.
   """
@@ -257,8 +258,10 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, cfg: WgmmaConfi
   n = wt.shape[0]
   tn, tm, tk, splits = cfg.tile_n, cfg.tile_m, cfg.tile_k, cfg.split_k
   wgs = cfg.consumers
+  if m != padded_rows(m, cfg):
+    raise ValueError(f"{m} rows: pad x to padded_rows(m, cfg) = {padded_rows(m, cfg)}")
   cta_n = wgs * tn
-  m_iters, n_iters = m // tm, n // cta_n
+  m_iters, n_iters = -(-m // tm), n // cta_n
   k_per_split = k // splits
   k_iters = k_per_split // tk
   steps_per_group = group_size // tk
@@ -352,6 +355,15 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, cfg: WgmmaConfi
   return call(x, wt, scales)
 
 
+def padded_rows(m: int, cfg: WgmmaConfig) -> int:
+  """Rows of x (and y) the kernel is called with: ``m`` itself below 8 (TMA fills the
+  rows of a tile past ``m`` with zeros and drops them on the store, so no pad and no
+  slice run: 1.1-3.7 us less at M = 1 on the H100, BENCHMARKS.md session 17); else ``m``
+  rounded up to ``tile_m`` (Mosaic GPU takes a tiled dimension only if it is below or a
+  multiple of its tiling of 8 rows)."""
+  return m if m < 8 else _round_up(m, cfg.tile_m)
+
+
 def int4_nk_matmul(x: jax.Array, w: int4_nk.Int4NKWeight, *, interpret: bool = False,
                    config: WgmmaConfig | None = None, num_sms: int | None = None
                    ) -> jax.Array:
@@ -381,7 +393,7 @@ def int4_nk_matmul(x: jax.Array, w: int4_nk.Int4NKWeight, *, interpret: bool = F
   _check(x, w, cfg)
   if m == 0:
     return jnp.zeros((0, n), jnp.bfloat16)
-  mp = _round_up(m, cfg.tile_m)
+  mp = padded_rows(m, cfg)
   xp = jnp.pad(x, ((0, mp - m), (0, 0))) if mp != m else x
   wt = lax.bitcast_convert_type(w.codes, jnp.int4).reshape(n, k)
   out_dtype = jnp.float32 if cfg.split_k > 1 else jnp.bfloat16

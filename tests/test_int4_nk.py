@@ -209,6 +209,12 @@ LOWERED = [
 ]
 
 
+def test_padded_rows():
+  cfg = kw.WgmmaConfig(tile_m=64)
+  assert [kw.padded_rows(m, cfg) for m in (1, 7, 8, 9, 64, 65)] == [1, 7, 64, 64, 64, 128]
+  assert kw.padded_rows(20, kw.WgmmaConfig(tile_m=24, epi_m=24)) == 24
+
+
 @pytest.mark.parametrize("m,k,n,cfg", LOWERED)
 def test_kernel_lowers_for_cuda(m, k, n, cfg):
   """Mosaic GPU's layout inference and lowering to its dialect run here without a GPU
@@ -234,7 +240,7 @@ def _poisoned_run(fn, x, wn, cfg):
   the inputs are fresh)."""
   m, (k, n) = x.shape[0], wn.shape
   c = cfg or kw.config_for(m, k, n, wn.group_size, jax.devices()[0].core_count)
-  rows = -(-m // c.tile_m) * c.tile_m  # the kernel's padded rows
+  rows = kw.padded_rows(m, c)  # the rows of the kernel's output
   poison = jnp.full((c.split_k, rows, n), jnp.nan,
                     jnp.float32 if c.split_k > 1 else jnp.bfloat16)
   poison.block_until_ready()
@@ -251,6 +257,7 @@ GPU_CASES = [
     (256, 512, 256, kw.WgmmaConfig(tile_n=128, tile_m=128, stages=3)),
     (96, 768, 384, kw.WgmmaConfig(tile_m=96, tile_k=64, epi_m=32, stages=5)),
     (3, 2048, 768, kw.WgmmaConfig(tile_m=8, tile_k=128, epi_m=8, split_k=2)),
+    (5, 1024, 256, kw.WgmmaConfig(tile_m=64, tile_k=128)),
     (768, 1024, 768, kw.WgmmaConfig(snake_width=2)),
     (512, 512, 1024, kw.WgmmaConfig(m_minor=True, snake_width=4)),
 ]
