@@ -47,6 +47,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from qjax._src import int4_nk
 
+_CHAIN = plgpu.PipelinePipeline  # pipeline_state values of chained tiles
+
 # Shared memory for the pipeline and the epilogue's buffers (the H100 allows 227 KiB per
 # block; the rest is barriers).
 _SMEM_BUDGET = 220 * 1024
@@ -69,6 +71,10 @@ class WgmmaConfig:
       compiled but hung on the H100).
     snake_width: 0, or walk the tiles along a snake of this many rows (columns with
       m_minor) for locality in L2 (``plgpu.planar_snake``).
+    chain_tiles: run a CTA's tiles as one chained pipeline (Pallas' ``pipeline_state``
+      START / STEADY / STOP): the memory warpgroup loads the next tile's first steps
+      while the compute warpgroups finish the last ones and store, instead of refilling an
+      empty pipeline per tile. Needs ``stages`` to divide the K steps of a tile.
   """
   tile_n: int = 64
   tile_m: int = 256
@@ -79,6 +85,7 @@ class WgmmaConfig:
   m_minor: bool = False
   consumers: int = 2
   snake_width: int = 0
+  chain_tiles: bool = False
 
   def __post_init__(self):
     if (isinstance(self.snake_width, bool) or not isinstance(self.snake_width, int)
@@ -147,7 +154,12 @@ def config_for(m: int, k: int, n: int, group_size: int, num_sms: int = 132) -> W
     split_k *= 2
   cfg = dataclasses.replace(cfg, split_k=split_k)
   stages = (_SMEM_BUDGET - cfg.epilogue_bytes()) // cfg.stage_bytes()
-  return dataclasses.replace(cfg, stages=max(2, min(4 if tile_m == 256 else 8, stages)))
+  stages = max(2, min(4 if tile_m == 256 else 8, stages))
+  # Chain the tiles of a CTA where some CTA has two or more and the stages divide the K
+  # steps (session 17 A/B: 2-6.5 % faster there; forcing it elsewhere, with fewer stages
+  # or one tile per CTA, was up to 8 % slower).
+  chain = tiles * split_k > num_sms and (k // split_k // tile_k) % stages == 0
+  return dataclasses.replace(cfg, stages=stages, chain_tiles=chain)
 
 
 def _check(x: jax.Array, w: Any, cfg: WgmmaConfig) -> None:
@@ -168,6 +180,10 @@ def _check(x: jax.Array, w: Any, cfg: WgmmaConfig) -> None:
   if w.group_size % cfg.tile_k:
     raise NotImplementedError(
         f"group_size={w.group_size} is not a multiple of tile_k={cfg.tile_k}")
+  if cfg.chain_tiles and (k // cfg.split_k // cfg.tile_k) % cfg.stages:
+    raise NotImplementedError(
+        f"chain_tiles needs stages={cfg.stages} to divide the {k // cfg.split_k // cfg.tile_k} "
+        "K steps of a tile")
   if k % (cfg.split_k * w.group_size):
     raise NotImplementedError(f"K={k} is not a multiple of split_k * group_size = "
                               f"{cfg.split_k * w.group_size}")
@@ -280,7 +296,7 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, cfg: WgmmaConfi
   grid = min(num_sms, tiles)
 
   def kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem):
-    def pipeline(body, context):
+    def pipeline(body, context, state=None):
       return plgpu.emit_pipeline_warp_specialized(
           body, grid=(k_iters,), memory_registers=40,
           in_specs=[
@@ -289,7 +305,7 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, cfg: WgmmaConfi
               plgpu.BlockSpec((1, cta_n), lambda kk: (kk // steps_per_group, 0)),
           ],
           wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=cfg.stages,
-          compute_context=context)
+          compute_context=context, pipeline_state=state)
 
     ignore = lambda *_, **__: None
 
@@ -337,7 +353,13 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, cfg: WgmmaConfi
           _convert_and_multiply(acc_ref, w_smem.at[wg_rows], s_smem.at[0, wg_rows], x_smem)
           return acc_ref
 
-        pipeline(body, context)(
+        state = None
+        if cfg.chain_tiles:
+          first, last = info.local_index == 0, info.local_index == info.num_local_steps - 1
+          # A CTA with one tile starts it and skips the final quiesce (it has no next).
+          state = jnp.where(first, int(_CHAIN.START),
+                            jnp.where(last, int(_CHAIN.STOP), int(_CHAIN.STEADY)))
+        pipeline(body, context, state)(
             x_gmem.at[pl.ds(m0, tm), pl.ds(k0, k_per_split)],
             w_gmem.at[pl.ds(n0, cta_n), pl.ds(k0, k_per_split)],
             s_gmem.at[pl.ds(k0 // group_size, k_per_split // group_size), pl.ds(n0, cta_n)],

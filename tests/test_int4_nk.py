@@ -166,6 +166,9 @@ def test_config_for_is_legal(m, k, n):
   assert k % (cfg.split_k * 128) == 0 and 128 % cfg.tile_k == 0
   tiles = -(-m // cfg.tile_m) * (n // 128)
   assert cfg.split_k == 1 or tiles * cfg.split_k <= 132
+  # Tiles chain where some CTA runs two or more and the stages divide a tile's K steps.
+  steps = k // cfg.split_k // cfg.tile_k
+  assert cfg.chain_tiles == (tiles * cfg.split_k > 132 and steps % cfg.stages == 0)
 
 
 @pytest.mark.parametrize("field,value", [("tile_n", 96), ("tile_m", 12), ("tile_m", 264),
@@ -191,6 +194,9 @@ def test_kernel_declines_what_it_lacks(request):
   for xi, wi, match in cases:
     with pytest.raises(NotImplementedError, match=match):
       kw.int4_nk_matmul(xi, wi, num_sms=132)
+  with pytest.raises(NotImplementedError, match="stages=3 to divide the 2 K steps"):
+    kw.int4_nk_matmul(x, wn, num_sms=132, config=kw.WgmmaConfig(
+        tile_m=8, tile_k=128, epi_m=8, stages=3, chain_tiles=True))
 
 
 def test_kernel_with_no_rows(request):
@@ -206,6 +212,7 @@ LOWERED = [
     (64, 1024, 256, kw.WgmmaConfig(tile_m=64, tile_k=128, split_k=2, stages=6)),
     (128, 512, 256, kw.WgmmaConfig(tile_n=128, tile_m=128, stages=3)),
     (512, 1024, 768, kw.WgmmaConfig(snake_width=2)),
+    (300, 1024, 512, kw.WgmmaConfig(tile_m=128, tile_k=128, stages=4, chain_tiles=True)),
 ]
 
 
@@ -278,6 +285,22 @@ def test_wgmma_matches_float64(request, m, k, n, cfg):
   # leaves each output within a few 2^-9 of the outputs' rms.
   rms = np.sqrt(np.mean(ref ** 2))
   assert np.abs(y - ref).max() < 2e-2 * rms
+
+
+@needs_gpu
+@needs_hopper
+@pytest.mark.parametrize("num_sms", [1, 5, 12])
+def test_wgmma_chained_tiles(request, num_sms):
+  """12 tiles over 1, 5 or 12 CTAs: 12 tiles in one chained pipeline, 2 or 3 per CTA, or
+  one per CTA (each starts a chain it never stops)."""
+  m, k, n = 300, 1024, 512
+  x, w, wn = make_case(request.node.nodeid, m, k, n)
+  cfg = kw.WgmmaConfig(tile_m=128, tile_k=128, stages=4, chain_tiles=True)
+  fn = jax.jit(lambda a, b: kw.int4_nk_matmul(a, b, config=cfg, num_sms=num_sms))
+  y = _poisoned_run(fn, x, wn, cfg)
+  assert y.shape == (m, n) and np.isfinite(y).all()
+  ref = reference(x, w)
+  assert np.abs(y - ref).max() < 2e-2 * np.sqrt(np.mean(ref ** 2))
 
 
 @needs_gpu
