@@ -10,7 +10,7 @@ the warpgroups' traced time. The rest of that time is spent waiting for the pipe
 barriers (data not yet in shared memory) and in the epilogue. Needs an H100 / H200; the
 profiler's buffer takes shared memory, so each warpgroup keeps its first ``--events``
 events only (enough for averages). Session 17 used it to find that the int4 -> bf16
-conversion, not the tensor cores or the memory pipeline, bounds the kernel at small M.
+conversion, not the tensor cores, bounded the kernel at small M (BENCHMARKS.md).
 """
 
 import argparse

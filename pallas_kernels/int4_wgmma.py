@@ -19,6 +19,10 @@ memory:
   view), accumulating ``[tile_n, tile_m]`` in float32.
 * The epilogue relays the accumulator to the transposed wgmma layout and stores it into
   a transposed shared-memory view, so the TMA store writes ``y`` (not ``y^T``) tiles.
+* Where a CTA runs two or more tiles, they form one chained pipeline (``chain_tiles``):
+  the next tile's loads start while the last steps of the current one compute.
+* Below 8 rows x is not padded: the TMA load zero-fills the tile's missing rows and the
+  store drops them (:func:`padded_rows`).
 * ``split_k > 1`` (for grids with fewer tiles than SMs: small M and N) gives each split
   its own float32 ``[M, N]`` slice of the output, summed by XLA afterwards.
 
@@ -392,7 +396,7 @@ def int4_nk_matmul(x: jax.Array, w: int4_nk.Int4NKWeight, *, interpret: bool = F
   """``x [M, K] @ W -> [M, N]`` in bf16 for an :class:`qjax.Int4NKWeight` on Hopper.
 
   Args:
-    x: ``[M, K]`` bf16; any M (rows are padded to the tile internally).
+    x: ``[M, K]`` bf16; any M (from 8 rows up, padded to the tile internally).
     w: symmetric INT4 with bf16 scales, codes ``[N, K // 8]`` in fragment order; N a
       multiple of 128 and the group size a multiple of 64.
     interpret: must be False (raises NotImplementedError: no CPU interpret mode).
