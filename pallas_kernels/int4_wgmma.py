@@ -138,6 +138,11 @@ def _round_up(a: int, b: int) -> int:
   return -(-a // b) * b
 
 
+def _k_steps(k: int, cfg: WgmmaConfig) -> int:
+  """Pipeline steps of one output tile: its split of K in ``tile_k`` slices."""
+  return k // cfg.split_k // cfg.tile_k
+
+
 def config_for(m: int, k: int, n: int, group_size: int, num_sms: int = 132) -> WgmmaConfig:
   """The configuration for an ``[m, k] x [k, n]`` problem: from the H100 sweep recorded
   in BENCHMARKS.md (session 16); shapes not measured get the nearest rule."""
@@ -162,7 +167,7 @@ def config_for(m: int, k: int, n: int, group_size: int, num_sms: int = 132) -> W
   # Chain the tiles of a CTA where some CTA has two or more and the stages divide the K
   # steps (session 17 A/B: 2-6.5 % faster there; forcing it elsewhere, with fewer stages
   # or one tile per CTA, was up to 8 % slower).
-  chain = tiles * split_k > num_sms and (k // split_k // tile_k) % stages == 0
+  chain = tiles * split_k > num_sms and _k_steps(k, cfg) % stages == 0
   return dataclasses.replace(cfg, stages=stages, chain_tiles=chain)
 
 
@@ -184,10 +189,10 @@ def _check(x: jax.Array, w: Any, cfg: WgmmaConfig) -> None:
   if w.group_size % cfg.tile_k:
     raise NotImplementedError(
         f"group_size={w.group_size} is not a multiple of tile_k={cfg.tile_k}")
-  if cfg.chain_tiles and (k // cfg.split_k // cfg.tile_k) % cfg.stages:
+  if cfg.chain_tiles and _k_steps(k, cfg) % cfg.stages:
     raise NotImplementedError(
-        f"chain_tiles needs stages={cfg.stages} to divide the {k // cfg.split_k // cfg.tile_k} "
-        "K steps of a tile")
+        f"chain_tiles needs stages={cfg.stages} to divide the {_k_steps(k, cfg)} K steps "
+        "of a tile")
   if k % (cfg.split_k * w.group_size):
     raise NotImplementedError(f"K={k} is not a multiple of split_k * group_size = "
                               f"{cfg.split_k * w.group_size}")

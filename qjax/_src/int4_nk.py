@@ -24,7 +24,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-
 import numpy as np
 
 from qjax._src import dispatch
