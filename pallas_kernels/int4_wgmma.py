@@ -54,8 +54,14 @@ from qjax._src import int4_nk
 _CHAIN = plgpu.PipelinePipeline  # pipeline_state values of chained tiles
 
 # Shared memory for the pipeline and the epilogue's buffers (the H100 allows 227 KiB per
-# block; the rest is barriers).
+# block; the rest is barriers). Stage counts of K steps up to 128 wide were measured with
+# _SMEM_BUDGET; the wide steps of small M (two stages of 512 at 64 rows of x take 225 KiB)
+# may use up to _SMEM_MAX.
 _SMEM_BUDGET = 220 * 1024
+_SMEM_MAX = 226 * 1024
+
+# Row tiles up to this many rows of x take K steps of 256 or 512 (config_for).
+_WIDE_K_MAX_TILE_M = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +71,9 @@ class WgmmaConfig:
   Attributes:
     tile_n: rows of W^T (columns of y) per compute warpgroup; wgmma's M: 64 or 128.
     tile_m: rows of x per CTA; wgmma's N: a multiple of 8, at most 256.
-    tile_k: K per pipeline step: 64 or 128, dividing the group size.
+    tile_k: K per pipeline step: 64, 128 or 256, dividing the group size or a multiple
+      of it (256 with groups of 128: two scale rows and two wgmmas per step, and 128-byte
+      rows of int4 per TMA load instead of 64).
     stages: pipeline depth (TMA copies in flight).
     epi_m: rows of y per epilogue store; divides tile_m.
     split_k: K splits (float32 partial outputs summed by XLA when > 1).
@@ -106,8 +114,8 @@ class WgmmaConfig:
       raise ValueError(f"WgmmaConfig.tile_n={self.tile_n} must be 64 or 128 (wgmma M)")
     if self.tile_m % 8 or self.tile_m > 256:
       raise ValueError(f"WgmmaConfig.tile_m={self.tile_m} must be a multiple of 8 up to 256")
-    if self.tile_k not in (64, 128):
-      raise ValueError(f"WgmmaConfig.tile_k={self.tile_k} must be 64 or 128")
+    if self.tile_k not in (64, 128, 256, 512):
+      raise ValueError(f"WgmmaConfig.tile_k={self.tile_k} must be 64, 128 or 256")
     if self.tile_m % self.epi_m or self.epi_m % 8:
       raise ValueError(
           f"WgmmaConfig.epi_m={self.epi_m} must be a multiple of 8 dividing tile_m="
@@ -117,10 +125,11 @@ class WgmmaConfig:
     """Shared memory of the epilogue: two buffers per compute warpgroup."""
     return self.consumers * 2 * self.epi_m * self.tile_n * (4 if self.split_k > 1 else 2)
 
-  def stage_bytes(self) -> int:
-    """Shared memory of one pipeline stage: x tile, W^T tile (int4), scale row."""
+  def stage_bytes(self, group_size: int = 128) -> int:
+    """Shared memory of one pipeline stage: x tile, W^T tile (int4), scale rows."""
     c = self.consumers
-    return self.tile_m * self.tile_k * 2 + c * self.tile_n * self.tile_k // 2 + c * self.tile_n * 2
+    return (self.tile_m * self.tile_k * 2 + c * self.tile_n * self.tile_k // 2
+            + c * self.tile_n * 2 * _groups_per_step(self.tile_k, group_size))
 
 
 def supported(device: jax.Device) -> bool:
@@ -138,14 +147,19 @@ def _round_up(a: int, b: int) -> int:
   return -(-a // b) * b
 
 
+def _groups_per_step(tile_k: int, group_size: int) -> int:
+  """Scale rows a pipeline step reads: tile_k // group_size, at least 1."""
+  return max(1, tile_k // group_size)
+
+
 def _k_steps(k: int, cfg: WgmmaConfig) -> int:
   """Pipeline steps of one output tile: its split of K in ``tile_k`` slices."""
   return k // cfg.split_k // cfg.tile_k
 
 
 def config_for(m: int, k: int, n: int, group_size: int, num_sms: int = 132) -> WgmmaConfig:
-  """The configuration for an ``[m, k] x [k, n]`` problem: from the H100 sweep recorded
-  in BENCHMARKS.md (session 16); shapes not measured get the nearest rule."""
+  """The configuration for an ``[m, k] x [k, n]`` problem: from the H100 sweeps recorded
+  in BENCHMARKS.md (sessions 16-18); shapes not measured get the nearest rule."""
   tile_k = 128 if group_size % 128 == 0 else 64
   if m > 128:
     tiles_256 = -(-m // 256) * (n // 128)
@@ -162,7 +176,18 @@ def config_for(m: int, k: int, n: int, group_size: int, num_sms: int = 132) -> W
          and k // (split_k * 2) // tile_k >= 4):
     split_k *= 2
   cfg = dataclasses.replace(cfg, split_k=split_k)
-  stages = (_SMEM_BUDGET - cfg.epilogue_bytes()) // cfg.stage_bytes()
+  budget = _SMEM_BUDGET
+  if tile_m <= _WIDE_K_MAX_TILE_M:
+    # Wider K steps read longer rows of W^T per TMA copy (tile_k / 2 bytes): session 18's
+    # sweep at M <= 64 took 512 where two stages fit, else 256 (4-21 % less time than 128).
+    for wide in (512, 256):
+      wide_cfg = dataclasses.replace(cfg, tile_k=wide)
+      if (k // split_k % wide == 0 and group_size % 64 == 0
+          and (wide % group_size == 0 or group_size % wide == 0)
+          and 2 * wide_cfg.stage_bytes(group_size) + cfg.epilogue_bytes() <= _SMEM_MAX):
+        cfg, budget = wide_cfg, _SMEM_MAX
+        break
+  stages = (budget - cfg.epilogue_bytes()) // cfg.stage_bytes(group_size)
   stages = max(2, min(4 if tile_m == 256 else 8, stages))
   # Chain the tiles of a CTA where some CTA has two or more and the stages divide the K
   # steps (session 17 A/B: 2-6.5 % faster there; forcing it elsewhere, with fewer stages
@@ -186,9 +211,17 @@ def _check(x: jax.Array, w: Any, cfg: WgmmaConfig) -> None:
         f"scales of dtype {jnp.dtype(w.scales.dtype).name}: the kernel multiplies by bf16 "
         "scales in registers; rounding others would change the weight")
   k, n = w.shape
-  if w.group_size % cfg.tile_k:
+  if w.group_size % 64:
     raise NotImplementedError(
-        f"group_size={w.group_size} is not a multiple of tile_k={cfg.tile_k}")
+        f"group_size={w.group_size}: the kernel's wgmma steps take groups of 64 or a "
+        "multiple of 64")
+  if w.group_size % cfg.tile_k and cfg.tile_k % w.group_size:
+    raise NotImplementedError(
+        f"group_size={w.group_size} is neither a multiple nor a divisor of "
+        f"tile_k={cfg.tile_k}")
+  if (k // cfg.split_k) % cfg.tile_k:
+    raise NotImplementedError(
+        f"K={k} split {cfg.split_k} ways is not a multiple of tile_k={cfg.tile_k}")
   if cfg.chain_tiles and _k_steps(k, cfg) % cfg.stages:
     raise NotImplementedError(
         f"chain_tiles needs stages={cfg.stages} to divide the {_k_steps(k, cfg)} K steps "
@@ -207,10 +240,11 @@ _BF16X2_136 = 0x43084308
 _LOP3_AND_XOR = 0x6A  # LOP3 truth table of (a & b) ^ c (a = 0xF0, b = 0xCC, c = 0xAA)
 
 
-def _to_bf16_fragments(w):
+def _to_bf16_fragments(w, first_run: int = 0, runs: int | None = None):
   """``w``: int4 ``[tile_n, tile_k]`` loaded in the WGMMA_UPCAST_4X layout (thread ``c``
   of each four-thread row group holds word ``c`` of every 32-code run of its two rows)
-  -> bf16 codes in wgmma's register operand layout.
+  -> bf16 codes ``[tile_n, 32 * runs]`` of the 32-code runs ``first_run ..
+  first_run + runs - 1`` (default: all) in wgmma's register operand layout.
 
   The format stores each run so that nibbles ``i`` and ``i + 4`` of a word are the
   thread's K pair of the run's 8-column tile ``i`` (``int4_nk.SLOT_TO_K``): a shift by
@@ -220,7 +254,9 @@ def _to_bf16_fragments(w):
   conversion after its relayout from the plain order took a lane shuffle and four integer
   instructions (session 17 profile, BENCHMARKS.md).
   """
-  shape = w.shape
+  if runs is None:
+    runs = w.shape[1] // int4_nk.CHUNK - first_run
+  shape = (w.shape[0], runs * int4_nk.CHUNK)
 
   @plgpu.inline_mgpu(
       arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
@@ -236,6 +272,9 @@ def _to_bf16_fragments(w):
     bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
     regs = np.empty(fa.WGMMA_LAYOUT.registers_shape(shape), dtype=object)
     for idx, reg in np.ndenumerate(w4.registers):  # idx[1]: the 32-code run
+      run = idx[1] - first_run
+      if not 0 <= run < runs:
+        continue
       word = mgpu.utils.bitcast(reg, i32)
       for i in range(4):
         shift = f"shr.u32 t, $1, {4 * i};" if i else "mov.b32 t, $1;"
@@ -245,29 +284,35 @@ def _to_bf16_fragments(w):
             f"lop3.b32 u, t, 0x000F000F, {_BF16X2_136:#010x}, {_LOP3_AND_XOR:#04x}; "
             f"mov.b32 b, {_BF16X2_136:#010x}; sub.bf16x2 $0, u, b; }}",
             "=r,r")
-        regs[(idx[0], idx[1] * 4 + i, *idx[2:])] = mgpu.utils.bitcast(pair, bf16x2)
+        regs[(idx[0], run * 4 + i, *idx[2:])] = mgpu.utils.bitcast(pair, bf16x2)
     return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
   return convert(w)
 
 
-def _convert_and_multiply(acc_ref, w_smem, s_smem, x_smem) -> None:
+def _convert_and_multiply(acc_ref, w_smem, s_smem, x_smem, group_size: int) -> None:
   """One pipeline step of a compute warpgroup: ``acc += (W^T * s) x^T``.
 
-  w_smem: ``[tile_n, tile_k]`` int4 in fragment order; s_smem: ``[tile_n]`` bf16 (the
-  step's group scales); x_smem: ``[tile_m, tile_k]`` bf16; acc_ref: ``[tile_n, tile_m]``
-  float32. The named scopes show in Mosaic GPU's profiler (``CompilerParams.profile_dir``;
-  examples/wgmma_profile.py).
+  w_smem: ``[tile_n, tile_k]`` int4 in fragment order; s_smem: ``[groups, tile_n]`` bf16
+  (the step's group scales, one row per ``group_size`` of K when tile_k spans several);
+  x_smem: ``[tile_m, tile_k]`` bf16; acc_ref: ``[tile_n, tile_m]`` float32. With several
+  groups per step each gets its own wgmma, issued before the next group's conversion so
+  that the two overlap; one wait ends the step. The named scopes show in Mosaic GPU's
+  profiler (``CompilerParams.profile_dir``; examples/wgmma_profile.py).
   """
+  tile_k = w_smem.shape[1]
+  sub = min(tile_k, group_size)
   with jax.named_scope("smem_load"):
-    w = plgpu.layout_cast(w_smem[...], plgpu.Layout.WGMMA_UPCAST_4X)
-  with jax.named_scope("convert"):
-    w = _to_bf16_fragments(w)
-  with jax.named_scope("scale"):
-    s = plgpu.layout_cast(s_smem[...], plgpu.Layout.WGMMA.reduce(1))
-    w = w * lax.broadcast_in_dim(s, w.shape, [0])
-  with jax.named_scope("wgmma"):
-    plgpu.wgmma(acc_ref, w, x_smem.transpose((1, 0)))
+    w4 = plgpu.layout_cast(w_smem[...], plgpu.Layout.WGMMA_UPCAST_4X)
+  for j in range(tile_k // sub):
+    with jax.named_scope("convert"):
+      w = _to_bf16_fragments(w4, j * sub // int4_nk.CHUNK, sub // int4_nk.CHUNK)
+    with jax.named_scope("scale"):
+      s = plgpu.layout_cast(s_smem.at[j][...], plgpu.Layout.WGMMA.reduce(1))
+      w = w * lax.broadcast_in_dim(s, w.shape, [0])
+    with jax.named_scope("wgmma"):
+      x_t = x_smem if sub == tile_k else x_smem.at[:, pl.ds(j * sub, sub)]
+      plgpu.wgmma(acc_ref, w, x_t.transpose((1, 0)))
   with jax.named_scope("wgmma_wait"):
     plgpu.wgmma_wait(0)
 
@@ -289,7 +334,8 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, cfg: WgmmaConfi
   m_iters, n_iters = -(-m // tm), n // cta_n
   k_per_split = k // splits
   k_iters = k_per_split // tk
-  steps_per_group = group_size // tk
+  steps_per_group = max(1, group_size // tk)
+  groups_per_step = _groups_per_step(tk, group_size)
   out_bits = jnp.dtype(out_dtype).itemsize * 8
 
   x_swizzle = plgpu.find_swizzle(tk * 16, "lhs")
@@ -311,7 +357,8 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, cfg: WgmmaConfi
           in_specs=[
               plgpu.BlockSpec((tm, tk), lambda kk: (0, kk), transforms=x_transforms),
               plgpu.BlockSpec((cta_n, tk), lambda kk: (0, kk), transforms=w_transforms),
-              plgpu.BlockSpec((1, cta_n), lambda kk: (kk // steps_per_group, 0)),
+              plgpu.BlockSpec((groups_per_step, cta_n),
+                              lambda kk: (kk // steps_per_group, 0)),
           ],
           wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=cfg.stages,
           compute_context=context, pipeline_state=state)
@@ -359,7 +406,8 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, cfg: WgmmaConfi
                               pl.ds(n0 + wg * tn, tn)])
 
         def body(_, x_smem, w_smem, s_smem, acc_ref):
-          _convert_and_multiply(acc_ref, w_smem.at[wg_rows], s_smem.at[0, wg_rows], x_smem)
+          _convert_and_multiply(acc_ref, w_smem.at[wg_rows], s_smem.at[:, wg_rows], x_smem,
+                                group_size)
           return acc_ref
 
         state = None

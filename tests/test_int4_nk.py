@@ -162,8 +162,10 @@ def test_config_for_is_legal(m, k, n):
   assert cfg.tile_m == (-(-m // 8) * 8 if m <= 128 else cfg.tile_m) and cfg.tile_m in (
       *range(8, 129, 8), 256)
   assert cfg.stages >= 2
-  assert cfg.stages * cfg.stage_bytes() + cfg.epilogue_bytes() <= kw._SMEM_BUDGET
-  assert k % (cfg.split_k * 128) == 0 and 128 % cfg.tile_k == 0
+  assert cfg.stages * cfg.stage_bytes(128) + cfg.epilogue_bytes() <= (
+      kw._SMEM_MAX if cfg.tile_k > 128 else kw._SMEM_BUDGET)
+  assert k % (cfg.split_k * 128) == 0 and (128 % cfg.tile_k == 0 or cfg.tile_k % 128 == 0)
+  assert (k // cfg.split_k) % cfg.tile_k == 0
   tiles = -(-m // cfg.tile_m) * (n // 128)
   assert cfg.split_k == 1 or tiles * cfg.split_k <= 132
   # Tiles chain where some CTA runs two or more and the stages divide a tile's K steps.
@@ -213,6 +215,7 @@ LOWERED = [
     (128, 512, 256, kw.WgmmaConfig(tile_n=128, tile_m=128, stages=3)),
     (512, 1024, 768, kw.WgmmaConfig(snake_width=2)),
     (300, 1024, 512, kw.WgmmaConfig(tile_m=128, tile_k=128, stages=4, chain_tiles=True)),
+    (16, 1024, 512, kw.WgmmaConfig(tile_m=16, tile_k=256, epi_m=16, stages=4)),
 ]
 
 
@@ -267,6 +270,9 @@ GPU_CASES = [
     (5, 1024, 256, kw.WgmmaConfig(tile_m=64, tile_k=128)),
     (768, 1024, 768, kw.WgmmaConfig(snake_width=2)),
     (512, 512, 1024, kw.WgmmaConfig(m_minor=True, snake_width=4)),
+    (16, 1024, 512, kw.WgmmaConfig(tile_m=16, tile_k=256, epi_m=16, stages=4)),
+    (1, 2048, 256, kw.WgmmaConfig(tile_m=8, tile_k=256, epi_m=8, split_k=2)),
+    (64, 1536, 384, kw.WgmmaConfig(tile_m=64, tile_k=256, stages=3)),
 ]
 
 
