@@ -189,10 +189,17 @@ def config_for(m: int, k: int, n: int, group_size: int, num_sms: int = 132) -> W
         break
   stages = (budget - cfg.epilogue_bytes()) // cfg.stage_bytes(group_size)
   stages = max(2, min(4 if tile_m == 256 else 8, stages))
+  steps = _k_steps(k, cfg)
+  if tiles * split_k > num_sms and cfg.tile_k > 128:
+    # Wide steps drop to the deepest pipeline that divides the K steps, so that the tiles
+    # chain (session 18, M = 1 / 32 on 8192x28672: 4 stages chained 45.5 / 51.8 us against
+    # 5 / 3 unchained 49.9 / 53.5).
+    divisors = [d for d in range(stages, 1, -1) if steps % d == 0]
+    stages = divisors[0] if divisors else stages
   # Chain the tiles of a CTA where some CTA has two or more and the stages divide the K
   # steps (session 17 A/B: 2-6.5 % faster there; forcing it elsewhere, with fewer stages
   # or one tile per CTA, was up to 8 % slower).
-  chain = tiles * split_k > num_sms and _k_steps(k, cfg) % stages == 0
+  chain = tiles * split_k > num_sms and steps % stages == 0
   return dataclasses.replace(cfg, stages=stages, chain_tiles=chain)
 
 
