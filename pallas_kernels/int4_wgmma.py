@@ -27,7 +27,9 @@ memory:
   its own float32 ``[M, N]`` slice of the output, summed by XLA afterwards.
 
 The weight is rounded to bf16 once per element (``bf16(c) * bf16(s)``, exact inputs, one
-rounding), as the XLA path's dequantization does; products accumulate in float32.
+rounding), as the XLA path's dequantization does; products accumulate in float32. With
+``scale_accumulator`` (small M) the codes multiply x exactly and each group's float32
+partial product is multiplied by its scale instead: no rounding of the weight at all.
 
 Jax's Pallas Triton backend is deprecated in favour of Mosaic GPU (JAX 0.11); this is the
 project's first Mosaic GPU kernel and registers with the dispatcher like the others.
@@ -62,6 +64,8 @@ _SMEM_MAX = 226 * 1024
 
 # Row tiles up to this many rows of x take K steps of 256 or 512 (config_for).
 _WIDE_K_MAX_TILE_M = 64
+# ... and up to this many apply the group scales to float32 partial products.
+_SCALE_ACC_MAX_TILE_M = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +91,9 @@ class WgmmaConfig:
       START / STEADY / STOP): the memory warpgroup loads the next tile's first steps
       while the compute warpgroups finish the last ones and store, instead of refilling an
       empty pipeline per tile. Needs ``stages`` to divide the K steps of a tile.
+    scale_accumulator: multiply the group scales into float32 partial products (one
+      wgmma per group into its own accumulator, then ``acc += part * s``) instead of into
+      the bf16 weights: fewer multiplies where the accumulator is small (small tile_m).
   """
   tile_n: int = 64
   tile_m: int = 256
@@ -98,11 +105,15 @@ class WgmmaConfig:
   consumers: int = 2
   snake_width: int = 0
   chain_tiles: bool = False
+  scale_accumulator: bool = False
 
   def __post_init__(self):
     if (isinstance(self.snake_width, bool) or not isinstance(self.snake_width, int)
         or self.snake_width < 0):
       raise ValueError(f"WgmmaConfig.snake_width={self.snake_width!r} must be an int >= 0")
+    for name in ("m_minor", "chain_tiles", "scale_accumulator"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"WgmmaConfig.{name}={getattr(self, name)!r} must be a bool")
     if self.consumers != 2:
       # 3 and 4 lowered but hung on the H100 (session 16): the pipeline is only run with 2.
       raise ValueError(f"WgmmaConfig.consumers={self.consumers!r} must be 2")
@@ -200,7 +211,10 @@ def config_for(m: int, k: int, n: int, group_size: int, num_sms: int = 132) -> W
   # steps (session 17 A/B: 2-6.5 % faster there; forcing it elsewhere, with fewer stages
   # or one tile per CTA, was up to 8 % slower).
   chain = tiles * split_k > num_sms and steps % stages == 0
-  return dataclasses.replace(cfg, stages=stages, chain_tiles=chain)
+  # Scales on the float32 side where the accumulator is small (session 18: 1-5 % less time
+  # at M <= 32 on all four shapes, 5-26 % more at M = 64).
+  scale_acc = tile_m <= _SCALE_ACC_MAX_TILE_M
+  return dataclasses.replace(cfg, stages=stages, chain_tiles=chain, scale_accumulator=scale_acc)
 
 
 def _check(x: jax.Array, w: Any, cfg: WgmmaConfig) -> None:
@@ -297,6 +311,13 @@ def _to_bf16_fragments(w, first_run: int = 0, runs: int | None = None):
   return convert(w)
 
 
+def _x_group(x_smem, j: int, sub: int):
+  """The x tile's K columns of group ``j`` of a step (``sub`` wide), transposed for
+  wgmma's B operand."""
+  x = x_smem if sub == x_smem.shape[1] else x_smem.at[:, pl.ds(j * sub, sub)]
+  return x.transpose((1, 0))
+
+
 def _convert_and_multiply(acc_ref, w_smem, s_smem, x_smem, group_size: int) -> None:
   """One pipeline step of a compute warpgroup: ``acc += (W^T * s) x^T``.
 
@@ -318,10 +339,36 @@ def _convert_and_multiply(acc_ref, w_smem, s_smem, x_smem, group_size: int) -> N
       s = plgpu.layout_cast(s_smem.at[j][...], plgpu.Layout.WGMMA.reduce(1))
       w = w * lax.broadcast_in_dim(s, w.shape, [0])
     with jax.named_scope("wgmma"):
-      x_t = x_smem if sub == tile_k else x_smem.at[:, pl.ds(j * sub, sub)]
-      plgpu.wgmma(acc_ref, w, x_t.transpose((1, 0)))
+      plgpu.wgmma(acc_ref, w, _x_group(x_smem, j, sub))
   with jax.named_scope("wgmma_wait"):
     plgpu.wgmma_wait(0)
+
+
+def _multiply_then_scale(acc, w_smem, s_smem, x_smem, group_size: int):
+  """:func:`_convert_and_multiply` with the scales on the float32 side: returns
+  ``acc + sum_g s_g * (W_g^T x_g^T)`` (acc ``[tile_n, tile_m]`` float32, a value), each
+  group's product in its own zero-initialized accumulator."""
+  tile_k = w_smem.shape[1]
+  sub = min(tile_k, group_size)
+  with jax.named_scope("smem_load"):
+    w4 = plgpu.layout_cast(w_smem[...], plgpu.Layout.WGMMA_UPCAST_4X)
+
+  def issue(*parts):
+    for j, part in enumerate(parts):
+      with jax.named_scope("convert"):
+        w = _to_bf16_fragments(w4, j * sub // int4_nk.CHUNK, sub // int4_nk.CHUNK)
+      with jax.named_scope("wgmma"):
+        plgpu.wgmma(part, w, _x_group(x_smem, j, sub))
+    with jax.named_scope("wgmma_wait"):
+      return tuple(part[...] for part in parts)
+
+  parts = pl.run_scoped(issue, *[plgpu.ACC(acc.shape, jnp.float32)
+                                 for _ in range(tile_k // sub)])
+  with jax.named_scope("scale"):
+    for j, part in enumerate(parts):
+      s = plgpu.layout_cast(s_smem.at[j][...], plgpu.Layout.WGMMA.reduce(1))
+      acc = acc + part * lax.broadcast_in_dim(s.astype(jnp.float32), acc.shape, [0])
+  return acc
 
 
 def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, cfg: WgmmaConfig,
@@ -394,28 +441,37 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, cfg: WgmmaConfi
         m0, n0 = mi * tm, ni * cta_n
         k0 = si * k_per_split
 
+        def epilogue(acc):
+          acc = plgpu.layout_cast(acc.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED)
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          for e in range(tm // cfg.epi_m):
+            rows = slice(e * cfg.epi_m, (e + 1) * cfg.epi_m)
+            slot = e % 2
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            out_smem.at[wg, slot].transpose((1, 0))[...] = acc[:, rows]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(
+                out_smem.at[wg, slot],
+                out_gmem.at[si, pl.ds(m0 + e * cfg.epi_m, cfg.epi_m),
+                            pl.ds(n0 + wg * tn, tn)])
+
         def context(run):
+          if cfg.scale_accumulator:
+            zeros = jnp.zeros((tn, tm), jnp.float32)
+            epilogue(run(plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)))
+            return
+
           @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tn, tm), jnp.float32))
           def _acc(acc_ref):
             run(acc_ref)
-            acc = acc_ref[...].astype(out_dtype)
-            acc = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            for e in range(tm // cfg.epi_m):
-              rows = slice(e * cfg.epi_m, (e + 1) * cfg.epi_m)
-              slot = e % 2
-              plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-              out_smem.at[wg, slot].transpose((1, 0))[...] = acc[:, rows]
-              plgpu.commit_smem()
-              plgpu.copy_smem_to_gmem(
-                  out_smem.at[wg, slot],
-                  out_gmem.at[si, pl.ds(m0 + e * cfg.epi_m, cfg.epi_m),
-                              pl.ds(n0 + wg * tn, tn)])
+            epilogue(acc_ref[...])
 
-        def body(_, x_smem, w_smem, s_smem, acc_ref):
-          _convert_and_multiply(acc_ref, w_smem.at[wg_rows], s_smem.at[:, wg_rows], x_smem,
-                                group_size)
-          return acc_ref
+        def body(_, x_smem, w_smem, s_smem, acc):
+          w_smem, s_smem = w_smem.at[wg_rows], s_smem.at[:, wg_rows]
+          if cfg.scale_accumulator:
+            return _multiply_then_scale(acc, w_smem, s_smem, x_smem, group_size)
+          _convert_and_multiply(acc, w_smem, s_smem, x_smem, group_size)
+          return acc
 
         state = None
         if cfg.chain_tiles:

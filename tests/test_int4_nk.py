@@ -171,12 +171,14 @@ def test_config_for_is_legal(m, k, n):
   # Tiles chain where some CTA runs two or more and the stages divide a tile's K steps.
   steps = k // cfg.split_k // cfg.tile_k
   assert cfg.chain_tiles == (tiles * cfg.split_k > 132 and steps % cfg.stages == 0)
+  assert cfg.scale_accumulator == (cfg.tile_m <= 32)
 
 
 @pytest.mark.parametrize("field,value", [("tile_n", 96), ("tile_m", 12), ("tile_m", 264),
                                          ("tile_k", 32), ("epi_m", 24), ("split_k", 0),
                                          ("stages", True), ("consumers", 3),
-                                         ("snake_width", -1)])
+                                         ("snake_width", -1), ("scale_accumulator", 1),
+                                         ("chain_tiles", None)])
 def test_config_validation_names_the_field(field, value):
   with pytest.raises(ValueError, match=f"WgmmaConfig.{field}"):
     kw.WgmmaConfig(**{field: value})
@@ -216,6 +218,8 @@ LOWERED = [
     (512, 1024, 768, kw.WgmmaConfig(snake_width=2)),
     (300, 1024, 512, kw.WgmmaConfig(tile_m=128, tile_k=128, stages=4, chain_tiles=True)),
     (16, 1024, 512, kw.WgmmaConfig(tile_m=16, tile_k=256, epi_m=16, stages=4)),
+    (16, 1024, 512, kw.WgmmaConfig(tile_m=16, tile_k=512, epi_m=16, stages=2,
+                                   scale_accumulator=True)),
 ]
 
 
@@ -273,6 +277,10 @@ GPU_CASES = [
     (16, 1024, 512, kw.WgmmaConfig(tile_m=16, tile_k=256, epi_m=16, stages=4)),
     (1, 2048, 256, kw.WgmmaConfig(tile_m=8, tile_k=256, epi_m=8, split_k=2)),
     (64, 1536, 384, kw.WgmmaConfig(tile_m=64, tile_k=256, stages=3)),
+    (16, 2048, 512, kw.WgmmaConfig(tile_m=16, tile_k=512, epi_m=16, stages=4,
+                                   scale_accumulator=True)),
+    (3, 1024, 384, kw.WgmmaConfig(tile_m=8, tile_k=128, epi_m=8, split_k=2,
+                                  scale_accumulator=True)),
 ]
 
 
