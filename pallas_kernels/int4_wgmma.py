@@ -8,15 +8,18 @@ memory:
 
 * A persistent grid, one program (CTA) per SM, walks the output tiles. A CTA has
   ``consumers + 1`` warpgroups: one issues the TMA copies of a ``stages``-deep pipeline
-  over K (x ``[tile_m, tile_k]`` bf16, W^T ``[consumers * tile_n, tile_k]`` int4, one
-  scale row ``[consumers * tile_n]``), the others compute.
+  over K (x ``[tile_m, tile_k]`` bf16, W^T ``[consumers * tile_n, tile_k]`` int4, the
+  step's scale rows ``[groups, consumers * tile_n]``), the others compute. At small M a
+  step spans 256 or 512 of K (rows of 128 or 256 bytes of W^T per copy: 16-21 % less
+  time than 64-byte rows on 8192x28672, BENCHMARKS.md session 18).
 * Each compute warpgroup loads its ``[tile_n, tile_k]`` slice of W^T from shared memory
   into registers, a 32-bit word per thread and row of each 32-code run: thanks to the
   format's permuted order each word holds four of the thread's wgmma operand pairs, which
   :func:`_to_bf16_fragments` converts to bf16 in place (a shift, a LOP3 and a bf16
-  subtraction per pair). It multiplies each row by its group scale, and issues
-  ``wgmma`` with that register operand against the x tile in shared memory (transposed
-  view), accumulating ``[tile_n, tile_m]`` in float32.
+  subtraction per pair). Per group of the step it multiplies each row by its group
+  scale and issues ``wgmma`` with that register operand against the x tile in shared
+  memory (transposed view), accumulating ``[tile_n, tile_m]`` in float32; the next
+  group's conversion overlaps the previous wgmma.
 * The epilogue relays the accumulator to the transposed wgmma layout and stores it into
   a transposed shared-memory view, so the TMA store writes ``y`` (not ``y^T``) tiles.
 * Where a CTA runs two or more tiles, they form one chained pipeline (``chain_tiles``):
@@ -75,9 +78,9 @@ class WgmmaConfig:
   Attributes:
     tile_n: rows of W^T (columns of y) per compute warpgroup; wgmma's M: 64 or 128.
     tile_m: rows of x per CTA; wgmma's N: a multiple of 8, at most 256.
-    tile_k: K per pipeline step: 64, 128 or 256, dividing the group size or a multiple
-      of it (256 with groups of 128: two scale rows and two wgmmas per step, and 128-byte
-      rows of int4 per TMA load instead of 64).
+    tile_k: K per pipeline step: 64, 128, 256 or 512, dividing the group size or a
+      multiple of it (512 with groups of 128: four scale rows and four wgmmas per step,
+      and 256-byte rows of int4 per TMA copy instead of 64).
     stages: pipeline depth (TMA copies in flight).
     epi_m: rows of y per epilogue store; divides tile_m.
     split_k: K splits (float32 partial outputs summed by XLA when > 1).
@@ -126,7 +129,7 @@ class WgmmaConfig:
     if self.tile_m % 8 or self.tile_m > 256:
       raise ValueError(f"WgmmaConfig.tile_m={self.tile_m} must be a multiple of 8 up to 256")
     if self.tile_k not in (64, 128, 256, 512):
-      raise ValueError(f"WgmmaConfig.tile_k={self.tile_k} must be 64, 128 or 256")
+      raise ValueError(f"WgmmaConfig.tile_k={self.tile_k} must be 64, 128, 256 or 512")
     if self.tile_m % self.epi_m or self.epi_m % 8:
       raise ValueError(
           f"WgmmaConfig.epi_m={self.epi_m} must be a multiple of 8 dividing tile_m="
@@ -212,7 +215,7 @@ def config_for(m: int, k: int, n: int, group_size: int, num_sms: int = 132) -> W
   # or one tile per CTA, was up to 8 % slower).
   chain = tiles * split_k > num_sms and steps % stages == 0
   # Scales on the float32 side where the accumulator is small (session 18: 1-5 % less time
-  # at M <= 32 on all four shapes, 5-26 % more at M = 64).
+  # at M <= 32 on all four shapes, 4-26 % more at M = 64).
   scale_acc = tile_m <= _SCALE_ACC_MAX_TILE_M
   return dataclasses.replace(cfg, stages=stages, chain_tiles=chain, scale_accumulator=scale_acc)
 

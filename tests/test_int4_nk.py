@@ -304,12 +304,16 @@ def test_wgmma_matches_float64(request, m, k, n, cfg):
 @needs_gpu
 @needs_hopper
 @pytest.mark.parametrize("num_sms", [1, 5, 12])
-def test_wgmma_chained_tiles(request, num_sms):
+@pytest.mark.parametrize("m,k,n,cfg", [
+    (300, 1024, 512, kw.WgmmaConfig(tile_m=128, tile_k=128, stages=4, chain_tiles=True)),
+    # config_for's small-M form: 512-wide steps, scales on the accumulator.
+    (16, 2048, 1536, kw.WgmmaConfig(tile_m=16, tile_k=512, epi_m=16, stages=2,
+                                    chain_tiles=True, scale_accumulator=True)),
+])
+def test_wgmma_chained_tiles(request, num_sms, m, k, n, cfg):
   """12 tiles over 1, 5 or 12 CTAs: 12 tiles in one chained pipeline, 2 or 3 per CTA, or
   one per CTA (each starts a chain it never stops)."""
-  m, k, n = 300, 1024, 512
   x, w, wn = make_case(request.node.nodeid, m, k, n)
-  cfg = kw.WgmmaConfig(tile_m=128, tile_k=128, stages=4, chain_tiles=True)
   fn = jax.jit(lambda a, b: kw.int4_nk_matmul(a, b, config=cfg, num_sms=num_sms))
   y = _poisoned_run(fn, x, wn, cfg)
   assert y.shape == (m, n) and np.isfinite(y).all()
