@@ -28,6 +28,8 @@ memory:
   store drops them (:func:`padded_rows`).
 * ``split_k > 1`` (for grids with fewer tiles than SMs: small M and N) gives each split
   its own float32 ``[M, N]`` slice of the output, summed by XLA afterwards.
+* Under ``qjax.layer_of`` the kernel gets the stacked codes and scales and the layer
+  index, and its TMA copies read the layer where it lies (no copy of the layer first).
 
 The weight is rounded to bf16 once per element (``bf16(c) * bf16(s)``, exact inputs, one
 rounding), as the XLA path's dequantization does; products accumulate in float32. With
@@ -55,6 +57,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from qjax._src import int4_nk
+from qjax._src import stacked as stacked_lib
 
 _CHAIN = plgpu.PipelinePipeline  # pipeline_state values of chained tiles
 
@@ -225,7 +228,8 @@ def _check(x: jax.Array, w: Any, cfg: WgmmaConfig) -> None:
   if not isinstance(w, int4_nk.Int4NKWeight):
     raise NotImplementedError(f"int4_nk_matmul takes an Int4NKWeight, got {type(w).__name__}")
   if w.codes.ndim != 2:
-    raise NotImplementedError("int4_nk_matmul takes one weight, not a stack (no layer_of yet)")
+    raise NotImplementedError(
+        "int4_nk_matmul takes one weight, not a stack (qjax.layer_of names one layer of it)")
   if x.dtype != jnp.bfloat16:
     raise NotImplementedError(
         f"x.dtype={jnp.dtype(x.dtype).name}: the wgmma kernel converts int4 to bf16 and "
@@ -374,15 +378,17 @@ def _multiply_then_scale(acc, w_smem, s_smem, x_smem, group_size: int):
   return acc
 
 
-def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, cfg: WgmmaConfig,
-                 group_size: int, num_sms: int, out_dtype) -> jax.Array:
+def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Array | None,
+                 cfg: WgmmaConfig, group_size: int, num_sms: int, out_dtype) -> jax.Array:
   """``[split_k, M, N]`` (``out_dtype``) partial products; M below 8 or a multiple of
   tile_m (:func:`padded_rows`).
 
-  x: ``[M, K]`` bf16; wt: ``[N, K]`` int4; scales: ``[K // G, N]`` bf16.
+  x: ``[M, K]`` bf16; wt: ``[N, K]`` int4; scales: ``[K // G, N]`` bf16. Or, with
+  ``layer`` (an int32 scalar), wt ``[L, N, K]`` and scales ``[L, K // G, N]``: stacks of
+  which the kernel reads layer ``layer``.
   """
   m, k = x.shape
-  n = wt.shape[0]
+  n = wt.shape[-2]
   tn, tm, tk, splits = cfg.tile_n, cfg.tile_m, cfg.tile_k, cfg.split_k
   wgs = cfg.consumers
   if m != padded_rows(m, cfg):
@@ -407,7 +413,14 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, cfg: WgmmaConfi
   tiles = m_iters * n_iters * splits
   grid = min(num_sms, tiles)
 
-  def kernel(x_gmem, w_gmem, s_gmem, out_gmem, out_smem):
+  def kernel(x_gmem, w_gmem, s_gmem, *refs, out_smem):
+    if layer is None:
+      (out_gmem,) = refs
+    else:
+      layer_gmem, out_gmem = refs
+      index = layer_gmem[...]
+      w_gmem, s_gmem = w_gmem.at[index], s_gmem.at[index]
+
     def pipeline(body, context, state=None):
       return plgpu.emit_pipeline_warp_specialized(
           body, grid=(k_iters,), memory_registers=40,
@@ -497,7 +510,7 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, cfg: WgmmaConfi
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       scratch_types=dict(out_smem=plgpu.SMEM((wgs, 2, cfg.epi_m, tn), out_dtype,
                                              transforms=o_transforms)))
-  return call(x, wt, scales)
+  return call(x, wt, scales) if layer is None else call(x, wt, scales, layer)
 
 
 def padded_rows(m: int, cfg: WgmmaConfig) -> int:
@@ -507,6 +520,17 @@ def padded_rows(m: int, cfg: WgmmaConfig) -> int:
   rounded up to ``tile_m`` (Mosaic GPU takes a tiled dimension only if it is below or a
   multiple of its tiling of 8 rows)."""
   return m if m < 8 else _round_up(m, cfg.tile_m)
+
+
+def _in_place(w: int4_nk.Int4NKWeight) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+  """``(codes, scales, None)``, or, when both are one layer of stacks under
+  ``qjax.layer_of`` (``stacked.in_place_source``), ``(stacked codes, stacked scales,
+  layer index)``."""
+  codes = stacked_lib.in_place_source(w.codes)
+  scales = stacked_lib.in_place_source(w.scales)
+  if codes is None or scales is None or codes[1] is not scales[1]:
+    return w.codes, w.scales, None
+  return codes[0], scales[0], jnp.asarray(codes[1], jnp.int32)
 
 
 def int4_nk_matmul(x: jax.Array, w: int4_nk.Int4NKWeight, *, interpret: bool = False,
@@ -540,8 +564,9 @@ def int4_nk_matmul(x: jax.Array, w: int4_nk.Int4NKWeight, *, interpret: bool = F
     return jnp.zeros((0, n), jnp.bfloat16)
   mp = padded_rows(m, cfg)
   xp = jnp.pad(x, ((0, mp - m), (0, 0))) if mp != m else x
-  wt = lax.bitcast_convert_type(w.codes, jnp.int4).reshape(n, k)
+  codes, scales, layer = _in_place(w)
+  wt = lax.bitcast_convert_type(codes, jnp.int4).reshape(*codes.shape[:-1], k)
   out_dtype = jnp.float32 if cfg.split_k > 1 else jnp.bfloat16
-  y = _kernel_call(xp, wt, w.scales, cfg, w.group_size, num_sms, out_dtype)
+  y = _kernel_call(xp, wt, scales, layer, cfg, w.group_size, num_sms, out_dtype)
   y = y[0] if cfg.split_k == 1 else y.sum(0).astype(jnp.bfloat16)
   return y[:m] if mp != m else y

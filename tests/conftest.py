@@ -59,11 +59,12 @@ def smollm2_path() -> str | None:
 
 def pallas_operand_shapes(jaxpr) -> list[list[tuple[int, ...]]]:
   """The operand shapes of every pallas_call in ``jaxpr`` and its sub-jaxprs (to check
-  which arrays a kernel is handed, e.g. a whole stack of layers rather than a copy)."""
+  which arrays a kernel is handed, e.g. a whole stack of layers rather than a copy).
+  A Pallas Mosaic GPU kernel (``plgpu.kernel``) traces to an ``mpmd_map``, counted too."""
   from jax.extend import core as jex_core  # pylint: disable=g-import-not-at-top
   found = []
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "pallas_call":
+    if eqn.primitive.name in ("pallas_call", "mpmd_map"):
       found.append([tuple(v.aval.shape) for v in eqn.invars])
     for sub in jex_core.jaxprs_in_params(eqn.params):
       found += pallas_operand_shapes(sub)

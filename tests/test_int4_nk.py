@@ -16,7 +16,8 @@ import pytest
 
 import qjax
 from pallas_kernels import int4_wgmma as kw
-from tests.conftest import needs_gpu, rel_err, seed_from
+from qjax._src import stacked
+from tests.conftest import needs_gpu, pallas_operand_shapes, rel_err, seed_from
 
 
 def make_case(name, m, k, n, group=128, dtype=jnp.bfloat16, scale_dtype=jnp.bfloat16):
@@ -393,3 +394,54 @@ def test_profile_summary_of_a_trace():
   assert scopes["convert"][0] == 4 and scopes["convert"][1] == pytest.approx(400.0)
   assert scopes["convert"][2] == pytest.approx(0.8 / 1.1)
   assert scopes["wgmma"] == (2, pytest.approx(100.0), pytest.approx(0.1 / 1.1))
+
+
+def _scanned_wgmma(stack, x, layers):
+  """The kernel on each layer of ``stack`` under lax.scan, as ``qjax.matmul`` runs it for
+  ``qjax.layer_of`` (called directly so that it also traces on a CPU)."""
+  def body(carry, i):
+    with stacked.reads_in_place(qjax.layer_of(stack, i)) as layer:
+      return carry, kw.int4_nk_matmul(x, layer, num_sms=132)
+  return jax.lax.scan(body, 0, jnp.arange(layers))[1]
+
+
+def _scanned_matmul(stack, x, layers):
+  def body(carry, i):
+    return carry, qjax.matmul(x, qjax.layer_of(stack, i), implementation="pallas")
+  return jax.lax.scan(body, 0, jnp.arange(layers))[1]
+
+
+def test_kernel_reads_a_layer_of_a_stack_in_place(request):
+  """Under ``qjax.layer_of`` the Mosaic kernel is handed the stacked codes and scales
+  (no per-layer copy) and lowers for CUDA; on a GPU it gives each layer's result."""
+  layers, k, n = 3, 1024, 256
+  cases = [make_case(f"{request.node.nodeid}-{i}", 16, k, n) for i in range(layers)]
+  stack = jax.tree.map(lambda *a: jnp.stack(a), *[c[2] for c in cases])
+  x = cases[0][0]
+  calls = pallas_operand_shapes(jax.make_jaxpr(_scanned_wgmma, static_argnums=2)(
+      stack, x, layers).jaxpr)
+  assert calls, "no pallas_call traced"
+  for shapes in calls:
+    assert (layers, n, k) in shapes and (layers, k // 128, n) in shapes, shapes
+  lowered = jax.jit(_scanned_wgmma, static_argnums=2).trace(stack, x, layers).lower(
+      lowering_platforms=("cuda",))
+  assert "mosaic_gpu" in lowered.as_text()
+
+
+@needs_gpu
+@needs_hopper
+def test_wgmma_layer_of_equals_each_layer(request):
+  layers, k, n = 3, 2048, 384
+  cases = [make_case(f"{request.node.nodeid}-{i}", 16, k, n) for i in range(layers)]
+  stack = jax.tree.map(lambda *a: jnp.stack(a), *[c[2] for c in cases])
+  x = cases[0][0]
+  fn = jax.jit(_scanned_matmul, static_argnums=2)
+  calls = pallas_operand_shapes(jax.make_jaxpr(fn, static_argnums=2)(stack, x, layers).jaxpr)
+  assert calls and all((layers, n, k) in shapes for shapes in calls), calls
+  got = np.asarray(fn(stack, x, layers).astype(jnp.float32))
+  for i, (_, w, wn) in enumerate(cases):
+    want = np.asarray(jax.jit(lambda a, b: qjax.matmul(a, b, implementation="pallas"))(
+        x, wn).astype(jnp.float32))
+    np.testing.assert_array_equal(got[i], want, err_msg=f"layer {i}")
+    ref = reference(x, w)
+    assert np.abs(got[i] - ref).max() < 2e-2 * np.sqrt(np.mean(ref ** 2))
