@@ -445,3 +445,8 @@ def test_wgmma_layer_of_equals_each_layer(request):
     np.testing.assert_array_equal(got[i], want, err_msg=f"layer {i}")
     ref = reference(x, w)
     assert np.abs(got[i] - ref).max() < 2e-2 * np.sqrt(np.mean(ref ** 2))
+  # Indices outside the stack read the layer XLA's slice would (last, from the end).
+  one = jax.jit(lambda s, a, i: qjax.matmul(a, qjax.layer_of(s, i), implementation="pallas"))
+  for index in (-1, layers + 1):
+    np.testing.assert_array_equal(
+        np.asarray(one(stack, x, jnp.int32(index)).astype(jnp.float32)), got[layers - 1])

@@ -77,6 +77,23 @@ def test_an_array_the_wrapper_derives_is_passed_as_it_is():
                                   np.asarray(qjax.matmul(x, w, implementation="interpret")))
 
 
+@pytest.mark.parametrize("implementation", [
+    "interpret", "xla", pytest.param("pallas", marks=needs_gpu)])
+def test_an_index_outside_the_stack_is_clamped(implementation):
+  """Kernels reading in place normalize the layer index as the XLA path's slice does
+  (negative from the end, then clamped), instead of reading memory outside the stack."""
+  ws = _weights("int4", 256, 96)
+  stack = _stack(ws)
+  x = jax.random.normal(jax.random.key(3), (2, 256), jnp.bfloat16)
+  run = jax.jit(lambda x, s, i: qjax.matmul(x, qjax.layer_of(s, i),
+                                            implementation=implementation))
+  for index, layer in [(LAYERS + 2, LAYERS - 1), (-1, LAYERS - 1), (-LAYERS - 3, 0)]:
+    want = jax.jit(lambda x, w: qjax.matmul(x, w, implementation=implementation))(
+        x, ws[layer])
+    np.testing.assert_array_equal(np.asarray(run(x, stack, jnp.int32(index))),
+                                  np.asarray(want), err_msg=f"index {index}")
+
+
 def test_layer_of_rejects_bad_arguments():
   w = qjax.quantize(jax.random.normal(jax.random.key(0), (256, 64)))
   stack = _stack([w, w])

@@ -78,6 +78,9 @@ def layer_of(stack: Any, index: Any) -> LayerOf:
   >>> jax.lax.scan(body, 0, jnp.arange(3))[1].shape
   (3, 1, 64)
 
+  As in ``lax.dynamic_index_in_dim``, a negative ``index`` counts from the end and one
+  still outside ``[0, layers)`` is clamped into it, on every implementation.
+
   ``stack`` may also be a :class:`qjax.ShardedWeight` whose arrays carry the leading
   ``[layers]`` axis (tensor-parallel layers inside ``shard_map``): each device's kernels
   then read its slice of the stack in place.
@@ -108,7 +111,12 @@ def reads_in_place(view: LayerOf) -> Iterator[Any]:
   """Yields ``view.layer()`` and, until the block ends, records each of its arrays as a
   slice of the stacked array, for :func:`in_place_source`."""
   layer = view.layer()
+  # Normalized like the slices of view.layer() (lax.dynamic_index_in_dim: a negative index
+  # counts from the end, then the index is clamped into the stack), so that a kernel
+  # reading in place never reads outside the stack and agrees with the XLA path.
   index = jnp.asarray(view.index, jnp.int32)
+  index = jnp.clip(jnp.where(index < 0, index + view.num_layers, index), 0,
+                   view.num_layers - 1)
   table = getattr(_sources, "table", None)
   if table is None:
     table = _sources.table = {}
