@@ -91,7 +91,8 @@ def _in_layer(kernel, stacked: tuple[bool, ...], *refs):
   """Calls ``kernel`` with the stacked input refs seen at the layer in ``refs[-2]``
   (``[1]`` int32); ``stacked`` marks them among the inputs (None inputs included)."""
   *inputs, layer_ref, o_ref = refs
-  layer = layer_ref[0]
+  num_layers = next(r.shape[0] for r, s in zip(inputs, stacked) if s)
+  layer = stacked_lib.normalized_index(layer_ref[0], num_layers)
   inputs = [LayerRef(r, layer) if s else r for r, s in zip(inputs, stacked)]
   return kernel(*inputs, o_ref)
 

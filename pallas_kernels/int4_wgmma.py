@@ -418,7 +418,7 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
       (out_gmem,) = refs
     else:
       layer_gmem, out_gmem = refs
-      index = layer_gmem[...]
+      index = stacked_lib.normalized_index(layer_gmem[...], w_gmem.shape[0])
       w_gmem, s_gmem = w_gmem.at[index], s_gmem.at[index]
 
     def pipeline(body, context, state=None):

@@ -111,12 +111,7 @@ def reads_in_place(view: LayerOf) -> Iterator[Any]:
   """Yields ``view.layer()`` and, until the block ends, records each of its arrays as a
   slice of the stacked array, for :func:`in_place_source`."""
   layer = view.layer()
-  # Normalized like the slices of view.layer() (lax.dynamic_index_in_dim: a negative index
-  # counts from the end, then the index is clamped into the stack), so that a kernel
-  # reading in place never reads outside the stack and agrees with the XLA path.
   index = jnp.asarray(view.index, jnp.int32)
-  index = jnp.clip(jnp.where(index < 0, index + view.num_layers, index), 0,
-                   view.num_layers - 1)
   table = getattr(_sources, "table", None)
   if table is None:
     table = _sources.table = {}
@@ -130,6 +125,17 @@ def reads_in_place(view: LayerOf) -> Iterator[Any]:
   finally:
     for key in added:
       table.pop(key, None)
+
+
+def normalized_index(index: Any, num_layers: int) -> Any:
+  """The layer ``lax.dynamic_index_in_dim`` (the XLA path's slice) reads for ``index``: a
+  negative one counts from the end, then it is clamped into ``[0, num_layers)``. Kernels
+  reading in place call it on the index inside the kernel (scalar compares and selects
+  only, which every Pallas backend lowers), so that they never read outside the stack and
+  no extra XLA op runs per layer."""
+  index = jnp.where(index < 0, index + num_layers, index)
+  index = jnp.where(index < 0, 0, index)
+  return jnp.where(index > num_layers - 1, num_layers - 1, index)
 
 
 def in_place_source(array: Any) -> tuple[jax.Array, jax.Array] | None:
