@@ -94,6 +94,14 @@ def test_an_index_outside_the_stack_is_clamped(implementation):
                                   np.asarray(want), err_msg=f"index {index}")
 
 
+def test_normalized_index_picks_what_dynamic_index_picks():
+  from qjax._src import stacked  # pylint: disable=g-import-not-at-top
+  layers = jnp.arange(LAYERS)
+  for index in range(-2 * LAYERS, 2 * LAYERS):
+    want = int(jax.lax.dynamic_index_in_dim(layers, jnp.int32(index), keepdims=False))
+    assert int(stacked.normalized_index(jnp.int32(index), LAYERS)) == want, index
+
+
 def test_layer_of_rejects_bad_arguments():
   w = qjax.quantize(jax.random.normal(jax.random.key(0), (256, 64)))
   stack = _stack([w, w])
