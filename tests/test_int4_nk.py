@@ -413,7 +413,8 @@ def _scanned_matmul(stack, x, layers):
 
 def test_kernel_reads_a_layer_of_a_stack_in_place(request):
   """Under ``qjax.layer_of`` the Mosaic kernel is handed the stacked codes and scales
-  (no per-layer copy) and lowers for CUDA; on a GPU it gives each layer's result."""
+  (no per-layer copy) and lowers for CUDA; test_wgmma_layer_of_equals_each_layer runs it
+  on a GPU."""
   layers, k, n = 3, 1024, 256
   cases = [make_case(f"{request.node.nodeid}-{i}", 16, k, n) for i in range(layers)]
   stack = jax.tree.map(lambda *a: jnp.stack(a), *[c[2] for c in cases])
