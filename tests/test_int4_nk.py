@@ -373,15 +373,20 @@ def test_bench_floor_counts_the_same_bytes_as_int4():
   assert bench.floor_weight_bytes(a) == bench.floor_weight_bytes(b)
 
 
-def test_profile_summary_of_a_trace():
-  """examples/wgmma_profile.py's summary of Mosaic GPU profiler events (B / E per
-  warpgroup, cycles / 1000 in "ts")."""
+def _profile_example():
   import importlib.util  # pylint: disable=g-import-not-at-top
   import pathlib  # pylint: disable=g-import-not-at-top
   path = pathlib.Path(__file__).parent.parent / "examples" / "wgmma_profile.py"
   spec = importlib.util.spec_from_file_location("wgmma_profile", path)
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
+  return mod
+
+
+def test_profile_summary_of_a_trace():
+  """examples/wgmma_profile.py's summary of Mosaic GPU profiler events (B / E per
+  warpgroup, cycles / 1000 in "ts")."""
+  mod = _profile_example()
   events = []
   for tid in (1, 2):
     t = 0.0
@@ -394,6 +399,22 @@ def test_profile_summary_of_a_trace():
   assert scopes["convert"][0] == 4 and scopes["convert"][1] == pytest.approx(400.0)
   assert scopes["convert"][2] == pytest.approx(0.8 / 1.1)
   assert scopes["wgmma"] == (2, pytest.approx(100.0), pytest.approx(0.1 / 1.1))
+
+
+def test_profile_makes_room_for_its_buffer():
+  """The example's smaller configurations when the profiler's buffer does not fit: one
+  stage fewer, then half the K step, chained only where the stages divide the steps."""
+  mod = _profile_example()
+  k = 8192
+  cfg = kw.config_for(64, k, 28672, 128)
+  assert (cfg.tile_k, cfg.stages, cfg.chain_tiles) == (512, 2, True)
+  smaller = mod.room_for_profiler(cfg, k)
+  assert (smaller.tile_k, smaller.stages, smaller.chain_tiles) == (256, 2, True)
+  assert smaller.stages * smaller.stage_bytes() < cfg.stages * cfg.stage_bytes()
+  three = dataclasses.replace(cfg, tile_k=256, stages=4)
+  assert mod.room_for_profiler(three, k).stages == 3
+  assert not mod.room_for_profiler(three, k).chain_tiles  # 32 steps, 3 stages
+  assert mod.room_for_profiler(kw.WgmmaConfig(tile_k=128, stages=2), k) is None
 
 
 def _scanned_wgmma(stack, x, layers):
