@@ -97,23 +97,6 @@ def _in_layer(kernel, stacked: tuple[bool, ...], *refs):
   return kernel(*inputs, o_ref)
 
 
-def _read_in_place(args: list) -> tuple[list, tuple[bool, ...], Any]:
-  """Swaps each arg that is a layer slice of a stacked weight (``qjax.LayerOf``, traced by
-  ``stacked.in_place_source``) for its stacked array; returns the args, which of them are
-  stacked, and the layer index (None when none is)."""
-  swapped, marks, index = [], [], None
-  for a in args:
-    source = None if a is None else stacked_lib.in_place_source(a)
-    if source is not None and (index is None or source[1] is index):
-      swapped.append(source[0])
-      marks.append(True)
-      index = source[1]
-    else:
-      swapped.append(a)
-      marks.append(False)
-  return swapped, tuple(marks), index
-
-
 def _drop_aliased_input(kernel, *refs):
   """Calls ``kernel`` without the poisoned buffer's input ref (it is the output ref)."""
   return kernel(*refs[:-2], refs[-1])
@@ -138,7 +121,7 @@ def launch(kernel: Callable[..., None], args: Sequence[Any], *, m: int, n: int,
     out_shape = jax.ShapeDtypeStruct((m, n), dtype)
   else:
     out_shape = jax.ShapeDtypeStruct((split_k, m, n), jnp.float32)
-  args, stacked_args, layer = _read_in_place(list(args))
+  args, stacked_args, layer = stacked_lib.read_in_place(list(args))
   if layer is not None:
     # The kernel reads one layer of the stacked arrays at its offset: no copy of the layer.
     args.append(jnp.reshape(layer, (1,)).astype(jnp.int32))

@@ -522,17 +522,6 @@ def padded_rows(m: int, cfg: WgmmaConfig) -> int:
   return m if m < 8 else _round_up(m, cfg.tile_m)
 
 
-def _in_place(w: int4_nk.Int4NKWeight) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-  """``(codes, scales, None)``, or, when both are one layer of stacks under
-  ``qjax.layer_of`` (``stacked.in_place_source``), ``(stacked codes, stacked scales,
-  layer index)``."""
-  codes = stacked_lib.in_place_source(w.codes)
-  scales = stacked_lib.in_place_source(w.scales)
-  if codes is None or scales is None or codes[1] is not scales[1]:
-    return w.codes, w.scales, None
-  return codes[0], scales[0], jnp.asarray(codes[1], jnp.int32)
-
-
 def int4_nk_matmul(x: jax.Array, w: int4_nk.Int4NKWeight, *, interpret: bool = False,
                    config: WgmmaConfig | None = None, num_sms: int | None = None
                    ) -> jax.Array:
@@ -564,7 +553,10 @@ def int4_nk_matmul(x: jax.Array, w: int4_nk.Int4NKWeight, *, interpret: bool = F
     return jnp.zeros((0, n), jnp.bfloat16)
   mp = padded_rows(m, cfg)
   xp = jnp.pad(x, ((0, mp - m), (0, 0))) if mp != m else x
-  codes, scales, layer = _in_place(w)
+  # Under qjax.layer_of: the stacked codes and scales and the layer, read in place.
+  (codes, scales), in_stack, layer = stacked_lib.read_in_place([w.codes, w.scales])
+  if not all(in_stack):
+    codes, scales, layer = w.codes, w.scales, None
   wt = lax.bitcast_convert_type(codes, jnp.int4).reshape(*codes.shape[:-1], k)
   out_dtype = jnp.float32 if cfg.split_k > 1 else jnp.bfloat16
   y = _kernel_call(xp, wt, scales, layer, cfg, w.group_size, num_sms, out_dtype)

@@ -127,6 +127,24 @@ def reads_in_place(view: LayerOf) -> Iterator[Any]:
       table.pop(key, None)
 
 
+def read_in_place(args: list) -> tuple[list, tuple[bool, ...], Any]:
+  """Swaps each of a kernel's args that is a layer slice of a stacked weight (made by an
+  active :func:`reads_in_place`) for its stacked array; returns the args, which of them
+  are stacked, and the layer index (None when none is). Args of another layer index, and
+  None entries, stay as they are."""
+  swapped, marks, index = [], [], None
+  for a in args:
+    source = None if a is None else in_place_source(a)
+    if source is not None and (index is None or source[1] is index):
+      swapped.append(source[0])
+      marks.append(True)
+      index = source[1]
+    else:
+      swapped.append(a)
+      marks.append(False)
+  return swapped, tuple(marks), index
+
+
 def normalized_index(index: Any, num_layers: int) -> Any:
   """The layer ``lax.dynamic_index_in_dim`` (the XLA path's slice) reads for ``index``: a
   negative one counts from the end, then it is clamped into ``[0, num_layers)``. Kernels
