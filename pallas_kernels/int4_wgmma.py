@@ -318,11 +318,19 @@ def _to_bf16_fragments(w, first_run: int = 0, runs: int | None = None):
   return convert(w)
 
 
-def _x_group(x_smem, j: int, sub: int):
-  """The x tile's K columns of group ``j`` of a step (``sub`` wide), transposed for
-  wgmma's B operand."""
-  x = x_smem if sub == x_smem.shape[1] else x_smem.at[:, pl.ds(j * sub, sub)]
-  return x.transpose((1, 0))
+def _step_groups(w_smem, x_smem, group_size: int):
+  """Yields, per group of a pipeline step (``min(tile_k, group_size)`` of K), its index,
+  its codes as bf16 wgmma fragments ``[tile_n, group]`` and its x columns transposed for
+  wgmma's B operand. The W tile is loaded from shared memory once, before the first."""
+  tile_k = w_smem.shape[1]
+  sub = min(tile_k, group_size)
+  with jax.named_scope("smem_load"):
+    w4 = plgpu.layout_cast(w_smem[...], plgpu.Layout.WGMMA_UPCAST_4X)
+  for j in range(tile_k // sub):
+    with jax.named_scope("convert"):
+      w = _to_bf16_fragments(w4, j * sub // int4_nk.CHUNK, sub // int4_nk.CHUNK)
+    x = x_smem if sub == tile_k else x_smem.at[:, pl.ds(j * sub, sub)]
+    yield j, w, x.transpose((1, 0))
 
 
 def _convert_and_multiply(acc_ref, w_smem, s_smem, x_smem, group_size: int) -> None:
@@ -335,18 +343,12 @@ def _convert_and_multiply(acc_ref, w_smem, s_smem, x_smem, group_size: int) -> N
   that the two overlap; one wait ends the step. The named scopes show in Mosaic GPU's
   profiler (``CompilerParams.profile_dir``; examples/wgmma_profile.py).
   """
-  tile_k = w_smem.shape[1]
-  sub = min(tile_k, group_size)
-  with jax.named_scope("smem_load"):
-    w4 = plgpu.layout_cast(w_smem[...], plgpu.Layout.WGMMA_UPCAST_4X)
-  for j in range(tile_k // sub):
-    with jax.named_scope("convert"):
-      w = _to_bf16_fragments(w4, j * sub // int4_nk.CHUNK, sub // int4_nk.CHUNK)
+  for j, w, x_t in _step_groups(w_smem, x_smem, group_size):
     with jax.named_scope("scale"):
       s = plgpu.layout_cast(s_smem.at[j][...], plgpu.Layout.WGMMA.reduce(1))
       w = w * lax.broadcast_in_dim(s, w.shape, [0])
     with jax.named_scope("wgmma"):
-      plgpu.wgmma(acc_ref, w, _x_group(x_smem, j, sub))
+      plgpu.wgmma(acc_ref, w, x_t)
   with jax.named_scope("wgmma_wait"):
     plgpu.wgmma_wait(0)
 
@@ -355,22 +357,16 @@ def _multiply_then_scale(acc, w_smem, s_smem, x_smem, group_size: int):
   """:func:`_convert_and_multiply` with the scales on the float32 side: returns
   ``acc + sum_g s_g * (W_g^T x_g^T)`` (acc ``[tile_n, tile_m]`` float32, a value), each
   group's product in its own zero-initialized accumulator."""
-  tile_k = w_smem.shape[1]
-  sub = min(tile_k, group_size)
-  with jax.named_scope("smem_load"):
-    w4 = plgpu.layout_cast(w_smem[...], plgpu.Layout.WGMMA_UPCAST_4X)
+  groups = w_smem.shape[1] // min(w_smem.shape[1], group_size)
 
   def issue(*parts):
-    for j, part in enumerate(parts):
-      with jax.named_scope("convert"):
-        w = _to_bf16_fragments(w4, j * sub // int4_nk.CHUNK, sub // int4_nk.CHUNK)
+    for (_, w, x_t), part in zip(_step_groups(w_smem, x_smem, group_size), parts):
       with jax.named_scope("wgmma"):
-        plgpu.wgmma(part, w, _x_group(x_smem, j, sub))
+        plgpu.wgmma(part, w, x_t)
     with jax.named_scope("wgmma_wait"):
       return tuple(part[...] for part in parts)
 
-  parts = pl.run_scoped(issue, *[plgpu.ACC(acc.shape, jnp.float32)
-                                 for _ in range(tile_k // sub)])
+  parts = pl.run_scoped(issue, *[plgpu.ACC(acc.shape, jnp.float32) for _ in range(groups)])
   with jax.named_scope("scale"):
     for j, part in enumerate(parts):
       s = plgpu.layout_cast(s_smem.at[j][...], plgpu.Layout.WGMMA.reduce(1))
