@@ -43,6 +43,37 @@ def test_bench_on_cpu_is_labelled(tmp_path, capsys):
   table = out[out.rindex("  fmt"):].splitlines()
   assert table[0].split()[-1] == "default" and all(r["default_impl"] == "xla" for r in rows)
   assert [line.split()[-1] for line in table[2:4]] == ["xla", "xla"]
+  # The read column: the same bytes read by XLA, and the floor over it as "ceil%".
+  header = table[0].split()
+  for r, line in zip(rows, table[2:4]):
+    cells = line.split()
+    assert r["read_us"] > 0
+    read = float(cells[header.index("read")])
+    assert read == pytest.approx(r["read_us"], abs=0.06)
+    ceil = float(cells[header.index("ceil%")].rstrip("%"))
+    assert ceil == pytest.approx(100 * r["floor_us"] / r["read_us"], abs=0.6)
+
+
+def test_read_time_is_measured_once_per_size(monkeypatch):
+  """measure_read_time: the faster of its two passes over the bytes, and a cache hit for
+  a size measured before (no further device time taken)."""
+  from qjax._src import bench  # pylint: disable=g-import-not-at-top
+  from qjax._src import devtime  # pylint: disable=g-import-not-at-top
+  seen = []
+
+  def fake_time(fn, arg_sets, calls=40, warmup=3):
+    seen.append(arg_sets[0][0])
+    return devtime.Timing(us=5.0 if len(seen) % 2 else 3.0, source="trace")
+
+  monkeypatch.setattr(bench.devtime, "device_time", fake_time)
+  monkeypatch.setattr(bench, "_READ_US", {})
+  nbytes = 96 * 1024
+  assert bench.measure_read_time(nbytes) == 3.0
+  half, words = seen
+  # The elementwise pass reads half the bytes and writes half; the row sum reads them all.
+  assert half.nbytes == nbytes // 2 and words.nbytes == nbytes
+  assert bench.measure_read_time(nbytes) == 3.0 and len(seen) == 2
+  assert bench.measure_read_time(2 * nbytes) == 3.0 and len(seen) == 4
 
 
 def test_bench_default_column_names_the_kernel_where_dispatch_picks_it(monkeypatch):
@@ -216,3 +247,21 @@ def test_bench_offload_smoke_on_cpu(capsys):
   assert "CPU run: wall-clock smoke test" in out
   assert "4 layers per scan step, 2 carried (3 steps, 4 tail layers)" in out
   assert "copy measurements:" in out and "worst offload/max" in out
+
+
+def test_read_ceiling_example_sizes():
+  """examples/read_ceiling.py reads the int4 floor's bytes at M = 1, in whole units of
+  rows that its grids divide."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  path = pathlib.Path(__file__).parent.parent / "examples" / "read_ceiling.py"
+  spec = importlib.util.spec_from_file_location("read_ceiling", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  # codes K * N / 2, scales K / 128 * N bf16, x and output one bf16 row each
+  assert mod.floor_bytes(4096, 4096) == 8388608 + 262144 + 8192 + 8192
+  for k, n in ((4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672)):
+    rows = mod.read_rows(mod.floor_bytes(k, n))
+    assert rows % mod.ROW_UNIT == 0 and rows > 0
+    assert abs(rows * mod.ROW_BYTES - mod.floor_bytes(k, n)) <= mod.ROW_UNIT * mod.ROW_BYTES / 2
+  assert mod.read_rows(mod.floor_bytes(8192, 28672)) == 56 * mod.ROW_UNIT
+  assert mod.read_rows(mod.floor_bytes(256, 128)) == mod.ROW_UNIT  # never zero rows

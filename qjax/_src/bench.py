@@ -3,7 +3,11 @@
 For each (M, K, N, format) the table gives the device time of every available
 implementation, the bandwidth floor (bytes of packed weights + scales + activations +
 output over the copy bandwidth measured on this device in the same run), the fraction of
-the floor reached and the speedup over bf16. Codebook formats (``codebook``: one pass,
+the floor reached and the speedup over bf16. The ``read`` column is the device time of the
+fastest pass XLA makes over the floor's bytes (:func:`measure_read_time`) and ``ceil%``
+the floor over it: the share of the floor that reading the bytes reaches at this size,
+so what a matmul kernel can reach at most (small sizes pay a fixed start and drain that
+the 1 GiB copy of the bandwidth measurement hides). Codebook formats (``codebook``: one pass,
 ``codebook2``: two) also count the per-group rotation matrices that the activation
 rotation reads (:func:`floor_weight_bytes`). ``--tune`` sweeps kernel configs and writes
 the best per (format, M bucket, K, N) to the tuning table that the dispatcher reads.
@@ -57,6 +61,13 @@ class Row:
   notes: str = ""
   # The implementation qjax.matmul runs with none named ("pallas" or "xla", as timed).
   default_impl: str = ""
+  # Device time of XLA's fastest pass over floor_bytes (measure_read_time); nan if unmeasured.
+  read_us: float = float("nan")
+
+  def read_ceiling(self) -> float:
+    """The floor over the pure read's time: the largest fraction of the floor that a
+    kernel reading these bytes can expect to reach."""
+    return self.floor_us / self.read_us
 
   def fraction_of_floor(self, impl: str) -> float:
     t = self.times_us.get(impl)
@@ -129,6 +140,35 @@ def measure_copy_bandwidth(nbytes: int = 2**30) -> float:
   return 2 * nbytes / (t.us * 1e-6)
 
 
+_READ_US: dict[tuple[str, int], float] = {}
+
+
+def measure_read_time(nbytes: int, *, calls: int = 20) -> float:
+  """Microseconds of device time of the fastest pass XLA makes over ``nbytes`` of
+  device memory: an elementwise pass reading ``nbytes / 2`` and writing as much, or a
+  row sum that reads ``nbytes`` of uint32 into ``nbytes / 1024`` sums.
+
+  At the byte count of a matmul's floor, this is about the least device time any kernel
+  moving those bytes takes: on the H100 a TMA pipeline that only reads them
+  (examples/read_ceiling.py) was 1-4 % faster, a Triton loop of loads slower. Inputs
+  rotate as the matmul's weights do, so they are not served from L2. Cached per device
+  and size.
+  """
+  key = (jax.devices()[0].device_kind, int(nbytes))
+  if key in _READ_US:
+    return _READ_US[key]
+  rows = max(1, nbytes // 1024)
+  sets = _rotation(nbytes)
+  keys = jax.random.split(jax.random.key(7), sets)
+  halves = [(jax.random.normal(k, (rows * 128,), jnp.float32),) for k in keys]
+  words = [(jax.random.bits(k, (rows, 256), jnp.uint32),) for k in keys]
+  elementwise = devtime.device_time(jax.jit(lambda v: v * 1.0001 + 1.0), halves,
+                                    calls=calls)
+  row_sum = devtime.device_time(jax.jit(lambda a: jnp.sum(a, axis=1)), words, calls=calls)
+  _READ_US[key] = min(elementwise.us, row_sum.us)
+  return _READ_US[key]
+
+
 def _rotation(bytes_per_set: int) -> int:
   return int(min(32, max(2, math.ceil(4 * L2_BYTES / max(bytes_per_set, 1)))))
 
@@ -166,20 +206,23 @@ def bench_shape(m: int, k: int, n: int, fmt: str, *, bandwidth: float, impls: Se
   default = "xla" if dispatch.implementation_name(w0, m=m) == "xla" else "pallas"
   return Row(m=m, k=k, n=n, fmt=fmt, times_us=times, bf16_us=bf16,
              floor_us=floor_bytes / bandwidth * 1e6, floor_bytes=floor_bytes, source=source,
-             notes="; ".join(notes), default_impl=default)
+             notes="; ".join(notes), default_impl=default,
+             read_us=measure_read_time(floor_bytes, calls=calls))
 
 
 def format_table(rows: Sequence[Row], impls: Sequence[str]) -> str:
   fw = max([5] + [len(r.fmt) for r in rows])  # "codebook2" is wider than "int4"
   head = f"{'fmt':>{fw}} {'M':>5} {'K':>6} {'N':>6} |" + "".join(f" {i:>10}" for i in impls)
-  head += f" {'bf16':>9} {'floor':>8} |" + "".join(f" {i[:6] + '%fl':>9}" for i in impls)
+  head += f" {'bf16':>9} {'floor':>8} {'read':>8} {'ceil%':>6} |"
+  head += "".join(f" {i[:6] + '%fl':>9}" for i in impls)
   head += "".join(f" {i[:6] + ' xbf':>10}" for i in impls)
   head += f" {'default':>8}"
   lines = [head, "-" * len(head)]
   for r in rows:
     s = f"{r.fmt:>{fw}} {r.m:>5} {r.k:>6} {r.n:>6} |"
     s += "".join(f" {r.times_us.get(i, float('nan')):>10.1f}" for i in impls)
-    s += f" {r.bf16_us:>9.1f} {r.floor_us:>8.1f} |"
+    s += f" {r.bf16_us:>9.1f} {r.floor_us:>8.1f} {r.read_us:>8.1f}"
+    s += f" {100 * r.read_ceiling():>5.0f}% |"
     s += "".join(f" {100 * r.fraction_of_floor(i):>8.0f}%" for i in impls)
     s += "".join(f" {r.speedup(i):>9.2f}x" for i in impls)
     s += f" {r.default_impl or '-':>8}"
@@ -200,6 +243,8 @@ def plot(rows: Sequence[Row], impls: Sequence[str], path: str, title: str) -> No
       ax.plot(ms, [100 * r.fraction_of_floor(impl) for r in rs], marker="o", label=impl)
     ax.plot(ms, [100 * r.floor_us / r.bf16_us for r in rs], marker="s", ls="--",
             label="bf16 jnp.dot")
+    ax.plot(ms, [100 * r.read_ceiling() for r in rs], color="black", lw=0.8, ls="--",
+            label="reading the bytes (XLA)")
     ax.axhline(85, color="grey", lw=0.8, ls=":")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("M (tokens)")
@@ -636,6 +681,8 @@ def run(args) -> int:
     print(f"wrote {len(entries)} entries to {path}")
   bandwidth = measure_copy_bandwidth(2**30 if on_gpu else 2**26)
   print(f"# measured copy bandwidth: {bandwidth / 1e12:.3f} TB/s (read + write)")
+  print("# floor = weight + x + output bytes at that bandwidth; read = XLA's fastest pass "
+        "over those bytes; ceil% = floor / read, the most of the floor reading them reaches")
   rows = []
   for fmt in fmts:
     for k, n in shapes:
