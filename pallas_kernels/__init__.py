@@ -96,3 +96,8 @@ qjax.register_kernel(
     qjax.Int4NKWeight,
     qjax.Backend(name="mosaic_gpu_wgmma", fn=int4_wgmma.int4_nk_matmul,
                  supported_on=int4_wgmma.supported))
+# MXFP4NKWeight: the same kernel with E2M1 codes and E8M0 block scales.
+qjax.register_kernel(
+    qjax.MXFP4NKWeight,
+    qjax.Backend(name="mosaic_gpu_wgmma", fn=int4_wgmma.mxfp4_nk_matmul,
+                 supported_on=int4_wgmma.supported))

@@ -56,6 +56,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
+from qjax._src import fp4_nk
 from qjax._src import int4_nk
 from qjax._src import stacked as stacked_lib
 
@@ -142,11 +143,12 @@ class WgmmaConfig:
     """Shared memory of the epilogue: two buffers per compute warpgroup."""
     return self.consumers * 2 * self.epi_m * self.tile_n * (4 if self.split_k > 1 else 2)
 
-  def stage_bytes(self, group_size: int = 128) -> int:
-    """Shared memory of one pipeline stage: x tile, W^T tile (int4), scale rows."""
+  def stage_bytes(self, group_size: int = 128, scale_bytes: int = 2) -> int:
+    """Shared memory of one pipeline stage: x tile, W^T tile (4-bit), scale rows (one per
+    ``group_size`` of K, ``scale_bytes`` per element: 2 for bf16, 1 for MXFP4's E8M0)."""
     c = self.consumers
     return (self.tile_m * self.tile_k * 2 + c * self.tile_n * self.tile_k // 2
-            + c * self.tile_n * 2 * _groups_per_step(self.tile_k, group_size))
+            + c * self.tile_n * scale_bytes * _groups_per_step(self.tile_k, group_size))
 
 
 def supported(device: jax.Device) -> bool:
@@ -174,9 +176,18 @@ def _k_steps(k: int, cfg: WgmmaConfig) -> int:
   return k // cfg.split_k // cfg.tile_k
 
 
-def config_for(m: int, k: int, n: int, group_size: int, num_sms: int = 132) -> WgmmaConfig:
+def config_for(m: int, k: int, n: int, group_size: int, num_sms: int = 132, *,
+               mxfp4: bool = False) -> WgmmaConfig:
   """The configuration for an ``[m, k] x [k, n]`` problem: from the H100 sweeps recorded
-  in BENCHMARKS.md (sessions 16-18); shapes not measured get the nearest rule."""
+  in BENCHMARKS.md (sessions 16-18); shapes not measured get the nearest rule.
+
+  ``mxfp4``: for an :class:`qjax.MXFP4NKWeight` (``group_size`` is ignored): tiled as
+  INT4 with groups of 128, since its E8M0 scales (one byte per 32 of K) are multiplied
+  into the weights as they are converted, one wgmma per 128 of K.
+  """
+  scale_args = (fp4_nk.MXFP4NKWeight.block_size, 1) if mxfp4 else (group_size, 2)
+  if mxfp4:  # steps of 128 where they divide K, else of 64 (GPT-OSS: K = 2880)
+    group_size = 128 if k % 128 == 0 else 64
   tile_k = 128 if group_size % 128 == 0 else 64
   if m > 128:
     tiles_256 = -(-m // 256) * (n // 128)
@@ -201,10 +212,10 @@ def config_for(m: int, k: int, n: int, group_size: int, num_sms: int = 132) -> W
       wide_cfg = dataclasses.replace(cfg, tile_k=wide)
       if (k // split_k % wide == 0 and group_size % 64 == 0
           and (wide % group_size == 0 or group_size % wide == 0)
-          and 2 * wide_cfg.stage_bytes(group_size) + cfg.epilogue_bytes() <= _SMEM_MAX):
+          and 2 * wide_cfg.stage_bytes(*scale_args) + cfg.epilogue_bytes() <= _SMEM_MAX):
         cfg, budget = wide_cfg, _SMEM_MAX
         break
-  stages = (budget - cfg.epilogue_bytes()) // cfg.stage_bytes(group_size)
+  stages = (budget - cfg.epilogue_bytes()) // cfg.stage_bytes(*scale_args)
   stages = max(2, min(4 if tile_m == 256 else 8, stages))
   steps = _k_steps(k, cfg)
   if tiles * split_k > num_sms and cfg.tile_k > 128:
@@ -219,26 +230,37 @@ def config_for(m: int, k: int, n: int, group_size: int, num_sms: int = 132) -> W
   chain = tiles * split_k > num_sms and steps % stages == 0
   # Scales on the float32 side where the accumulator is small (session 18: 1-5 % less time
   # at M <= 32 on all four shapes, 4-26 % more at M = 64).
-  scale_acc = tile_m <= _SCALE_ACC_MAX_TILE_M
+  scale_acc = tile_m <= _SCALE_ACC_MAX_TILE_M and not mxfp4
   return dataclasses.replace(cfg, stages=stages, chain_tiles=chain, scale_accumulator=scale_acc)
 
 
 def _check(x: jax.Array, w: Any, cfg: WgmmaConfig) -> None:
   """NotImplementedError (the dispatcher falls back to XLA) for what the kernel lacks."""
-  if not isinstance(w, int4_nk.Int4NKWeight):
-    raise NotImplementedError(f"int4_nk_matmul takes an Int4NKWeight, got {type(w).__name__}")
+  if not isinstance(w, (int4_nk.Int4NKWeight, fp4_nk.MXFP4NKWeight)):
+    raise NotImplementedError(
+        f"the wgmma kernel takes an Int4NKWeight or an MXFP4NKWeight, got {type(w).__name__}")
   if w.codes.ndim != 2:
     raise NotImplementedError(
-        "int4_nk_matmul takes one weight, not a stack (qjax.layer_of names one layer of it)")
+        "the wgmma kernel takes one weight, not a stack (qjax.layer_of names one layer of "
+        "it)")
   if x.dtype != jnp.bfloat16:
     raise NotImplementedError(
-        f"x.dtype={jnp.dtype(x.dtype).name}: the wgmma kernel converts int4 to bf16 and "
-        "takes bf16 activations")
+        f"x.dtype={jnp.dtype(x.dtype).name}: the wgmma kernel converts 4-bit codes to bf16 "
+        "and takes bf16 activations")
+  k, n = w.shape
+  if isinstance(w, fp4_nk.MXFP4NKWeight):
+    if cfg.scale_accumulator:
+      raise NotImplementedError("scale_accumulator: MXFP4's scales are applied to the "
+                                "weights as they are converted; use scale_accumulator=False")
+    if (k // cfg.split_k) % cfg.tile_k or k % cfg.split_k:
+      raise NotImplementedError(
+          f"K={k} split {cfg.split_k} ways is not a multiple of tile_k={cfg.tile_k}")
+    _check_tiles(k, n, cfg)
+    return
   if w.scales.dtype != jnp.bfloat16:
     raise NotImplementedError(
         f"scales of dtype {jnp.dtype(w.scales.dtype).name}: the kernel multiplies by bf16 "
         "scales in registers; rounding others would change the weight")
-  k, n = w.shape
   if w.group_size % 64:
     raise NotImplementedError(
         f"group_size={w.group_size}: the kernel's wgmma steps take groups of 64 or a "
@@ -250,13 +272,18 @@ def _check(x: jax.Array, w: Any, cfg: WgmmaConfig) -> None:
   if (k // cfg.split_k) % cfg.tile_k:
     raise NotImplementedError(
         f"K={k} split {cfg.split_k} ways is not a multiple of tile_k={cfg.tile_k}")
+  if k % (cfg.split_k * w.group_size):
+    raise NotImplementedError(f"K={k} is not a multiple of split_k * group_size = "
+                              f"{cfg.split_k * w.group_size}")
+  _check_tiles(k, n, cfg)
+
+
+def _check_tiles(k: int, n: int, cfg: WgmmaConfig) -> None:
+  """NotImplementedError where N or the K steps do not fit ``cfg``'s tiles."""
   if cfg.chain_tiles and _k_steps(k, cfg) % cfg.stages:
     raise NotImplementedError(
         f"chain_tiles needs stages={cfg.stages} to divide the {_k_steps(k, cfg)} K steps "
         "of a tile")
-  if k % (cfg.split_k * w.group_size):
-    raise NotImplementedError(f"K={k} is not a multiple of split_k * group_size = "
-                              f"{cfg.split_k * w.group_size}")
   if n % (cfg.consumers * cfg.tile_n):
     raise NotImplementedError(f"N={n} is not a multiple of consumers * tile_n = "
                               f"{cfg.consumers * cfg.tile_n}")
@@ -318,19 +345,120 @@ def _to_bf16_fragments(w, first_run: int = 0, runs: int | None = None):
   return convert(w)
 
 
-def _step_groups(w_smem, x_smem, group_size: int):
-  """Yields, per group of a pipeline step (``min(tile_k, group_size)`` of K), its index,
-  its codes as bf16 wgmma fragments ``[tile_n, group]`` and its x columns transposed for
-  wgmma's B operand. The W tile is loaded from shared memory once, before the first."""
+# E2M1 -> bf16 (see _e2m1_to_bf16_fragments): the bf16 bits of a nibble's exponent and
+# mantissa bits (8, 7, 6) and of its sign (15), in both halves; 2**126 in bf16, both halves.
+_E2M1_MAGNITUDE_BITS = 0x01C001C0
+_E2M1_SIGN_BITS = 0x80008000
+_BF16X2_2_126 = 0x7E807E80
+_LOP3_OR_AND_C = 0xF8  # LOP3 truth table of a | (b & c) (a = 0xF0, b = 0xCC, c = 0xAA)
+
+
+def _e2m1_to_bf16_fragments(w, scales, first_run: int, runs: int):
+  """``w``: E2M1 codes ``[tile_n, tile_k]`` (as int4 bits) in the WGMMA_UPCAST_4X layout,
+  in :class:`qjax.MXFP4NKWeight`'s fragment order; ``scales``: ``runs`` uint8 E8M0 rows
+  ``[tile_n]`` in the WGMMA row layout, one per 32-code run (an MXFP4 block) ->
+  bf16 weights ``[tile_n, 32 * runs]`` of the runs ``first_run ..`` in wgmma's register
+  operand layout, each ``e2m1(q) * 2 ** (e - 127)``, exact.
+
+  Per pair of codes (nibbles ``i`` and ``i + 4`` of a word, as for INT4): a shift and an
+  AND put each nibble's exponent and mantissa bits at bf16 bits 8..6, a shift and a LOP3
+  add its sign at bit 15, and two bf16 multiplies, by ``2 ** 126`` (exponent bias 1 of
+  E2M1 against bf16's 127; E2M1's subnormal 0.5 comes out of bf16's subnormal 2 ** -127)
+  and by the block scale (``e << 7``: bf16 ``2 ** (e - 127)``; ``e = 0`` gives 0 instead
+  of ``2 ** -127``, ``e = 255`` infinity instead of NaN), are exact.
+  """
+  shape = (w.shape[0], runs * int4_nk.CHUNK)
+  row = plgpu.Layout.WGMMA.reduce(1)
+
+  @plgpu.inline_mgpu(
+      arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,) + (row,) * runs,
+      return_type=plgpu.ShapeDtypeStruct(shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA))
+  def convert(ctx, w4, *scale_rows):
+    del ctx
+    # pylint: disable=g-import-not-at-top
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith
+    from jax._src.lib.mlir.dialects import llvm
+    from jax._src.lib.mlir.dialects import vector
+    fa = mgpu.fragmented_array
+    i32 = ir.IntegerType.get_signless(32)
+    bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
+    # Registers: w4 (row tile, run, 1, 1, row half, ...); a row (row tile, 1, row half, ...).
+    scale2 = []
+    for rows in scale_rows:
+      by_half = {}
+      for idx, reg in np.ndenumerate(rows.registers):
+        e = arith.extui(i32, vector.extract(reg, [], [0]))
+        by_half[(idx[0], idx[2])] = llvm.inline_asm(
+            i32, [e], "{ .reg .b32 a, b; shl.b32 a, $1, 7; shl.b32 b, $1, 23; "
+            "or.b32 $0, a, b; }", "=r,r")
+      scale2.append(by_half)
+    regs = np.empty(fa.WGMMA_LAYOUT.registers_shape(shape), dtype=object)
+    for idx, reg in np.ndenumerate(w4.registers):
+      run = idx[1] - first_run
+      if not 0 <= run < runs:
+        continue
+      word = mgpu.utils.bitcast(reg, i32)
+      s2 = scale2[run][(idx[0], idx[4])]
+      for i in range(4):
+        up = f"shl.b32 u, $1, {6 - 4 * i};" if i < 2 else f"shr.u32 u, $1, {4 * i - 6};"
+        sign = f"shl.b32 v, $1, {12 - 4 * i};" if i < 3 else "mov.b32 v, $1;"
+        pair = llvm.inline_asm(
+            i32, [word, s2],
+            f"{{ .reg .b32 u, v, b, c; {up} {sign} "
+            f"and.b32 u, u, {_E2M1_MAGNITUDE_BITS:#010x}; "
+            f"lop3.b32 b, u, v, {_E2M1_SIGN_BITS:#010x}, {_LOP3_OR_AND_C:#04x}; "
+            f"mov.b32 c, {_BF16X2_2_126:#010x}; mul.rn.bf16x2 b, b, c; "
+            f"mul.rn.bf16x2 $0, b, $2; }}",
+            "=r,r,r")
+        regs[(idx[0], run * 4 + i, *idx[2:])] = mgpu.utils.bitcast(pair, bf16x2)
+    return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+  return convert(w, *scales)
+
+
+def _step_groups(w_smem, x_smem, sub: int, convert=None):
+  """Yields, per ``sub`` of K of a pipeline step (a scale group of INT4), its index, its
+  codes as bf16 wgmma fragments ``[tile_n, sub]`` and its x columns transposed for
+  wgmma's B operand. ``convert(w4, j, first_run, runs)`` makes the fragments (default:
+  INT4's :func:`_to_bf16_fragments`). The W tile is loaded from shared memory once, before
+  the first."""
   tile_k = w_smem.shape[1]
-  sub = min(tile_k, group_size)
   with jax.named_scope("smem_load"):
     w4 = plgpu.layout_cast(w_smem[...], plgpu.Layout.WGMMA_UPCAST_4X)
+  runs = sub // int4_nk.CHUNK
   for j in range(tile_k // sub):
     with jax.named_scope("convert"):
-      w = _to_bf16_fragments(w4, j * sub // int4_nk.CHUNK, sub // int4_nk.CHUNK)
+      if convert is None:
+        w = _to_bf16_fragments(w4, j * runs, runs)
+      else:
+        w = convert(w4, j, j * runs, runs)
     x = x_smem if sub == tile_k else x_smem.at[:, pl.ds(j * sub, sub)]
     yield j, w, x.transpose((1, 0))
+
+
+def _mxfp4_step(acc_ref, w_smem, s_smem, x_smem) -> None:
+  """One pipeline step of a compute warpgroup for MXFP4: ``acc += W^T x^T``, a wgmma per
+  128 of K (the tile's whole K when narrower).
+
+  w_smem: ``[tile_n, tile_k]`` E2M1 codes (int4 bits) in fragment order; s_smem:
+  ``[tile_k // 32, tile_n]`` uint8 E8M0 exponents; x_smem: ``[tile_m, tile_k]`` bf16;
+  acc_ref: ``[tile_n, tile_m]`` float32.
+  """
+  sub = min(w_smem.shape[1], 128)
+
+  def convert(w4, j, first_run, runs):
+    del j
+    scales = [plgpu.layout_cast(s_smem.at[first_run + r][...], plgpu.Layout.WGMMA.reduce(1))
+              for r in range(runs)]
+    return _e2m1_to_bf16_fragments(w4, scales, first_run, runs)
+
+  for _, w, x_t in _step_groups(w_smem, x_smem, sub, convert):
+    with jax.named_scope("wgmma"):
+      plgpu.wgmma(acc_ref, w, x_t)
+  with jax.named_scope("wgmma_wait"):
+    plgpu.wgmma_wait(0)
 
 
 def _convert_and_multiply(acc_ref, w_smem, s_smem, x_smem, group_size: int) -> None:
@@ -343,7 +471,7 @@ def _convert_and_multiply(acc_ref, w_smem, s_smem, x_smem, group_size: int) -> N
   that the two overlap; one wait ends the step. The named scopes show in Mosaic GPU's
   profiler (``CompilerParams.profile_dir``; examples/wgmma_profile.py).
   """
-  for j, w, x_t in _step_groups(w_smem, x_smem, group_size):
+  for j, w, x_t in _step_groups(w_smem, x_smem, min(w_smem.shape[1], group_size)):
     with jax.named_scope("scale"):
       s = plgpu.layout_cast(s_smem.at[j][...], plgpu.Layout.WGMMA.reduce(1))
       w = w * lax.broadcast_in_dim(s, w.shape, [0])
@@ -360,7 +488,8 @@ def _multiply_then_scale(acc, w_smem, s_smem, x_smem, group_size: int):
   groups = w_smem.shape[1] // min(w_smem.shape[1], group_size)
 
   def issue(*parts):
-    for (_, w, x_t), part in zip(_step_groups(w_smem, x_smem, group_size), parts):
+    for (_, w, x_t), part in zip(_step_groups(w_smem, x_smem, min(w_smem.shape[1], group_size)),
+                                 parts):
       with jax.named_scope("wgmma"):
         plgpu.wgmma(part, w, x_t)
     with jax.named_scope("wgmma_wait"):
@@ -375,11 +504,13 @@ def _multiply_then_scale(acc, w_smem, s_smem, x_smem, group_size: int):
 
 
 def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Array | None,
-                 cfg: WgmmaConfig, group_size: int, num_sms: int, out_dtype) -> jax.Array:
+                 cfg: WgmmaConfig, group_size: int, num_sms: int, out_dtype,
+                 mxfp4: bool = False) -> jax.Array:
   """``[split_k, M, N]`` (``out_dtype``) partial products; M below 8 or a multiple of
   tile_m (:func:`padded_rows`).
 
-  x: ``[M, K]`` bf16; wt: ``[N, K]`` int4; scales: ``[K // G, N]`` bf16. Or, with
+  x: ``[M, K]`` bf16; wt: ``[N, K]`` int4; scales: ``[K // G, N]`` bf16. ``mxfp4``: wt
+  holds E2M1 codes and scales ``[K // 32, N]`` uint8 E8M0 (``group_size`` 32). Or, with
   ``layer`` (an int32 scalar), wt ``[L, N, K]`` and scales ``[L, K // G, N]``: stacks of
   which the kernel reads layer ``layer``.
   """
@@ -480,6 +611,9 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
 
         def body(_, x_smem, w_smem, s_smem, acc):
           w_smem, s_smem = w_smem.at[wg_rows], s_smem.at[:, wg_rows]
+          if mxfp4:
+            _mxfp4_step(acc, w_smem, s_smem, x_smem)
+            return acc
           if cfg.scale_accumulator:
             return _multiply_then_scale(acc, w_smem, s_smem, x_smem, group_size)
           _convert_and_multiply(acc, w_smem, s_smem, x_smem, group_size)
@@ -535,15 +669,43 @@ def int4_nk_matmul(x: jax.Array, w: int4_nk.Int4NKWeight, *, interpret: bool = F
     NotImplementedError: an argument the kernel does not handle (the dispatcher's
       default route then runs the XLA path).
   """
+  return _matmul(x, w, interpret=interpret, config=config, num_sms=num_sms)
+
+
+def mxfp4_nk_matmul(x: jax.Array, w: fp4_nk.MXFP4NKWeight, *, interpret: bool = False,
+                    config: WgmmaConfig | None = None, num_sms: int | None = None
+                    ) -> jax.Array:
+  """``x [M, K] @ W -> [M, N]`` in bf16 for an :class:`qjax.MXFP4NKWeight` on Hopper:
+  the pipeline of :func:`int4_nk_matmul`, with E2M1 codes converted to bf16 and scaled
+  by their blocks' E8M0 scales in registers (:func:`_e2m1_to_bf16_fragments`).
+
+  Args:
+    x: ``[M, K]`` bf16; any M.
+    w: codes ``[N, K // 8]`` in fragment order, E8M0 scales ``[K // 32, N]``; N a
+      multiple of 128 and K of the config's ``tile_k * split_k``.
+    interpret, config, num_sms: as :func:`int4_nk_matmul` (config default
+      ``config_for(..., mxfp4=True)``).
+
+  Raises:
+    NotImplementedError: an argument the kernel does not handle.
+  """
+  return _matmul(x, w, interpret=interpret, config=config, num_sms=num_sms)
+
+
+def _matmul(x: jax.Array, w: Any, *, interpret: bool, config: WgmmaConfig | None,
+            num_sms: int | None) -> jax.Array:
+  """The body of :func:`int4_nk_matmul` and :func:`mxfp4_nk_matmul`."""
   if interpret:
     raise NotImplementedError(
         "the Mosaic GPU wgmma kernel has no interpret mode; use implementation='xla' on "
         "the CPU")
   m = x.shape[0]
   k, n = w.shape
+  mxfp4 = isinstance(w, fp4_nk.MXFP4NKWeight)
+  group_size = w.block_size if mxfp4 else w.group_size
   if num_sms is None:
     num_sms = getattr(jax.devices()[0], "core_count", None) or 132
-  cfg = config or config_for(m, k, n, w.group_size, num_sms)
+  cfg = config or config_for(m, k, n, group_size, num_sms, mxfp4=mxfp4)
   _check(x, w, cfg)
   if m == 0:
     return jnp.zeros((0, n), jnp.bfloat16)
@@ -555,6 +717,6 @@ def int4_nk_matmul(x: jax.Array, w: int4_nk.Int4NKWeight, *, interpret: bool = F
     codes, scales, layer = w.codes, w.scales, None
   wt = lax.bitcast_convert_type(codes, jnp.int4).reshape(*codes.shape[:-1], k)
   out_dtype = jnp.float32 if cfg.split_k > 1 else jnp.bfloat16
-  y = _kernel_call(xp, wt, scales, layer, cfg, w.group_size, num_sms, out_dtype)
+  y = _kernel_call(xp, wt, scales, layer, cfg, group_size, num_sms, out_dtype, mxfp4)
   y = y[0] if cfg.split_k == 1 else y.sum(0).astype(jnp.bfloat16)
   return y[:m] if mp != m else y

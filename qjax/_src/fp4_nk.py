@@ -1,0 +1,130 @@
+"""MXFP4 weights stored by output column: E2M1 codes ``[N, K // 8]`` in the order of
+Hopper's wgmma register fragments, for the wgmma kernel.
+
+:class:`~qjax.MXFP4Weight` packs eight E2M1 codes of one column per word and lays the
+words out ``[K // 8, N]`` (the Triton kernels' layout). This format holds the same weight
+with the words transposed, ``[N, K // 8]``, and the codes of each run of 32 permuted as
+:class:`~qjax.Int4NKWeight` permutes its INT4 codes (``int4_nk.SLOT_TO_K``): the Hopper
+``wgmma`` kernel (``pallas_kernels.int4_wgmma``) loads them alike and only converts each
+pair of codes differently (E2M1 bits placed into bf16 and a multiply, no lookup table).
+A run of 32 codes is one MXFP4 block, so each register's four pairs share a scale.
+
+Convert once, at load: ``qjax.to_mxfp4_nk(w)`` from an :class:`~qjax.MXFP4Weight`
+(bit-exact; :meth:`MXFP4NKWeight.to_mxfp4` is its inverse).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from qjax._src import dispatch
+from qjax._src import formats
+from qjax._src import fp4
+from qjax._src import int4_nk
+from qjax._src import packing
+
+
+@formats.register_format
+@dataclasses.dataclass(frozen=True)
+class MXFP4NKWeight(formats.QuantizedWeight):
+  """MXFP4 weight of logical shape ``[K, N]`` (``y = x @ W``) with codes stored by column.
+
+  ``W[k, n] = e2m1(q[n, k]) * 2 ** (scales[k // 32, n] - 127)``.
+
+  Attributes:
+    codes: ``[N, K // 8]`` uint32; bits ``4e .. 4e + 3`` of word ``(n, 4t + c)`` hold the
+      E2M1 code ``q[n, 32t + 8 (e % 4) + 2c + e // 4]`` (``int4_nk.SLOT_TO_K``).
+    scales: ``[K // 32, N]`` uint8 E8M0 biased exponents (255 is NaN), as
+      :class:`~qjax.MXFP4Weight`'s.
+    shape: the logical ``(K, N)``; K a multiple of 32.
+  """
+
+  format_name = "mxfp4_nk"
+  block_size = fp4.MXFP4_BLOCK
+
+  codes: jax.Array
+  scales: jax.Array
+  shape: tuple[int, int] = formats.static_field()
+
+  def __post_init__(self):
+    object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+    k, n = self.shape
+    if k <= 0 or n <= 0 or k % int4_nk.CHUNK:
+      raise ValueError(f"MXFP4NKWeight: shape (K={k}, N={n}) needs K a positive multiple "
+                       f"of {int4_nk.CHUNK}; keep the MXFP4Weight for this shape")
+    if not self._leaves_concrete_2d():
+      return
+    want = {"codes": ((n, k // 8), (jnp.uint32,)),
+            "scales": ((k // self.block_size, n), (jnp.uint8,))}
+    formats.check_trailing_fields(self, want, f"shape={self.shape}")
+
+  @property
+  def num_blocks(self) -> int:
+    return self.shape[0] // self.block_size
+
+  def codes_nk(self) -> jax.Array:
+    """``[..., N, K]`` uint8 E2M1 codes in ``[0, 15]``, K in logical order."""
+    planes = [((self.codes >> jnp.uint32(4 * e)) & jnp.uint32(0xF)).astype(jnp.uint8)
+              for e in range(8)]  # 8 x [..., N, K // 8]
+    lead = self.codes.shape[:-1]
+    slots = jnp.stack(planes, axis=-1).reshape(*lead, self.shape[0] // int4_nk.CHUNK,
+                                                int4_nk.CHUNK)
+    return slots[..., int4_nk.K_TO_SLOT].reshape(*lead, self.shape[0])
+
+  def dequantize_nk(self, dtype=jnp.float32) -> jax.Array:
+    """``[..., N, K]`` W^T in ``dtype``: ``e2m1(q) * 2 ** (e - 127)`` in float32 (exact),
+    rounded once."""
+    s = jnp.repeat(jnp.swapaxes(fp4.decode_e8m0(self.scales), -1, -2), self.block_size,
+                   axis=-1)  # [..., N, K]
+    return (fp4.decode_e2m1(self.codes_nk()) * s).astype(dtype)
+
+  def dequantize(self, dtype=jnp.float32) -> jax.Array:
+    """``[..., K, N]`` W in ``dtype`` (see :meth:`dequantize_nk`)."""
+    return jnp.swapaxes(self.dequantize_nk(dtype), -1, -2)
+
+  def to_mxfp4(self, tile_k: int = packing.NATIVE_TILE_K) -> fp4.MXFP4Weight:
+    """The same weight as an :class:`~qjax.MXFP4Weight` (lossless, jittable)."""
+    q = jnp.swapaxes(self.codes_nk(), -1, -2)  # [..., K, N]
+    return fp4.MXFP4Weight(codes=packing.pack_codes(q, tile_k), scales=self.scales,
+                           shape=self.shape, tile_k=tile_k)
+
+
+def to_mxfp4_nk(w: fp4.MXFP4Weight) -> MXFP4NKWeight:
+  """``w`` in the ``[N, K // 8]`` layout of :class:`MXFP4NKWeight`: bit-exact, jittable.
+
+  >>> import jax, qjax
+  >>> w = qjax.quantize_mxfp4(jax.random.normal(jax.random.key(0), (256, 128)))
+  >>> wn = qjax.to_mxfp4_nk(w)
+  >>> wn.codes.shape, bool((wn.dequantize() == w.dequantize()).all())
+  ((128, 32), True)
+  """
+  if not isinstance(w, fp4.MXFP4Weight):
+    raise TypeError(f"to_mxfp4_nk takes an MXFP4Weight, got {type(w).__name__}")
+  k, n = w.shape
+  if k % int4_nk.CHUNK:
+    raise ValueError(f"to_mxfp4_nk needs K={k} to be a multiple of {int4_nk.CHUNK}")
+  q = w.unpacked_codes().astype(jnp.uint32)  # [..., K, N]
+  lead = q.shape[:-2]
+  slots = q.reshape(*lead, k // int4_nk.CHUNK, int4_nk.CHUNK, n)[..., int4_nk.SLOT_TO_K, :]
+  words = packing.pack_codes(slots.reshape(*lead, k, n), packing.PLAIN_TILE_K)
+  return MXFP4NKWeight(codes=jnp.swapaxes(words, -1, -2), scales=w.scales, shape=w.shape)
+
+
+def matmul_xla(x: jax.Array, w: MXFP4NKWeight) -> jax.Array:
+  """``x [M, K] @ W`` in x's dtype: W^T dequantized in x's dtype (float32 math, one
+  rounding) and contracted on its K axis; float32 x at HIGHEST precision."""
+  if w.codes.ndim != 2:
+    raise NotImplementedError(
+        f"codes of shape {w.codes.shape}: matmul takes one [K, N] weight (qjax.layer_of "
+        "names one layer of a stack)")
+  wt = w.dequantize_nk(x.dtype)
+  precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+  return jax.lax.dot_general(x, wt, (((1,), (1,)), ((), ())), precision=precision,
+                             preferred_element_type=x.dtype)
+
+
+dispatch.register_xla(MXFP4NKWeight, matmul_xla)
+

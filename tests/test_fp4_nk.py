@@ -1,0 +1,293 @@
+"""MXFP4NKWeight (E2M1 codes ``[N, K // 8]``, E8M0 scales) and the wgmma kernel's MXFP4 form.
+
+CPU: the layout conversion is bit-exact both ways and stores the codes in the documented
+fragment order; decoding every E2M1 code with random scales equals ml_dtypes'; the XLA
+path against float64; save / load; the kernel's configurations and argument checks; the
+kernel lowers for CUDA, also reading a layer of a stack in place. GPU (Hopper): the
+compiled kernel against float64 on fresh random codes and scales, outputs poisoned, many
+shapes and configurations, chained tiles, ``qjax.layer_of``.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import qjax
+from qjax._src import packing
+from qjax._src import stacked
+from pallas_kernels import int4_wgmma as kw
+from tests.conftest import needs_gpu, pallas_operand_shapes, rel_err, seed_from
+
+needs_hopper = pytest.mark.skipif(
+    not kw.supported(jax.devices()[0]),
+    reason="the wgmma kernel needs an NVIDIA Hopper GPU (sm_90)")
+
+
+def make_case(name, m, k, n, *, dtype=jnp.bfloat16, exponents=(118, 136), lead=()):
+  """x ``[m, k]``, an MXFP4Weight of uniformly random codes (all 16) and E8M0 exponents
+  in ``exponents`` (half-open), and its MXFP4NKWeight."""
+  rng = np.random.default_rng(seed_from(name))
+  q = jnp.asarray(rng.integers(0, 16, (*lead, k, n)), jnp.uint8)
+  codes = packing.pack_codes(q, qjax.NATIVE_TILE_K)  # K padded to the tile with code 0
+  scales = jnp.asarray(rng.integers(*exponents, (*lead, k // 32, n)), jnp.uint8)
+  w = qjax.MXFP4Weight(codes=codes, scales=scales, shape=(k, n))
+  x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+  return x, w, qjax.to_mxfp4_nk(w)
+
+
+def weight_f64(w):
+  """float64 ``[K, N]`` of an MXFP4Weight, decoded with ml_dtypes."""
+  q = np.asarray(w.unpacked_codes(), np.uint8)
+  values = q.view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+  scales = np.asarray(w.scales, np.uint8).view(ml_dtypes.float8_e8m0fnu).astype(np.float64)
+  return values * np.repeat(scales, 32, axis=-2)
+
+
+def reference(x, w):
+  return np.asarray(x.astype(jnp.float32), np.float64) @ weight_f64(w)
+
+
+def fragment_order_reference(q):
+  """numpy: nibble e of word (n, 4t + c) holds q[32t + 8 (e % 4) + 2c + e // 4, n]."""
+  k, n = q.shape
+  words = np.zeros((n, k // 8), np.uint64)
+  for t in range(k // 32):
+    for c in range(4):
+      for e in range(8):
+        words[:, 4 * t + c] |= q[32 * t + 8 * (e % 4) + 2 * c + e // 4, :].astype(
+            np.uint64) << (4 * e)
+  return words.astype(np.uint32)
+
+
+@pytest.mark.parametrize("k,n", [(32, 8), (256, 37), (992, 24), (512, 130)])
+def test_layout_is_bit_exact(request, k, n):
+  _, w, wn = make_case(request.node.nodeid, 1, k, n)
+  q = np.asarray(w.unpacked_codes())
+  np.testing.assert_array_equal(np.asarray(wn.codes), fragment_order_reference(q))
+  np.testing.assert_array_equal(np.asarray(wn.codes_nk()), q.T)
+  np.testing.assert_array_equal(np.asarray(wn.dequantize()), np.asarray(w.dequantize()))
+  back = wn.to_mxfp4()
+  np.testing.assert_array_equal(np.asarray(back.codes), np.asarray(w.codes))
+  np.testing.assert_array_equal(np.asarray(back.scales), np.asarray(w.scales))
+  # The same bytes, moved (MXFP4Weight pads K to its tile of 128 with zero codes).
+  assert wn.nbytes == w.nbytes - (-k % 128) * n // 2
+
+
+def test_every_code_and_random_scales_decode_as_ml_dtypes(request):
+  """All 16 E2M1 codes in every block, exponents over E8M0's range but for the NaN (255)
+  and the two whose float32 products are subnormal (0, 1: flushed by XLA on the CPU)."""
+  k, n = 64, 48
+  rng = np.random.default_rng(seed_from(request.node.nodeid))
+  q = np.stack([rng.permutation(16) for _ in range(k // 16 * n)]).reshape(k // 16, n, 16)
+  q = q.transpose(0, 2, 1).reshape(k, n).astype(np.uint8)
+  scales = rng.integers(2, 255, (k // 32, n)).astype(np.uint8)
+  w = qjax.MXFP4Weight(codes=packing.pack_codes(jnp.asarray(q), qjax.NATIVE_TILE_K),
+                       scales=jnp.asarray(scales), shape=(k, n))
+  wn = qjax.to_mxfp4_nk(w)
+  got = np.asarray(wn.dequantize_nk(jnp.float32), np.float64)
+  np.testing.assert_array_equal(got, weight_f64(w).T)
+
+
+def test_conversion_is_jittable_and_takes_a_stack(request):
+  _, w, wn = make_case(request.node.nodeid, 1, 256, 48, lead=(3,))
+  jitted = jax.jit(qjax.to_mxfp4_nk)(w)
+  assert jitted.codes.shape == (3, 48, 32) and jitted.scales.shape == (3, 8, 48)
+  np.testing.assert_array_equal(np.asarray(jitted.codes), np.asarray(wn.codes))
+  np.testing.assert_array_equal(np.asarray(wn.dequantize()), np.asarray(w.dequantize()))
+
+
+def test_rejects_what_it_cannot_hold(request):
+  _, w, wn = make_case(request.node.nodeid, 1, 256, 32)
+  with pytest.raises(TypeError, match="MXFP4Weight"):
+    qjax.to_mxfp4_nk(qjax.quantize(jnp.ones((256, 32))))
+  with pytest.raises(ValueError, match=r"codes must be \(32, 32\)"):
+    dataclasses.replace(wn, codes=wn.codes[:, :16])
+  with pytest.raises(ValueError, match=r"scales must be \(8, 32\) of dtype \['uint8'\]"):
+    dataclasses.replace(wn, scales=wn.scales.astype(jnp.float32))
+  with pytest.raises(ValueError, match="K=48, N=32. needs K a positive multiple of 32"):
+    qjax.MXFP4NKWeight(codes=jnp.zeros((32, 6), jnp.uint32), scales=jnp.zeros((1, 32),
+                       jnp.uint8), shape=(48, 32))
+
+
+def test_save_and_load(request, tmp_path):
+  _, w, wn = make_case(request.node.nodeid, 1, 256, 40)
+  qjax.save(tmp_path / "w.qjax", {"w": wn})
+  back = qjax.load(tmp_path / "w.qjax")["w"]
+  assert isinstance(back, qjax.MXFP4NKWeight)
+  np.testing.assert_array_equal(np.asarray(back.codes), np.asarray(wn.codes))
+  np.testing.assert_array_equal(np.asarray(back.dequantize()), np.asarray(w.dequantize()))
+
+
+@pytest.mark.parametrize("m,k,n,dtype", [
+    (1, 256, 128, jnp.bfloat16), (5, 384, 37, jnp.bfloat16), (33, 512, 96, jnp.float16),
+    (7, 256, 64, jnp.float32), (2, 992, 24, jnp.bfloat16)])
+def test_xla_path(request, m, k, n, dtype):
+  x, w, wn = make_case(request.node.nodeid, m, k, n, dtype=dtype)
+  y = jax.jit(lambda a, b: qjax.matmul(a, b, implementation="xla"))(x, wn)
+  assert y.shape == (m, n) and y.dtype == dtype
+  assert rel_err(y, reference(x, w)) < (1e-5 if dtype == jnp.float32 else 1e-2)
+
+
+def test_dispatch_on_this_device(request):
+  x, _, wn = make_case(request.node.nodeid, 3, 256, 128)
+  on_hopper = kw.supported(jax.devices()[0])
+  assert qjax.implementation_name(wn) == ("mosaic_gpu_wgmma" if on_hopper else "xla")
+  with pytest.raises(NotImplementedError, match="no interpret mode"):
+    qjax.matmul(x, wn, implementation="interpret")
+
+
+@pytest.mark.parametrize("m", [1, 8, 16, 64, 100, 256, 2048])
+@pytest.mark.parametrize("k,n", [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672),
+                                 (2880, 5760), (1024, 384)])
+def test_config_for_is_legal(m, k, n):
+  """config_for(mxfp4=True) passes the kernel's checks and fits shared memory with its
+  one-byte scale rows (one per 32 of K)."""
+  cfg = kw.config_for(m, k, n, 32, mxfp4=True)
+  assert not cfg.scale_accumulator
+  x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+  wn = qjax.MXFP4NKWeight(codes=jax.ShapeDtypeStruct((n, k // 8), jnp.uint32),
+                          scales=jax.ShapeDtypeStruct((k // 32, n), jnp.uint8), shape=(k, n))
+  kw._check(x, wn, cfg)  # pylint: disable=protected-access
+  assert cfg.stages * cfg.stage_bytes(32, 1) + cfg.epilogue_bytes() <= kw._SMEM_MAX
+
+
+def test_kernel_declines_what_it_lacks(request):
+  x, _, wn = make_case(request.node.nodeid, 16, 256, 128)
+  with pytest.raises(NotImplementedError, match="bf16 activations"):
+    kw.mxfp4_nk_matmul(x.astype(jnp.float32), wn)
+  with pytest.raises(NotImplementedError, match="scale_accumulator"):
+    kw.mxfp4_nk_matmul(x, wn, config=kw.WgmmaConfig(tile_m=16, tile_k=256, epi_m=16,
+                                                    scale_accumulator=True))
+  _, _, narrow = make_case(request.node.nodeid, 16, 256, 64)
+  with pytest.raises(NotImplementedError, match="N=64 is not a multiple"):
+    kw.mxfp4_nk_matmul(x, narrow, config=kw.WgmmaConfig(tile_m=16, tile_k=256, epi_m=16))
+  with pytest.raises(NotImplementedError, match="tile_k=512"):
+    kw.mxfp4_nk_matmul(x, wn, config=kw.WgmmaConfig(tile_m=16, tile_k=512, epi_m=16))
+
+
+LOWERED = [(1, 4096, 4096, None), (16, 2048, 512, None), (300, 1024, 512, None),
+           (64, 1024, 256, kw.WgmmaConfig(tile_m=64, tile_k=64, stages=3)),
+           (40, 1536, 384, kw.WgmmaConfig(tile_m=40, tile_k=512, epi_m=40, stages=2))]
+
+
+@pytest.mark.parametrize("m,k,n,cfg", LOWERED)
+def test_kernel_lowers_for_cuda(m, k, n, cfg):
+  x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+  wn = qjax.MXFP4NKWeight(codes=jax.ShapeDtypeStruct((n, k // 8), jnp.uint32),
+                          scales=jax.ShapeDtypeStruct((k // 32, n), jnp.uint8), shape=(k, n))
+  lowered = jax.jit(lambda a, b: kw.mxfp4_nk_matmul(a, b, config=cfg, num_sms=132)).trace(
+      x, wn).lower(lowering_platforms=("cuda",))
+  assert "mosaic_gpu" in lowered.as_text()
+
+
+def _scanned(stack, x, layers):
+  def body(carry, i):
+    return carry, qjax.matmul(x, qjax.layer_of(stack, i), implementation="pallas")
+  return jax.lax.scan(body, 0, jnp.arange(layers))[1]
+
+
+def _scanned_wgmma(stack, x, layers):
+  """:func:`_scanned` with the kernel called directly, so that it also traces on a CPU."""
+  def body(carry, i):
+    with stacked.reads_in_place(qjax.layer_of(stack, i)) as layer:
+      return carry, kw.mxfp4_nk_matmul(x, layer, num_sms=132)
+  return jax.lax.scan(body, 0, jnp.arange(layers))[1]
+
+
+def test_kernel_reads_a_layer_of_a_stack_in_place(request):
+  layers, k, n = 3, 1024, 256
+  x, _, stack = make_case(request.node.nodeid, 16, k, n, lead=(layers,))
+  calls = pallas_operand_shapes(jax.make_jaxpr(_scanned_wgmma, static_argnums=2)(
+      stack, x, layers).jaxpr)
+  assert calls, "no pallas_call traced"
+  for shapes in calls:
+    assert (layers, n, k) in shapes and (layers, k // 32, n) in shapes, shapes
+  lowered = jax.jit(_scanned_wgmma, static_argnums=2).trace(stack, x, layers).lower(
+      lowering_platforms=("cuda",))
+  assert "mosaic_gpu" in lowered.as_text()
+
+
+def _poisoned_run(fn, x, wn, cfg):
+  """The kernel's output buffer first holds NaN (see tests/test_int4_nk.py)."""
+  m, (k, n) = x.shape[0], wn.shape
+  c = cfg or kw.config_for(m, k, n, 32, jax.devices()[0].core_count, mxfp4=True)
+  poison = jnp.full((c.split_k, kw.padded_rows(m, c), n), jnp.nan,
+                    jnp.float32 if c.split_k > 1 else jnp.bfloat16)
+  poison.block_until_ready()
+  poison.delete()
+  return np.asarray(fn(x, wn).astype(jnp.float32))
+
+
+GPU_CASES = [
+    (1, 256, 128, None), (3, 512, 256, None), (7, 512, 384, None), (16, 1024, 256, None),
+    (40, 2048, 1280, None), (64, 4096, 4096, None), (100, 1024, 384, None),
+    (130, 2880, 640, None), (300, 512, 640, None), (2048, 1024, 1024, None),
+    (1, 8192, 1024, None),
+    (200, 1024, 256, kw.WgmmaConfig(tile_m=64, tile_k=128, split_k=4, stages=6)),
+    (96, 768, 384, kw.WgmmaConfig(tile_m=96, tile_k=64, epi_m=32, stages=5)),
+    (256, 512, 256, kw.WgmmaConfig(tile_n=128, tile_m=128, stages=3)),
+    (16, 2048, 512, kw.WgmmaConfig(tile_m=16, tile_k=256, epi_m=16, stages=4)),
+    (5, 1024, 256, kw.WgmmaConfig(tile_m=8, tile_k=512, epi_m=8, split_k=2)),
+    (512, 1024, 512, kw.WgmmaConfig(m_minor=True, snake_width=2)),
+]
+
+
+@needs_gpu
+@needs_hopper
+@pytest.mark.parametrize("m,k,n,cfg", GPU_CASES)
+def test_wgmma_matches_float64(request, m, k, n, cfg):
+  x, w, wn = make_case(request.node.nodeid, m, k, n)
+  fn = jax.jit(lambda a, b: kw.mxfp4_nk_matmul(a, b, config=cfg))
+  y = _poisoned_run(fn, x, wn, cfg)
+  assert y.shape == (m, n) and np.isfinite(y).all(), "unwritten (poisoned) or non-finite"
+  ref = reference(x, w)
+  assert rel_err(y, ref) < 1e-2
+  # Each output: the weights are exact in bf16, so only the bf16 output rounding and the
+  # float32 sums' order remain.
+  rms = np.sqrt(np.mean(ref ** 2))
+  assert np.abs(y - ref).max() < 1e-2 * rms
+
+
+@needs_gpu
+@needs_hopper
+@pytest.mark.parametrize("exponents", [(1, 12), (240, 250)])
+def test_wgmma_extreme_scales(request, exponents):
+  """Block scales near both ends of E8M0 (weights down to bf16's subnormals, 2**-127):
+  still exact; x is scaled so that the outputs are normal bf16 numbers."""
+  x, w, wn = make_case(request.node.nodeid, 16, 1024, 256, exponents=exponents)
+  x = x * (2.0 ** (120 if exponents[0] < 127 else -120))
+  y = _poisoned_run(jax.jit(kw.mxfp4_nk_matmul), x, wn, None)
+  ref = reference(x, w)
+  assert np.isfinite(y).all()
+  assert np.abs(y - ref).max() < 1e-2 * np.sqrt(np.mean(ref ** 2))
+
+
+@needs_gpu
+@needs_hopper
+@pytest.mark.parametrize("num_sms", [1, 5, 12])
+def test_wgmma_chained_tiles(request, num_sms):
+  cfg = kw.WgmmaConfig(tile_m=16, tile_k=512, epi_m=16, stages=2, chain_tiles=True)
+  x, w, wn = make_case(request.node.nodeid, 16, 2048, 1536)
+  fn = jax.jit(lambda a, b: kw.mxfp4_nk_matmul(a, b, config=cfg, num_sms=num_sms))
+  y = _poisoned_run(fn, x, wn, cfg)
+  ref = reference(x, w)
+  assert np.isfinite(y).all() and np.abs(y - ref).max() < 1e-2 * np.sqrt(np.mean(ref ** 2))
+
+
+@needs_gpu
+@needs_hopper
+def test_wgmma_layer_of_equals_each_layer(request):
+  layers, k, n = 3, 2048, 384
+  x, w, stack = make_case(request.node.nodeid, 16, k, n, lead=(layers,))
+  fn = jax.jit(_scanned, static_argnums=2)
+  got = np.asarray(fn(stack, x, layers).astype(jnp.float32))
+  one = jax.jit(lambda a, b: qjax.matmul(a, b, implementation="pallas"))
+  for i in range(layers):
+    layer = jax.tree.map(lambda a, i=i: a[i], stack)
+    np.testing.assert_array_equal(got[i], np.asarray(one(x, layer).astype(jnp.float32)))
+    ref = reference(x, jax.tree.map(lambda a, i=i: a[i], w))
+    assert np.abs(got[i] - ref).max() < 1e-2 * np.sqrt(np.mean(ref ** 2))
