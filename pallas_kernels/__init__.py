@@ -96,8 +96,9 @@ qjax.register_kernel(
     qjax.Int4NKWeight,
     qjax.Backend(name="mosaic_gpu_wgmma", fn=int4_wgmma.int4_nk_matmul,
                  supported_on=int4_wgmma.supported))
-# MXFP4NKWeight: the same kernel with E2M1 codes and E8M0 block scales.
-qjax.register_kernel(
-    qjax.MXFP4NKWeight,
-    qjax.Backend(name="mosaic_gpu_wgmma", fn=int4_wgmma.mxfp4_nk_matmul,
-                 supported_on=int4_wgmma.supported))
+# MXFP4NKWeight, NVFP4NKWeight: the same kernel with E2M1 codes and their block scales.
+for _fp4_nk_format in (qjax.MXFP4NKWeight, qjax.NVFP4NKWeight):
+  qjax.register_kernel(
+      _fp4_nk_format,
+      qjax.Backend(name="mosaic_gpu_wgmma", fn=int4_wgmma.fp4_nk_matmul,
+                   supported_on=int4_wgmma.supported))

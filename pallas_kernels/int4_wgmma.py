@@ -74,6 +74,9 @@ _WIDE_K_MAX_TILE_M = 64
 # ... and up to this many apply the group scales to float32 partial products.
 _SCALE_ACC_MAX_TILE_M = 32
 
+# The FP4 formats the kernel takes, by the name config_for and _kernel_call know them.
+_FP4_FORMATS = {"mxfp4": fp4_nk.MXFP4NKWeight, "nvfp4": fp4_nk.NVFP4NKWeight}
+
 
 @dataclasses.dataclass(frozen=True)
 class WgmmaConfig:
@@ -177,16 +180,17 @@ def _k_steps(k: int, cfg: WgmmaConfig) -> int:
 
 
 def config_for(m: int, k: int, n: int, group_size: int, num_sms: int = 132, *,
-               mxfp4: bool = False) -> WgmmaConfig:
+               fp4: str | None = None) -> WgmmaConfig:
   """The configuration for an ``[m, k] x [k, n]`` problem: from the H100 sweeps recorded
   in BENCHMARKS.md (sessions 16-18); shapes not measured get the nearest rule.
 
-  ``mxfp4``: for an :class:`qjax.MXFP4NKWeight` (``group_size`` is ignored): tiled as
-  INT4 with groups of 128, since its E8M0 scales (one byte per 32 of K) are multiplied
-  into the weights as they are converted, one wgmma per 128 of K.
+  ``fp4``: "mxfp4" or "nvfp4" for an :class:`qjax.MXFP4NKWeight` or
+  :class:`qjax.NVFP4NKWeight` (``group_size`` is ignored): tiled as INT4 with groups of
+  128, since their one-byte block scales (per 32 or 16 of K) are multiplied into the
+  weights as they are converted, one wgmma per 128 of K.
   """
-  scale_args = (fp4_nk.MXFP4NKWeight.block_size, 1) if mxfp4 else (group_size, 2)
-  if mxfp4:  # steps of 128 where they divide K, else of 64 (GPT-OSS: K = 2880)
+  scale_args = (_FP4_FORMATS[fp4].block_size, 1) if fp4 else (group_size, 2)
+  if fp4:  # steps of 128 where they divide K, else of 64 (GPT-OSS: K = 2880)
     group_size = 128 if k % 128 == 0 else 64
   tile_k = 128 if group_size % 128 == 0 else 64
   if m > 128:
@@ -230,15 +234,16 @@ def config_for(m: int, k: int, n: int, group_size: int, num_sms: int = 132, *,
   chain = tiles * split_k > num_sms and steps % stages == 0
   # Scales on the float32 side where the accumulator is small (session 18: 1-5 % less time
   # at M <= 32 on all four shapes, 4-26 % more at M = 64).
-  scale_acc = tile_m <= _SCALE_ACC_MAX_TILE_M and not mxfp4
+  scale_acc = tile_m <= _SCALE_ACC_MAX_TILE_M and not fp4
   return dataclasses.replace(cfg, stages=stages, chain_tiles=chain, scale_accumulator=scale_acc)
 
 
 def _check(x: jax.Array, w: Any, cfg: WgmmaConfig) -> None:
   """NotImplementedError (the dispatcher falls back to XLA) for what the kernel lacks."""
-  if not isinstance(w, (int4_nk.Int4NKWeight, fp4_nk.MXFP4NKWeight)):
+  if not isinstance(w, (int4_nk.Int4NKWeight, *_FP4_FORMATS.values())):
     raise NotImplementedError(
-        f"the wgmma kernel takes an Int4NKWeight or an MXFP4NKWeight, got {type(w).__name__}")
+        "the wgmma kernel takes an Int4NKWeight, MXFP4NKWeight or NVFP4NKWeight, got "
+        f"{type(w).__name__}")
   if w.codes.ndim != 2:
     raise NotImplementedError(
         "the wgmma kernel takes one weight, not a stack (qjax.layer_of names one layer of "
@@ -248,9 +253,9 @@ def _check(x: jax.Array, w: Any, cfg: WgmmaConfig) -> None:
         f"x.dtype={jnp.dtype(x.dtype).name}: the wgmma kernel converts 4-bit codes to bf16 "
         "and takes bf16 activations")
   k, n = w.shape
-  if isinstance(w, fp4_nk.MXFP4NKWeight):
+  if isinstance(w, tuple(_FP4_FORMATS.values())):
     if cfg.scale_accumulator:
-      raise NotImplementedError("scale_accumulator: MXFP4's scales are applied to the "
+      raise NotImplementedError("scale_accumulator: FP4 block scales are applied to the "
                                 "weights as they are converted; use scale_accumulator=False")
     if (k // cfg.split_k) % cfg.tile_k or k % cfg.split_k:
       raise NotImplementedError(
@@ -353,25 +358,40 @@ _BF16X2_2_126 = 0x7E807E80
 _LOP3_OR_AND_C = 0xF8  # LOP3 truth table of a | (b & c) (a = 0xF0, b = 0xCC, c = 0xAA)
 
 
-def _e2m1_to_bf16_fragments(w, scales, first_run: int, runs: int):
+# PTX of one block scale byte (``$1``, zero-extended) -> its bf16 value in both halves.
+_SCALE_TO_BF16X2 = {
+    # E8M0: the byte is bf16's exponent field.
+    "mxfp4": "{ .reg .b32 a, b; shl.b32 a, $1, 7; shl.b32 b, $1, 23; or.b32 $0, a, b; }",
+    # float8_e4m3fn: Hopper's converter to f16 (exact), then f32 and bf16 (exact: 3 bits
+    # of mantissa, exponents 2**-9 .. 2**8).
+    "nvfp4": ("{ .reg .b16 e, lo, hi, b; .reg .b32 h; .reg .f32 f; cvt.u16.u32 e, $1; "
+              "cvt.rn.f16x2.e4m3x2 h, e; mov.b32 {lo, hi}, h; cvt.f32.f16 f, lo; "
+              "cvt.rn.bf16.f32 b, f; mov.b32 $0, {b, b}; }"),
+}
+
+
+def _e2m1_to_bf16_fragments(w, scales, first_run: int, runs: int, fp4: str):
   """``w``: E2M1 codes ``[tile_n, tile_k]`` (as int4 bits) in the WGMMA_UPCAST_4X layout,
-  in :class:`qjax.MXFP4NKWeight`'s fragment order; ``scales``: ``runs`` uint8 E8M0 rows
-  ``[tile_n]`` in the WGMMA row layout, one per 32-code run (an MXFP4 block) ->
-  bf16 weights ``[tile_n, 32 * runs]`` of the runs ``first_run ..`` in wgmma's register
-  operand layout, each ``e2m1(q) * 2 ** (e - 127)``, exact.
+  in :class:`qjax.MXFP4NKWeight`'s fragment order; ``scales``: the block scale rows
+  ``[tile_n]`` (uint8 bits) of the runs in the WGMMA row layout, one per 32-code run for
+  MXFP4 (E8M0), two for NVFP4 (float8_e4m3fn; pairs 0, 1 of a register take the first)
+  -> bf16 weights ``[tile_n, 32 * runs]`` of the runs ``first_run ..`` in wgmma's
+  register operand layout, each ``e2m1(q) * scale``, exact.
 
   Per pair of codes (nibbles ``i`` and ``i + 4`` of a word, as for INT4): a shift and an
   AND put each nibble's exponent and mantissa bits at bf16 bits 8..6, a shift and a LOP3
   add its sign at bit 15, and two bf16 multiplies, by ``2 ** 126`` (exponent bias 1 of
   E2M1 against bf16's 127; E2M1's subnormal 0.5 comes out of bf16's subnormal 2 ** -127)
-  and by the block scale (``e << 7``: bf16 ``2 ** (e - 127)``; ``e = 0`` gives 0 instead
-  of ``2 ** -127``, ``e = 255`` infinity instead of NaN), are exact.
+  and by the block scale, are exact. MXFP4's scale is ``e << 7``, bf16 ``2 ** (e -
+  127)`` (``e = 0`` gives 0 instead of ``2 ** -127``, ``e = 255`` infinity instead of
+  NaN); NVFP4's is converted by :data:`_SCALE_TO_BF16X2` (NaN stays NaN).
   """
+  per_run = len(scales) // runs
   shape = (w.shape[0], runs * int4_nk.CHUNK)
   row = plgpu.Layout.WGMMA.reduce(1)
 
   @plgpu.inline_mgpu(
-      arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,) + (row,) * runs,
+      arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,) + (row,) * len(scales),
       return_type=plgpu.ShapeDtypeStruct(shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA))
   def convert(ctx, w4, *scale_rows):
     del ctx
@@ -390,9 +410,7 @@ def _e2m1_to_bf16_fragments(w, scales, first_run: int, runs: int):
       by_half = {}
       for idx, reg in np.ndenumerate(rows.registers):
         e = arith.extui(i32, vector.extract(reg, [], [0]))
-        by_half[(idx[0], idx[2])] = llvm.inline_asm(
-            i32, [e], "{ .reg .b32 a, b; shl.b32 a, $1, 7; shl.b32 b, $1, 23; "
-            "or.b32 $0, a, b; }", "=r,r")
+        by_half[(idx[0], idx[2])] = llvm.inline_asm(i32, [e], _SCALE_TO_BF16X2[fp4], "=r,r")
       scale2.append(by_half)
     regs = np.empty(fa.WGMMA_LAYOUT.registers_shape(shape), dtype=object)
     for idx, reg in np.ndenumerate(w4.registers):
@@ -400,8 +418,8 @@ def _e2m1_to_bf16_fragments(w, scales, first_run: int, runs: int):
       if not 0 <= run < runs:
         continue
       word = mgpu.utils.bitcast(reg, i32)
-      s2 = scale2[run][(idx[0], idx[4])]
       for i in range(4):
+        s2 = scale2[run * per_run + i * per_run // 4][(idx[0], idx[4])]
         up = f"shl.b32 u, $1, {6 - 4 * i};" if i < 2 else f"shr.u32 u, $1, {4 * i - 6};"
         sign = f"shl.b32 v, $1, {12 - 4 * i};" if i < 3 else "mov.b32 v, $1;"
         pair = llvm.inline_asm(
@@ -438,21 +456,23 @@ def _step_groups(w_smem, x_smem, sub: int, convert=None):
     yield j, w, x.transpose((1, 0))
 
 
-def _mxfp4_step(acc_ref, w_smem, s_smem, x_smem) -> None:
-  """One pipeline step of a compute warpgroup for MXFP4: ``acc += W^T x^T``, a wgmma per
-  128 of K (the tile's whole K when narrower).
+def _fp4_step(acc_ref, w_smem, s_smem, x_smem, fp4: str) -> None:
+  """One pipeline step of a compute warpgroup for MXFP4 or NVFP4 (``fp4``): ``acc +=
+  W^T x^T`` without the NVFP4 tensor scale, a wgmma per 128 of K (the tile's whole K when
+  narrower).
 
   w_smem: ``[tile_n, tile_k]`` E2M1 codes (int4 bits) in fragment order; s_smem:
-  ``[tile_k // 32, tile_n]`` uint8 E8M0 exponents; x_smem: ``[tile_m, tile_k]`` bf16;
-  acc_ref: ``[tile_n, tile_m]`` float32.
+  ``[tile_k // B, tile_n]`` uint8 block scale bits (B = 32 or 16); x_smem:
+  ``[tile_m, tile_k]`` bf16; acc_ref: ``[tile_n, tile_m]`` float32.
   """
   sub = min(w_smem.shape[1], 128)
+  per_run = int4_nk.CHUNK // _FP4_FORMATS[fp4].block_size
 
   def convert(w4, j, first_run, runs):
     del j
-    scales = [plgpu.layout_cast(s_smem.at[first_run + r][...], plgpu.Layout.WGMMA.reduce(1))
-              for r in range(runs)]
-    return _e2m1_to_bf16_fragments(w4, scales, first_run, runs)
+    scales = [plgpu.layout_cast(s_smem.at[first_run * per_run + r][...],
+                                plgpu.Layout.WGMMA.reduce(1)) for r in range(runs * per_run)]
+    return _e2m1_to_bf16_fragments(w4, scales, first_run, runs, fp4)
 
   for _, w, x_t in _step_groups(w_smem, x_smem, sub, convert):
     with jax.named_scope("wgmma"):
@@ -505,14 +525,17 @@ def _multiply_then_scale(acc, w_smem, s_smem, x_smem, group_size: int):
 
 def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Array | None,
                  cfg: WgmmaConfig, group_size: int, num_sms: int, out_dtype,
-                 mxfp4: bool = False) -> jax.Array:
+                 fp4: str | None = None, global_scale: jax.Array | None = None
+                 ) -> jax.Array:
   """``[split_k, M, N]`` (``out_dtype``) partial products; M below 8 or a multiple of
   tile_m (:func:`padded_rows`).
 
-  x: ``[M, K]`` bf16; wt: ``[N, K]`` int4; scales: ``[K // G, N]`` bf16. ``mxfp4``: wt
-  holds E2M1 codes and scales ``[K // 32, N]`` uint8 E8M0 (``group_size`` 32). Or, with
-  ``layer`` (an int32 scalar), wt ``[L, N, K]`` and scales ``[L, K // G, N]``: stacks of
-  which the kernel reads layer ``layer``.
+  x: ``[M, K]`` bf16; wt: ``[N, K]`` int4; scales: ``[K // G, N]`` bf16. ``fp4``
+  ("mxfp4" or "nvfp4"): wt holds E2M1 codes, scales ``[K // G, N]`` are the block
+  scales' bits as uint8 (``group_size`` G = 32 or 16), and NVFP4's ``global_scale``
+  (float32 ``[]``) multiplies the float32 products. Or, with ``layer`` (an int32 scalar),
+  wt ``[L, N, K]``, scales ``[L, K // G, N]`` and global_scale ``[L]``: stacks of which the
+  kernel reads layer ``layer``.
   """
   m, k = x.shape
   n = wt.shape[-2]
@@ -541,12 +564,13 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
   grid = min(num_sms, tiles)
 
   def kernel(x_gmem, w_gmem, s_gmem, *refs, out_smem):
-    if layer is None:
-      (out_gmem,) = refs
-    else:
-      layer_gmem, out_gmem = refs
-      index = stacked_lib.normalized_index(layer_gmem[...], w_gmem.shape[0])
+    *refs, out_gmem = refs
+    g_gmem = refs.pop(0) if global_scale is not None else None
+    if layer is not None:
+      index = stacked_lib.normalized_index(refs.pop(0)[...], w_gmem.shape[0])
       w_gmem, s_gmem = w_gmem.at[index], s_gmem.at[index]
+      if g_gmem is not None:
+        g_gmem = g_gmem.at[index]
 
     def pipeline(body, context, state=None):
       return plgpu.emit_pipeline_warp_specialized(
@@ -585,6 +609,8 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
         k0 = si * k_per_split
 
         def epilogue(acc):
+          if g_gmem is not None:
+            acc = acc * g_gmem[...]
           acc = plgpu.layout_cast(acc.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED)
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           for e in range(tm // cfg.epi_m):
@@ -611,8 +637,8 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
 
         def body(_, x_smem, w_smem, s_smem, acc):
           w_smem, s_smem = w_smem.at[wg_rows], s_smem.at[:, wg_rows]
-          if mxfp4:
-            _mxfp4_step(acc, w_smem, s_smem, x_smem)
+          if fp4:
+            _fp4_step(acc, w_smem, s_smem, x_smem, fp4)
             return acc
           if cfg.scale_accumulator:
             return _multiply_then_scale(acc, w_smem, s_smem, x_smem, group_size)
@@ -640,7 +666,8 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       scratch_types=dict(out_smem=plgpu.SMEM((wgs, 2, cfg.epi_m, tn), out_dtype,
                                              transforms=o_transforms)))
-  return call(x, wt, scales) if layer is None else call(x, wt, scales, layer)
+  extra = [a for a in (global_scale, layer) if a is not None]
+  return call(x, wt, scales, *extra)
 
 
 def padded_rows(m: int, cfg: WgmmaConfig) -> int:
@@ -672,19 +699,21 @@ def int4_nk_matmul(x: jax.Array, w: int4_nk.Int4NKWeight, *, interpret: bool = F
   return _matmul(x, w, interpret=interpret, config=config, num_sms=num_sms)
 
 
-def mxfp4_nk_matmul(x: jax.Array, w: fp4_nk.MXFP4NKWeight, *, interpret: bool = False,
-                    config: WgmmaConfig | None = None, num_sms: int | None = None
-                    ) -> jax.Array:
-  """``x [M, K] @ W -> [M, N]`` in bf16 for an :class:`qjax.MXFP4NKWeight` on Hopper:
-  the pipeline of :func:`int4_nk_matmul`, with E2M1 codes converted to bf16 and scaled
-  by their blocks' E8M0 scales in registers (:func:`_e2m1_to_bf16_fragments`).
+def fp4_nk_matmul(x: jax.Array, w: fp4_nk.MXFP4NKWeight | fp4_nk.NVFP4NKWeight, *,
+                  interpret: bool = False, config: WgmmaConfig | None = None,
+                  num_sms: int | None = None) -> jax.Array:
+  """``x [M, K] @ W -> [M, N]`` in bf16 for an :class:`qjax.MXFP4NKWeight` or
+  :class:`qjax.NVFP4NKWeight` on Hopper: the pipeline of :func:`int4_nk_matmul`, with
+  E2M1 codes converted to bf16 and scaled by their blocks' scales in registers
+  (:func:`_e2m1_to_bf16_fragments`); NVFP4's tensor scale multiplies the float32 sums.
 
   Args:
     x: ``[M, K]`` bf16; any M.
-    w: codes ``[N, K // 8]`` in fragment order, E8M0 scales ``[K // 32, N]``; N a
-      multiple of 128 and K of the config's ``tile_k * split_k``.
+    w: codes ``[N, K // 8]`` in fragment order, block scales ``[K // 32, N]`` (E8M0) or
+      ``[K // 16, N]`` (float8_e4m3fn); N a multiple of 128 and K of the config's
+      ``tile_k * split_k``.
     interpret, config, num_sms: as :func:`int4_nk_matmul` (config default
-      ``config_for(..., mxfp4=True)``).
+      ``config_for(..., fp4="mxfp4")`` or ``"nvfp4"``).
 
   Raises:
     NotImplementedError: an argument the kernel does not handle.
@@ -694,29 +723,34 @@ def mxfp4_nk_matmul(x: jax.Array, w: fp4_nk.MXFP4NKWeight, *, interpret: bool = 
 
 def _matmul(x: jax.Array, w: Any, *, interpret: bool, config: WgmmaConfig | None,
             num_sms: int | None) -> jax.Array:
-  """The body of :func:`int4_nk_matmul` and :func:`mxfp4_nk_matmul`."""
+  """The body of :func:`int4_nk_matmul` and :func:`fp4_nk_matmul`."""
   if interpret:
     raise NotImplementedError(
         "the Mosaic GPU wgmma kernel has no interpret mode; use implementation='xla' on "
         "the CPU")
   m = x.shape[0]
   k, n = w.shape
-  mxfp4 = isinstance(w, fp4_nk.MXFP4NKWeight)
-  group_size = w.block_size if mxfp4 else w.group_size
+  fp4 = next((name for name, cls in _FP4_FORMATS.items() if isinstance(w, cls)), None)
+  group_size = w.block_size if fp4 else w.group_size
   if num_sms is None:
     num_sms = getattr(jax.devices()[0], "core_count", None) or 132
-  cfg = config or config_for(m, k, n, group_size, num_sms, mxfp4=mxfp4)
+  cfg = config or config_for(m, k, n, group_size, num_sms, fp4=fp4)
   _check(x, w, cfg)
   if m == 0:
     return jnp.zeros((0, n), jnp.bfloat16)
   mp = padded_rows(m, cfg)
   xp = jnp.pad(x, ((0, mp - m), (0, 0))) if mp != m else x
   # Under qjax.layer_of: the stacked codes and scales and the layer, read in place.
-  (codes, scales), in_stack, layer = stacked_lib.read_in_place([w.codes, w.scales])
+  arrays = [w.codes, w.scales] + ([w.global_scale] if fp4 == "nvfp4" else [])
+  stacks, in_stack, layer = stacked_lib.read_in_place(arrays)
   if not all(in_stack):
-    codes, scales, layer = w.codes, w.scales, None
+    stacks, layer = arrays, None
+  codes, scales, *global_scale = stacks
+  if fp4:  # the block scales' bits
+    scales = lax.bitcast_convert_type(scales, jnp.uint8)
   wt = lax.bitcast_convert_type(codes, jnp.int4).reshape(*codes.shape[:-1], k)
   out_dtype = jnp.float32 if cfg.split_k > 1 else jnp.bfloat16
-  y = _kernel_call(xp, wt, scales, layer, cfg, group_size, num_sms, out_dtype, mxfp4)
+  y = _kernel_call(xp, wt, scales, layer, cfg, group_size, num_sms, out_dtype, fp4,
+                   global_scale[0] if global_scale else None)
   y = y[0] if cfg.split_k == 1 else y.sum(0).astype(jnp.bfloat16)
   return y[:m] if mp != m else y

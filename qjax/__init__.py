@@ -19,7 +19,9 @@ from qjax._src.int4 import quantize as quantize
 from qjax._src.int4_nk import Int4NKWeight as Int4NKWeight
 from qjax._src.int4_nk import to_int4_nk as to_int4_nk
 from qjax._src.fp4_nk import MXFP4NKWeight as MXFP4NKWeight
+from qjax._src.fp4_nk import NVFP4NKWeight as NVFP4NKWeight
 from qjax._src.fp4_nk import to_mxfp4_nk as to_mxfp4_nk
+from qjax._src.fp4_nk import to_nvfp4_nk as to_nvfp4_nk
 from qjax._src.packing import NATIVE_TILE_K as NATIVE_TILE_K
 from qjax._src.packing import PLAIN_TILE_K as PLAIN_TILE_K
 from qjax._src.serialization import load as load

@@ -1,4 +1,5 @@
-"""MXFP4NKWeight (E2M1 codes ``[N, K // 8]``, E8M0 scales) and the wgmma kernel's MXFP4 form.
+"""MXFP4NKWeight and NVFP4NKWeight (E2M1 codes ``[N, K // 8]``, block scales) and the
+wgmma kernel's FP4 form.
 
 CPU: the layout conversion is bit-exact both ways and stores the codes in the documented
 fragment order; decoding every E2M1 code with random scales equals ml_dtypes'; the XLA
@@ -27,24 +28,43 @@ needs_hopper = pytest.mark.skipif(
     reason="the wgmma kernel needs an NVIDIA Hopper GPU (sm_90)")
 
 
-def make_case(name, m, k, n, *, dtype=jnp.bfloat16, exponents=(118, 136), lead=()):
-  """x ``[m, k]``, an MXFP4Weight of uniformly random codes (all 16) and E8M0 exponents
-  in ``exponents`` (half-open), and its MXFP4NKWeight."""
+FMTS = ["mxfp4", "nvfp4"]
+# Default block scale bits: E8M0 exponents 2**-9 .. 2**8, float8_e4m3fn 2**-6 .. 240.
+SCALE_BITS = {"mxfp4": (118, 136), "nvfp4": (0x08, 0x78)}
+
+
+def make_case(name, m, k, n, fmt="mxfp4", *, dtype=jnp.bfloat16, scale_bits=None, lead=()):
+  """x ``[m, k]``, an MXFP4Weight or NVFP4Weight of uniformly random codes (all 16) and
+  block scale bits in ``scale_bits`` (half-open; default :data:`SCALE_BITS`), and its
+  [N, K // 8] form."""
   rng = np.random.default_rng(seed_from(name))
   q = jnp.asarray(rng.integers(0, 16, (*lead, k, n)), jnp.uint8)
   codes = packing.pack_codes(q, qjax.NATIVE_TILE_K)  # K padded to the tile with code 0
-  scales = jnp.asarray(rng.integers(*exponents, (*lead, k // 32, n)), jnp.uint8)
-  w = qjax.MXFP4Weight(codes=codes, scales=scales, shape=(k, n))
+  lo, hi = scale_bits or SCALE_BITS[fmt]
+  if fmt == "mxfp4":
+    scales = jnp.asarray(rng.integers(lo, hi, (*lead, k // 32, n)), jnp.uint8)
+    w = qjax.MXFP4Weight(codes=codes, scales=scales, shape=(k, n))
+    wn = qjax.to_mxfp4_nk(w)
+  else:
+    bits = rng.integers(lo, hi, (*lead, k // 16, n)).astype(np.uint8)
+    scales = jnp.asarray(bits.view(ml_dtypes.float8_e4m3fn))
+    g = jnp.asarray(rng.uniform(0.5, 2.0, lead) / 512, jnp.float32)
+    w = qjax.NVFP4Weight(codes=codes, scales=scales, global_scale=g, shape=(k, n))
+    wn = qjax.to_nvfp4_nk(w)
   x = jnp.asarray(rng.standard_normal((m, k)), dtype)
-  return x, w, qjax.to_mxfp4_nk(w)
+  return x, w, wn
 
 
 def weight_f64(w):
-  """float64 ``[K, N]`` of an MXFP4Weight, decoded with ml_dtypes."""
+  """float64 ``[K, N]`` of an MXFP4Weight or NVFP4Weight, decoded with ml_dtypes."""
   q = np.asarray(w.unpacked_codes(), np.uint8)
   values = q.view(ml_dtypes.float4_e2m1fn).astype(np.float64)
-  scales = np.asarray(w.scales, np.uint8).view(ml_dtypes.float8_e8m0fnu).astype(np.float64)
-  return values * np.repeat(scales, 32, axis=-2)
+  if isinstance(w, qjax.MXFP4Weight):
+    scales = np.asarray(w.scales, np.uint8).view(ml_dtypes.float8_e8m0fnu)
+    return values * np.repeat(scales.astype(np.float64), 32, axis=-2)
+  scales = np.asarray(w.scales).astype(np.float64)
+  g = np.asarray(w.global_scale, np.float64)[..., None, None]
+  return values * np.repeat(scales, 16, axis=-2) * g
 
 
 def reference(x, w):
@@ -72,39 +92,52 @@ def fragment_order_reference(q):
   return words.astype(np.uint32)
 
 
+@pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("k,n", [(32, 8), (256, 37), (992, 24), (512, 130)])
-def test_layout_is_bit_exact(request, k, n):
-  _, w, wn = make_case(request.node.nodeid, 1, k, n)
+def test_layout_is_bit_exact(request, k, n, fmt):
+  _, w, wn = make_case(request.node.nodeid, 1, k, n, fmt)
   q = np.asarray(w.unpacked_codes())
   np.testing.assert_array_equal(np.asarray(wn.codes), fragment_order_reference(q))
   np.testing.assert_array_equal(np.asarray(wn.codes_nk()), q.T)
   np.testing.assert_array_equal(np.asarray(wn.dequantize()), np.asarray(w.dequantize()))
-  back = wn.to_mxfp4()
-  np.testing.assert_array_equal(np.asarray(back.codes), np.asarray(w.codes))
-  np.testing.assert_array_equal(np.asarray(back.scales), np.asarray(w.scales))
+  back = wn.to_mxfp4() if fmt == "mxfp4" else wn.to_nvfp4()
+  assert type(back) is type(w)
+  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(w)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   # The same bytes, moved (MXFP4Weight pads K to its tile of 128 with zero codes).
   assert wn.nbytes == w.nbytes - (-k % 128) * n // 2
 
 
-def test_every_code_and_random_scales_decode_as_ml_dtypes(request):
-  """All 16 E2M1 codes in every block, exponents over E8M0's range but for the NaN (255)
-  and the two whose float32 products are subnormal (0, 1: flushed by XLA on the CPU)."""
+@pytest.mark.parametrize("fmt", FMTS)
+def test_every_code_and_random_scales_decode_as_ml_dtypes(request, fmt):
+  """All 16 E2M1 codes in every block. MXFP4: exponents over E8M0's range but for the
+  NaN (255) and the two whose float32 products are subnormal (0, 1: flushed by XLA on
+  the CPU). NVFP4: every finite float8_e4m3fn but its subnormals, either sign."""
   k, n = 64, 48
   rng = np.random.default_rng(seed_from(request.node.nodeid))
   q = np.stack([rng.permutation(16) for _ in range(k // 16 * n)]).reshape(k // 16, n, 16)
   q = q.transpose(0, 2, 1).reshape(k, n).astype(np.uint8)
-  scales = rng.integers(2, 255, (k // 32, n)).astype(np.uint8)
-  w = qjax.MXFP4Weight(codes=packing.pack_codes(jnp.asarray(q), qjax.NATIVE_TILE_K),
-                       scales=jnp.asarray(scales), shape=(k, n))
-  wn = qjax.to_mxfp4_nk(w)
+  codes = packing.pack_codes(jnp.asarray(q), qjax.NATIVE_TILE_K)
+  if fmt == "mxfp4":
+    scales = rng.integers(2, 255, (k // 32, n)).astype(np.uint8)
+    w = qjax.MXFP4Weight(codes=codes, scales=jnp.asarray(scales), shape=(k, n))
+    wn = qjax.to_mxfp4_nk(w)
+  else:
+    bits = (rng.integers(0x08, 0x7F, (k // 16, n)) | (rng.integers(0, 2, (k // 16, n)) << 7))
+    scales = jnp.asarray(bits.astype(np.uint8).view(ml_dtypes.float8_e4m3fn))
+    w = qjax.NVFP4Weight(codes=codes, scales=scales, global_scale=jnp.float32(0.75),
+                         shape=(k, n))
+    wn = qjax.to_nvfp4_nk(w)
   got = np.asarray(wn.dequantize_nk(jnp.float32), np.float64)
   np.testing.assert_array_equal(got, weight_f64(w).T)
 
 
-def test_conversion_is_jittable_and_takes_a_stack(request):
-  _, w, wn = make_case(request.node.nodeid, 1, 256, 48, lead=(3,))
-  jitted = jax.jit(qjax.to_mxfp4_nk)(w)
-  assert jitted.codes.shape == (3, 48, 32) and jitted.scales.shape == (3, 8, 48)
+@pytest.mark.parametrize("fmt", FMTS)
+def test_conversion_is_jittable_and_takes_a_stack(request, fmt):
+  _, w, wn = make_case(request.node.nodeid, 1, 256, 48, fmt, lead=(3,))
+  jitted = jax.jit(qjax.to_mxfp4_nk if fmt == "mxfp4" else qjax.to_nvfp4_nk)(w)
+  assert jitted.codes.shape == (3, 48, 32) and jitted.scales.shape == (3, 256 // 32 * (
+      1 if fmt == "mxfp4" else 2), 48)
   np.testing.assert_array_equal(np.asarray(jitted.codes), np.asarray(wn.codes))
   np.testing.assert_array_equal(np.asarray(wn.dequantize()), np.asarray(w.dequantize()))
 
@@ -120,62 +153,86 @@ def test_rejects_what_it_cannot_hold(request):
   with pytest.raises(ValueError, match="K=48, N=32. needs K a positive multiple of 32"):
     qjax.MXFP4NKWeight(codes=jnp.zeros((32, 6), jnp.uint32), scales=jnp.zeros((1, 32),
                        jnp.uint8), shape=(48, 32))
+  with pytest.raises(TypeError, match="NVFP4Weight"):
+    qjax.to_nvfp4_nk(w)
+  _, _, nv = make_case(request.node.nodeid, 1, 256, 32, "nvfp4")
+  with pytest.raises(ValueError, match=r"global_scale must be \(\) of dtype float32"):
+    dataclasses.replace(nv, global_scale=jnp.ones((2,), jnp.float32))
+  with pytest.raises(ValueError, match=r"scales must be \(16, 32\) of dtype \['float8_e4m3fn'\]"):
+    dataclasses.replace(nv, scales=nv.scales.astype(jnp.float32))
 
 
-def test_save_and_load(request, tmp_path):
-  _, w, wn = make_case(request.node.nodeid, 1, 256, 40)
+@pytest.mark.parametrize("fmt", FMTS)
+def test_save_and_load(request, tmp_path, fmt):
+  _, w, wn = make_case(request.node.nodeid, 1, 256, 40, fmt)
   qjax.save(tmp_path / "w.qjax", {"w": wn})
   back = qjax.load(tmp_path / "w.qjax")["w"]
-  assert isinstance(back, qjax.MXFP4NKWeight)
-  np.testing.assert_array_equal(np.asarray(back.codes), np.asarray(wn.codes))
+  assert type(back) is type(wn)
+  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(wn)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   np.testing.assert_array_equal(np.asarray(back.dequantize()), np.asarray(w.dequantize()))
 
 
+@pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("m,k,n,dtype", [
     (1, 256, 128, jnp.bfloat16), (5, 384, 37, jnp.bfloat16), (33, 512, 96, jnp.float16),
     (7, 256, 64, jnp.float32), (2, 992, 24, jnp.bfloat16)])
-def test_xla_path(request, m, k, n, dtype):
-  x, w, wn = make_case(request.node.nodeid, m, k, n, dtype=dtype)
+def test_xla_path(request, m, k, n, dtype, fmt):
+  x, w, wn = make_case(request.node.nodeid, m, k, n, fmt, dtype=dtype)
   y = jax.jit(lambda a, b: qjax.matmul(a, b, implementation="xla"))(x, wn)
   assert y.shape == (m, n) and y.dtype == dtype
   assert rel_err(y, reference(x, w)) < (1e-5 if dtype == jnp.float32 else 1e-2)
 
 
-def test_dispatch_on_this_device(request):
-  x, _, wn = make_case(request.node.nodeid, 3, 256, 128)
+@pytest.mark.parametrize("fmt", FMTS)
+def test_dispatch_on_this_device(request, fmt):
+  x, _, wn = make_case(request.node.nodeid, 3, 256, 128, fmt)
   on_hopper = kw.supported(jax.devices()[0])
   assert qjax.implementation_name(wn) == ("mosaic_gpu_wgmma" if on_hopper else "xla")
   with pytest.raises(NotImplementedError, match="no interpret mode"):
     qjax.matmul(x, wn, implementation="interpret")
 
 
+def _abstract(fmt, k, n, lead=()):
+  """An abstract MXFP4NKWeight or NVFP4NKWeight ``[K, N]`` (ShapeDtypeStruct leaves)."""
+  codes = jax.ShapeDtypeStruct((*lead, n, k // 8), jnp.uint32)
+  if fmt == "mxfp4":
+    return qjax.MXFP4NKWeight(codes=codes, shape=(k, n), scales=jax.ShapeDtypeStruct(
+        (*lead, k // 32, n), jnp.uint8))
+  return qjax.NVFP4NKWeight(
+      codes=codes, scales=jax.ShapeDtypeStruct((*lead, k // 16, n), jnp.float8_e4m3fn),
+      global_scale=jax.ShapeDtypeStruct(lead, jnp.float32), shape=(k, n))
+
+
+@pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("m", [1, 8, 16, 64, 100, 256, 2048])
 @pytest.mark.parametrize("k,n", [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672),
                                  (2880, 5760), (1024, 384)])
-def test_config_for_is_legal(m, k, n):
-  """config_for(mxfp4=True) passes the kernel's checks and fits shared memory with its
-  one-byte scale rows (one per 32 of K)."""
-  cfg = kw.config_for(m, k, n, 32, mxfp4=True)
+def test_config_for_is_legal(m, k, n, fmt):
+  """config_for(fmt=...) passes the kernel's checks and fits shared memory with its
+  one-byte scale rows (one per 32 or 16 of K)."""
+  cfg = kw.config_for(m, k, n, 32, fp4=fmt)
   assert not cfg.scale_accumulator
   x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
-  wn = qjax.MXFP4NKWeight(codes=jax.ShapeDtypeStruct((n, k // 8), jnp.uint32),
-                          scales=jax.ShapeDtypeStruct((k // 32, n), jnp.uint8), shape=(k, n))
+  wn = _abstract(fmt, k, n)
   kw._check(x, wn, cfg)  # pylint: disable=protected-access
-  assert cfg.stages * cfg.stage_bytes(32, 1) + cfg.epilogue_bytes() <= kw._SMEM_MAX
+  block = wn.block_size
+  assert cfg.stages * cfg.stage_bytes(block, 1) + cfg.epilogue_bytes() <= kw._SMEM_MAX
 
 
-def test_kernel_declines_what_it_lacks(request):
-  x, _, wn = make_case(request.node.nodeid, 16, 256, 128)
+@pytest.mark.parametrize("fmt", FMTS)
+def test_kernel_declines_what_it_lacks(request, fmt):
+  x, _, wn = make_case(request.node.nodeid, 16, 256, 128, fmt)
   with pytest.raises(NotImplementedError, match="bf16 activations"):
-    kw.mxfp4_nk_matmul(x.astype(jnp.float32), wn)
+    kw.fp4_nk_matmul(x.astype(jnp.float32), wn)
   with pytest.raises(NotImplementedError, match="scale_accumulator"):
-    kw.mxfp4_nk_matmul(x, wn, config=kw.WgmmaConfig(tile_m=16, tile_k=256, epi_m=16,
-                                                    scale_accumulator=True))
-  _, _, narrow = make_case(request.node.nodeid, 16, 256, 64)
+    kw.fp4_nk_matmul(x, wn, config=kw.WgmmaConfig(tile_m=16, tile_k=256, epi_m=16,
+                                                  scale_accumulator=True))
+  _, _, narrow = make_case(request.node.nodeid, 16, 256, 64, fmt)
   with pytest.raises(NotImplementedError, match="N=64 is not a multiple"):
-    kw.mxfp4_nk_matmul(x, narrow, config=kw.WgmmaConfig(tile_m=16, tile_k=256, epi_m=16))
+    kw.fp4_nk_matmul(x, narrow, config=kw.WgmmaConfig(tile_m=16, tile_k=256, epi_m=16))
   with pytest.raises(NotImplementedError, match="tile_k=512"):
-    kw.mxfp4_nk_matmul(x, wn, config=kw.WgmmaConfig(tile_m=16, tile_k=512, epi_m=16))
+    kw.fp4_nk_matmul(x, wn, config=kw.WgmmaConfig(tile_m=16, tile_k=512, epi_m=16))
 
 
 LOWERED = [(1, 4096, 4096, None), (16, 2048, 512, None), (300, 1024, 512, None),
@@ -183,12 +240,12 @@ LOWERED = [(1, 4096, 4096, None), (16, 2048, 512, None), (300, 1024, 512, None),
            (40, 1536, 384, kw.WgmmaConfig(tile_m=40, tile_k=512, epi_m=40, stages=2))]
 
 
+@pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("m,k,n,cfg", LOWERED)
-def test_kernel_lowers_for_cuda(m, k, n, cfg):
+def test_kernel_lowers_for_cuda(m, k, n, cfg, fmt):
   x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
-  wn = qjax.MXFP4NKWeight(codes=jax.ShapeDtypeStruct((n, k // 8), jnp.uint32),
-                          scales=jax.ShapeDtypeStruct((k // 32, n), jnp.uint8), shape=(k, n))
-  lowered = jax.jit(lambda a, b: kw.mxfp4_nk_matmul(a, b, config=cfg, num_sms=132)).trace(
+  wn = _abstract(fmt, k, n)
+  lowered = jax.jit(lambda a, b: kw.fp4_nk_matmul(a, b, config=cfg, num_sms=132)).trace(
       x, wn).lower(lowering_platforms=("cuda",))
   assert "mosaic_gpu" in lowered.as_text()
 
@@ -203,18 +260,19 @@ def _scanned_wgmma(stack, x, layers):
   """:func:`_scanned` with the kernel called directly, so that it also traces on a CPU."""
   def body(carry, i):
     with stacked.reads_in_place(qjax.layer_of(stack, i)) as layer:
-      return carry, kw.mxfp4_nk_matmul(x, layer, num_sms=132)
+      return carry, kw.fp4_nk_matmul(x, layer, num_sms=132)
   return jax.lax.scan(body, 0, jnp.arange(layers))[1]
 
 
-def test_kernel_reads_a_layer_of_a_stack_in_place(request):
+@pytest.mark.parametrize("fmt", FMTS)
+def test_kernel_reads_a_layer_of_a_stack_in_place(request, fmt):
   layers, k, n = 3, 1024, 256
-  x, _, stack = make_case(request.node.nodeid, 16, k, n, lead=(layers,))
+  x, _, stack = make_case(request.node.nodeid, 16, k, n, fmt, lead=(layers,))
   calls = pallas_operand_shapes(jax.make_jaxpr(_scanned_wgmma, static_argnums=2)(
       stack, x, layers).jaxpr)
   assert calls, "no pallas_call traced"
   for shapes in calls:
-    assert (layers, n, k) in shapes and (layers, k // 32, n) in shapes, shapes
+    assert (layers, n, k) in shapes and (layers, k // stack.block_size, n) in shapes, shapes
   lowered = jax.jit(_scanned_wgmma, static_argnums=2).trace(stack, x, layers).lower(
       lowering_platforms=("cuda",))
   assert "mosaic_gpu" in lowered.as_text()
@@ -223,7 +281,8 @@ def test_kernel_reads_a_layer_of_a_stack_in_place(request):
 def _poisoned_run(fn, x, wn, cfg):
   """The kernel's output buffer first holds NaN (see tests/test_int4_nk.py)."""
   m, (k, n) = x.shape[0], wn.shape
-  c = cfg or kw.config_for(m, k, n, 32, jax.devices()[0].core_count, mxfp4=True)
+  fmt = "mxfp4" if isinstance(wn, qjax.MXFP4NKWeight) else "nvfp4"
+  c = cfg or kw.config_for(m, k, n, 32, jax.devices()[0].core_count, fp4=fmt)
   poison = jnp.full((c.split_k, kw.padded_rows(m, c), n), jnp.nan,
                     jnp.float32 if c.split_k > 1 else jnp.bfloat16)
   poison.block_until_ready()
@@ -247,10 +306,11 @@ GPU_CASES = [
 
 @needs_gpu
 @needs_hopper
+@pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("m,k,n,cfg", GPU_CASES)
-def test_wgmma_matches_float64(request, m, k, n, cfg):
-  x, w, wn = make_case(request.node.nodeid, m, k, n)
-  fn = jax.jit(lambda a, b: kw.mxfp4_nk_matmul(a, b, config=cfg))
+def test_wgmma_matches_float64(request, m, k, n, cfg, fmt):
+  x, w, wn = make_case(request.node.nodeid, m, k, n, fmt)
+  fn = jax.jit(lambda a, b: kw.fp4_nk_matmul(a, b, config=cfg))
   y = _poisoned_run(fn, x, wn, cfg)
   assert y.shape == (m, n) and np.isfinite(y).all(), "unwritten (poisoned) or non-finite"
   ref = reference(x, w)
@@ -260,13 +320,17 @@ def test_wgmma_matches_float64(request, m, k, n, cfg):
 
 @needs_gpu
 @needs_hopper
-@pytest.mark.parametrize("exponents", [(1, 12), (240, 250)])
-def test_wgmma_extreme_scales(request, exponents):
-  """Block scales near both ends of E8M0 (weights down to bf16's subnormals, 2**-127):
-  still exact; x is scaled so that the outputs are normal bf16 numbers."""
-  x, w, wn = make_case(request.node.nodeid, 16, 1024, 256, exponents=exponents)
-  x = x * (2.0 ** (120 if exponents[0] < 127 else -120))
-  y = _poisoned_run(jax.jit(kw.mxfp4_nk_matmul), x, wn, None)
+@pytest.mark.parametrize("fmt,scale_bits,x_scale", [
+    ("mxfp4", (1, 12), 2.0 ** 120), ("mxfp4", (240, 250), 2.0 ** -120),
+    # float8_e4m3fn: subnormals (2**-9 .. 7 * 2**-9), then the largest, then negatives.
+    ("nvfp4", (0x01, 0x08), 1.0), ("nvfp4", (0x70, 0x7F), 1.0), ("nvfp4", (0x80, 0xFF), 1.0)])
+def test_wgmma_extreme_scales(request, fmt, scale_bits, x_scale):
+  """Block scales near the ends of their range (MXFP4 weights down to bf16's subnormals,
+  2**-127; NVFP4's subnormal and negative scales): still exact; x is scaled so that the
+  outputs are normal bf16 numbers."""
+  x, w, wn = make_case(request.node.nodeid, 16, 1024, 256, fmt, scale_bits=scale_bits)
+  x = x * x_scale
+  y = _poisoned_run(jax.jit(kw.fp4_nk_matmul), x, wn, None)
   ref = reference(x, w)
   assert np.isfinite(y).all()
   assert_each_output_close(y, ref)
@@ -274,11 +338,12 @@ def test_wgmma_extreme_scales(request, exponents):
 
 @needs_gpu
 @needs_hopper
+@pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("num_sms", [1, 5, 12])
-def test_wgmma_chained_tiles(request, num_sms):
+def test_wgmma_chained_tiles(request, num_sms, fmt):
   cfg = kw.WgmmaConfig(tile_m=16, tile_k=512, epi_m=16, stages=2, chain_tiles=True)
-  x, w, wn = make_case(request.node.nodeid, 16, 2048, 1536)
-  fn = jax.jit(lambda a, b: kw.mxfp4_nk_matmul(a, b, config=cfg, num_sms=num_sms))
+  x, w, wn = make_case(request.node.nodeid, 16, 2048, 1536, fmt)
+  fn = jax.jit(lambda a, b: kw.fp4_nk_matmul(a, b, config=cfg, num_sms=num_sms))
   y = _poisoned_run(fn, x, wn, cfg)
   assert np.isfinite(y).all()
   assert_each_output_close(y, reference(x, w))
@@ -286,9 +351,10 @@ def test_wgmma_chained_tiles(request, num_sms):
 
 @needs_gpu
 @needs_hopper
-def test_wgmma_layer_of_equals_each_layer(request):
+@pytest.mark.parametrize("fmt", FMTS)
+def test_wgmma_layer_of_equals_each_layer(request, fmt):
   layers, k, n = 3, 2048, 384
-  x, w, stack = make_case(request.node.nodeid, 16, k, n, lead=(layers,))
+  x, w, stack = make_case(request.node.nodeid, 16, k, n, fmt, lead=(layers,))
   fn = jax.jit(_scanned, static_argnums=2)
   got = np.asarray(fn(stack, x, layers).astype(jnp.float32))
   one = jax.jit(lambda a, b: qjax.matmul(a, b, implementation="pallas"))

@@ -37,6 +37,7 @@ from qjax._src.codebook import CodebookWeight
 from qjax._src.fp4 import MXFP4Weight
 from qjax._src.fp4 import NVFP4Weight
 from qjax._src.fp4_nk import to_mxfp4_nk
+from qjax._src.fp4_nk import to_nvfp4_nk
 from qjax._src.int4_nk import to_int4_nk
 from qjax._src.int4 import Int4Weight
 
@@ -44,7 +45,8 @@ GPU_M = (1, 16, 64, 256, 2048)
 GPU_SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672))
 CPU_M = (1, 16)
 CPU_SHAPES = ((512, 512), (1024, 768))
-BENCH_FORMATS = ("int4", "int4nk", "mxfp4", "mxfp4nk", "nvfp4", "codebook", "codebook2")
+BENCH_FORMATS = ("int4", "int4nk", "mxfp4", "mxfp4nk", "nvfp4", "nvfp4nk", "codebook",
+                 "codebook2")
 L2_BYTES = 50 * 2**20  # H100; rotation targets several times this
 
 
@@ -91,9 +93,10 @@ def random_weight(fmt: str, k: int, n: int, key: jax.Array) -> Any:
   if fmt == "int4nk":
     # The int4 weight of the same key in the [N, K // 8] layout of the Hopper wgmma kernel.
     return to_int4_nk(random_weight("int4", k, n, key))
-  if fmt == "mxfp4nk":
-    # The MXFP4 weight of the same key in the [N, K // 8] layout of the wgmma kernel.
-    return to_mxfp4_nk(random_weight("mxfp4", k, n, key))
+  if fmt in ("mxfp4nk", "nvfp4nk"):
+    # The FP4 weight of the same key in the [N, K // 8] layout of the wgmma kernel.
+    to_nk = to_mxfp4_nk if fmt == "mxfp4nk" else to_nvfp4_nk
+    return to_nk(random_weight(fmt[:-2], k, n, key))
   if fmt in ("mxfp4", "nvfp4"):
     kc, ks = jax.random.split(key)
     codes = jax.random.bits(kc, (-(-k // 128) * 16, n), jnp.uint32)

@@ -177,6 +177,11 @@ def format_cases() -> list[FormatCase]:
       FormatCase("mxfp4", _fp4("mxfp4"), 32),
       FormatCase("nvfp4", _fp4("nvfp4"), 16),
       FormatCase("gpt_oss-mxfp4", _fp4("gpt_oss"), 32),
+      # [N, K // 8] fragment order of the wgmma kernel: K in runs of 32, N in its tiles.
+      FormatCase("mxfp4_nk", lambda r, k, n: qjax.to_mxfp4_nk(_fp4("mxfp4")(r, k, n)),
+                 32, 128),
+      FormatCase("nvfp4_nk", lambda r, k, n: qjax.to_nvfp4_nk(_fp4("nvfp4")(r, k, n)),
+                 32, 128),
   ]
   return cases
 

@@ -72,7 +72,9 @@ def _add_bench(sub) -> None:
                  "(default GPU: the four Llama shapes; CPU: 512x512,1024x768)")
   p.add_argument("--format", default="int4", help="comma-separated formats: int4 (group "
                  "128, symmetric; the default), int4nk (the same in the [N, K / 8] layout of "
-                 "qjax.to_int4_nk, served by the Hopper wgmma kernel), mxfp4, nvfp4, codebook (group 128, Hadamard; "
+                 "qjax.to_int4_nk, served by the Hopper wgmma kernel), mxfp4, nvfp4, mxfp4nk and "
+                 "nvfp4nk (the same in the [N, K / 8] layouts of qjax.to_mxfp4_nk / "
+                 "to_nvfp4_nk, for the wgmma kernel), codebook (group 128, Hadamard; "
                  "the floor adds its rotation matrices), codebook2 (two passes)")
   p.add_argument("--impl", help="comma-separated implementations to time (default GPU: "
                  "pallas,xla; CPU: xla,interpret)")

@@ -1,5 +1,5 @@
-"""MXFP4 weights stored by output column: E2M1 codes ``[N, K // 8]`` in the order of
-Hopper's wgmma register fragments, for the wgmma kernel.
+"""MXFP4 and NVFP4 weights stored by output column: E2M1 codes ``[N, K // 8]`` in the
+order of Hopper's wgmma register fragments, for the wgmma kernel.
 
 :class:`~qjax.MXFP4Weight` packs eight E2M1 codes of one column per word and lays the
 words out ``[K // 8, N]`` (the Triton kernels' layout). This format holds the same weight
@@ -7,18 +7,22 @@ with the words transposed, ``[N, K // 8]``, and the codes of each run of 32 perm
 :class:`~qjax.Int4NKWeight` permutes its INT4 codes (``int4_nk.SLOT_TO_K``): the Hopper
 ``wgmma`` kernel (``pallas_kernels.int4_wgmma``) loads them alike and only converts each
 pair of codes differently (E2M1 bits placed into bf16 and a multiply, no lookup table).
-A run of 32 codes is one MXFP4 block, so each register's four pairs share a scale.
+A run of 32 codes is one MXFP4 block, so each register's four pairs share a scale (two
+NVFP4 blocks: pairs 0, 1 and pairs 2, 3).
 
-Convert once, at load: ``qjax.to_mxfp4_nk(w)`` from an :class:`~qjax.MXFP4Weight`
-(bit-exact; :meth:`MXFP4NKWeight.to_mxfp4` is its inverse).
+Convert once, at load: ``qjax.to_mxfp4_nk(w)`` from an :class:`~qjax.MXFP4Weight`,
+``qjax.to_nvfp4_nk(w)`` from an :class:`~qjax.NVFP4Weight` (bit-exact;
+:meth:`MXFP4NKWeight.to_mxfp4` and :meth:`NVFP4NKWeight.to_nvfp4` are the inverses).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from qjax._src import dispatch
 from qjax._src import formats
@@ -27,38 +31,27 @@ from qjax._src import int4_nk
 from qjax._src import packing
 
 
-@formats.register_format
-@dataclasses.dataclass(frozen=True)
-class MXFP4NKWeight(formats.QuantizedWeight):
-  """MXFP4 weight of logical shape ``[K, N]`` (``y = x @ W``) with codes stored by column.
+class _FP4NKWeight(formats.QuantizedWeight):
+  """What MXFP4NKWeight and NVFP4NKWeight share: E2M1 codes ``[N, K // 8]`` in fragment
+  order and one scale row per block of K."""
 
-  ``W[k, n] = e2m1(q[n, k]) * 2 ** (scales[k // 32, n] - 127)``.
-
-  Attributes:
-    codes: ``[N, K // 8]`` uint32; bits ``4e .. 4e + 3`` of word ``(n, 4t + c)`` hold the
-      E2M1 code ``q[n, 32t + 8 (e % 4) + 2c + e // 4]`` (``int4_nk.SLOT_TO_K``).
-    scales: ``[K // 32, N]`` uint8 E8M0 biased exponents (255 is NaN), as
-      :class:`~qjax.MXFP4Weight`'s.
-    shape: the logical ``(K, N)``; K a multiple of 32.
-  """
-
-  format_name = "mxfp4_nk"
-  block_size = fp4.MXFP4_BLOCK
-
+  block_size: ClassVar[int]
+  scale_dtype: ClassVar[np.dtype]
   codes: jax.Array
   scales: jax.Array
-  shape: tuple[int, int] = formats.static_field()
+  shape: tuple[int, int]
 
-  def __post_init__(self):
+  def _validate(self, extra: dict) -> None:
     object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
     k, n = self.shape
+    name = type(self).__name__
     if k <= 0 or n <= 0 or k % int4_nk.CHUNK:
-      raise ValueError(f"MXFP4NKWeight: shape (K={k}, N={n}) needs K a positive multiple "
-                       f"of {int4_nk.CHUNK}; keep the MXFP4Weight for this shape")
+      raise ValueError(f"{name}: shape (K={k}, N={n}) needs K a positive multiple of "
+                       f"{int4_nk.CHUNK}; keep the {name[:-8]}Weight for this shape")
     if not self._leaves_concrete_2d():
       return
     want = {"codes": ((n, k // 8), (jnp.uint32,)),
-            "scales": ((k // self.block_size, n), (jnp.uint8,))}
+            "scales": ((k // self.block_size, n), (self.scale_dtype,)), **extra}
     formats.check_trailing_fields(self, want, f"shape={self.shape}")
 
   @property
@@ -74,22 +67,121 @@ class MXFP4NKWeight(formats.QuantizedWeight):
                                                 int4_nk.CHUNK)
     return slots[..., int4_nk.K_TO_SLOT].reshape(*lead, self.shape[0])
 
+  def block_scales(self) -> jax.Array:  # pragma: no cover - abstract
+    """``[..., K // B, N]`` float32 multiplier of each block's E2M1 values."""
+    raise NotImplementedError
+
+  def _finish(self, w: jax.Array) -> jax.Array:
+    return w
+
   def dequantize_nk(self, dtype=jnp.float32) -> jax.Array:
-    """``[..., N, K]`` W^T in ``dtype``: ``e2m1(q) * 2 ** (e - 127)`` in float32 (exact),
-    rounded once."""
-    s = jnp.repeat(jnp.swapaxes(fp4.decode_e8m0(self.scales), -1, -2), self.block_size,
+    """``[..., N, K]`` W^T in ``dtype``: computed in float32 as the row-major format's
+    :meth:`~qjax.MXFP4Weight.dequantize` does, rounded once."""
+    s = jnp.repeat(jnp.swapaxes(self.block_scales(), -1, -2), self.block_size,
                    axis=-1)  # [..., N, K]
-    return (fp4.decode_e2m1(self.codes_nk()) * s).astype(dtype)
+    return self._finish(fp4.decode_e2m1(self.codes_nk()) * s).astype(dtype)
 
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
     """``[..., K, N]`` W in ``dtype`` (see :meth:`dequantize_nk`)."""
     return jnp.swapaxes(self.dequantize_nk(dtype), -1, -2)
 
+  def _row_major_codes(self, tile_k: int) -> jax.Array:
+    return packing.pack_codes(jnp.swapaxes(self.codes_nk(), -1, -2), tile_k)
+
+
+@formats.register_format
+@dataclasses.dataclass(frozen=True)
+class MXFP4NKWeight(_FP4NKWeight):
+  """MXFP4 weight of logical shape ``[K, N]`` (``y = x @ W``) with codes stored by column.
+
+  ``W[k, n] = e2m1(q[n, k]) * 2 ** (scales[k // 32, n] - 127)``.
+
+  Attributes:
+    codes: ``[N, K // 8]`` uint32; bits ``4e .. 4e + 3`` of word ``(n, 4t + c)`` hold the
+      E2M1 code ``q[n, 32t + 8 (e % 4) + 2c + e // 4]`` (``int4_nk.SLOT_TO_K``).
+    scales: ``[K // 32, N]`` uint8 E8M0 biased exponents (255 is NaN), as
+      :class:`~qjax.MXFP4Weight`'s.
+    shape: the logical ``(K, N)``; K a multiple of 32.
+  """
+
+  format_name = "mxfp4_nk"
+  block_size = fp4.MXFP4_BLOCK
+  scale_dtype = np.dtype(np.uint8)
+
+  codes: jax.Array
+  scales: jax.Array
+  shape: tuple[int, int] = formats.static_field()
+
+  def __post_init__(self):
+    self._validate({})
+
+  def block_scales(self) -> jax.Array:
+    return fp4.decode_e8m0(self.scales)
+
   def to_mxfp4(self, tile_k: int = packing.NATIVE_TILE_K) -> fp4.MXFP4Weight:
     """The same weight as an :class:`~qjax.MXFP4Weight` (lossless, jittable)."""
-    q = jnp.swapaxes(self.codes_nk(), -1, -2)  # [..., K, N]
-    return fp4.MXFP4Weight(codes=packing.pack_codes(q, tile_k), scales=self.scales,
+    return fp4.MXFP4Weight(codes=self._row_major_codes(tile_k), scales=self.scales,
                            shape=self.shape, tile_k=tile_k)
+
+
+@formats.register_format
+@dataclasses.dataclass(frozen=True)
+class NVFP4NKWeight(_FP4NKWeight):
+  """NVFP4 weight of logical shape ``[K, N]`` (``y = x @ W``) with codes stored by column.
+
+  ``W[k, n] = (e2m1(q[n, k]) * f32(scales[k // 16, n])) * global_scale``.
+
+  Attributes:
+    codes: ``[N, K // 8]`` uint32 in the fragment order of :class:`MXFP4NKWeight`; each
+      register's four pairs span two NVFP4 blocks (pairs 0, 1 and 2, 3).
+    scales: ``[K // 16, N]`` float8_e4m3fn block scales, as :class:`~qjax.NVFP4Weight`'s.
+    global_scale: ``[]`` float32 tensor scale.
+    shape: the logical ``(K, N)``; K a multiple of 32.
+  """
+
+  format_name = "nvfp4_nk"
+  block_size = fp4.NVFP4_BLOCK
+  scale_dtype = np.dtype(jnp.float8_e4m3fn)
+
+  codes: jax.Array
+  scales: jax.Array
+  global_scale: jax.Array
+  shape: tuple[int, int] = formats.static_field()
+
+  def __post_init__(self):
+    self._validate({})
+    if not self._leaves_concrete_2d():
+      return
+    g, lead = self.global_scale, tuple(self.codes.shape[:-2])
+    if tuple(g.shape) != lead or jnp.dtype(g.dtype) != jnp.float32:
+      raise ValueError(f"NVFP4NKWeight.global_scale must be {lead} of dtype float32 (one "
+                       f"per weight of the stack), got {tuple(g.shape)} "
+                       f"{jnp.dtype(g.dtype).name} (shape={self.shape})")
+
+  def block_scales(self) -> jax.Array:
+    return self.scales.astype(jnp.float32)
+
+  def _finish(self, w: jax.Array) -> jax.Array:
+    g = jnp.asarray(self.global_scale, jnp.float32)
+    return w * g[..., None, None]
+
+  def to_nvfp4(self, tile_k: int = packing.NATIVE_TILE_K) -> fp4.NVFP4Weight:
+    """The same weight as an :class:`~qjax.NVFP4Weight` (lossless, jittable)."""
+    return fp4.NVFP4Weight(codes=self._row_major_codes(tile_k), scales=self.scales,
+                           global_scale=self.global_scale, shape=self.shape, tile_k=tile_k)
+
+
+def _fragment_codes(w) -> jax.Array:
+  """``[..., N, K // 8]`` words of ``w``'s E2M1 codes in fragment order."""
+  k, n = w.shape
+  if k % int4_nk.CHUNK:
+    raise ValueError(f"{type(w).__name__} with K={k}: the [N, K // 8] layout needs K to be "
+                     f"a multiple of {int4_nk.CHUNK}")
+  q = w.unpacked_codes().astype(jnp.uint32)  # [..., K, N]
+  lead = q.shape[:-2]
+  slots = q.reshape(*lead, k // int4_nk.CHUNK, int4_nk.CHUNK, n)[..., int4_nk.SLOT_TO_K, :]
+  words = packing.pack_codes(slots.reshape(*lead, k, n), packing.PLAIN_TILE_K)
+  return jnp.swapaxes(words, -1, -2)
 
 
 def to_mxfp4_nk(w: fp4.MXFP4Weight) -> MXFP4NKWeight:
@@ -103,17 +195,25 @@ def to_mxfp4_nk(w: fp4.MXFP4Weight) -> MXFP4NKWeight:
   """
   if not isinstance(w, fp4.MXFP4Weight):
     raise TypeError(f"to_mxfp4_nk takes an MXFP4Weight, got {type(w).__name__}")
-  k, n = w.shape
-  if k % int4_nk.CHUNK:
-    raise ValueError(f"to_mxfp4_nk needs K={k} to be a multiple of {int4_nk.CHUNK}")
-  q = w.unpacked_codes().astype(jnp.uint32)  # [..., K, N]
-  lead = q.shape[:-2]
-  slots = q.reshape(*lead, k // int4_nk.CHUNK, int4_nk.CHUNK, n)[..., int4_nk.SLOT_TO_K, :]
-  words = packing.pack_codes(slots.reshape(*lead, k, n), packing.PLAIN_TILE_K)
-  return MXFP4NKWeight(codes=jnp.swapaxes(words, -1, -2), scales=w.scales, shape=w.shape)
+  return MXFP4NKWeight(codes=_fragment_codes(w), scales=w.scales, shape=w.shape)
 
 
-def matmul_xla(x: jax.Array, w: MXFP4NKWeight) -> jax.Array:
+def to_nvfp4_nk(w: fp4.NVFP4Weight) -> NVFP4NKWeight:
+  """``w`` in the ``[N, K // 8]`` layout of :class:`NVFP4NKWeight`: bit-exact, jittable.
+
+  >>> import jax, qjax
+  >>> w = qjax.quantize_nvfp4(jax.random.normal(jax.random.key(0), (256, 128)))
+  >>> wn = qjax.to_nvfp4_nk(w)
+  >>> wn.codes.shape, bool((wn.dequantize() == w.dequantize()).all())
+  ((128, 32), True)
+  """
+  if not isinstance(w, fp4.NVFP4Weight):
+    raise TypeError(f"to_nvfp4_nk takes an NVFP4Weight, got {type(w).__name__}")
+  return NVFP4NKWeight(codes=_fragment_codes(w), scales=w.scales,
+                       global_scale=w.global_scale, shape=w.shape)
+
+
+def matmul_xla(x: jax.Array, w: _FP4NKWeight) -> jax.Array:
   """``x [M, K] @ W`` in x's dtype: W^T dequantized in x's dtype (float32 math, one
   rounding) and contracted on its K axis; float32 x at HIGHEST precision."""
   if w.codes.ndim != 2:
@@ -127,4 +227,5 @@ def matmul_xla(x: jax.Array, w: MXFP4NKWeight) -> jax.Array:
 
 
 dispatch.register_xla(MXFP4NKWeight, matmul_xla)
+dispatch.register_xla(NVFP4NKWeight, matmul_xla)
 
