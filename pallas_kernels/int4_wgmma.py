@@ -358,16 +358,22 @@ _BF16X2_2_126 = 0x7E807E80
 _LOP3_OR_AND_C = 0xF8  # LOP3 truth table of a | (b & c) (a = 0xF0, b = 0xCC, c = 0xAA)
 
 
-# PTX of one block scale byte (``$1``, zero-extended) -> its bf16 value in both halves.
+# PTX of one block scale byte (``$1``, zero-extended) -> the bf16 factor of its weights,
+# in both halves.
 _SCALE_TO_BF16X2 = {
-    # E8M0: the byte is bf16's exponent field.
+    # E8M0: the byte is bf16's exponent field, 2 ** (e - 127).
     "mxfp4": "{ .reg .b32 a, b; shl.b32 a, $1, 7; shl.b32 b, $1, 23; or.b32 $0, a, b; }",
-    # float8_e4m3fn: Hopper's converter to f16 (exact), then f32 and bf16 (exact: 3 bits
-    # of mantissa, exponents 2**-9 .. 2**8).
+    # float8_e4m3fn: Hopper's converter to f16 (exact), then f32, times 2 ** 118 (E2M1's
+    # bias 2 ** 126 less the 2 ** 8 the epilogue restores: every finite scale, 2 ** -9 ..
+    # 448, stays a normal bf16, and so do the weights, 2 ** -18 .. 10.5), then bf16
+    # (exact: 3 bits of mantissa).
     "nvfp4": ("{ .reg .b16 e, lo, hi, b; .reg .b32 h; .reg .f32 f; cvt.u16.u32 e, $1; "
               "cvt.rn.f16x2.e4m3x2 h, e; mov.b32 {lo, hi}, h; cvt.f32.f16 f, lo; "
-              "cvt.rn.bf16.f32 b, f; mov.b32 $0, {b, b}; }"),
+              "mul.rn.f32 f, f, 0f7A800000; cvt.rn.bf16.f32 b, f; mov.b32 $0, {b, b}; }"),
 }
+# Formats whose scale factor above carries E2M1's bias (no separate multiply by 2 ** 126),
+# and the power of two their weights are short of, restored on the float32 sums.
+_FOLDED_BIAS_SHIFT = {"nvfp4": 8}
 
 
 def _e2m1_to_bf16_fragments(w, scales, first_run: int, runs: int, fp4: str):
@@ -380,12 +386,16 @@ def _e2m1_to_bf16_fragments(w, scales, first_run: int, runs: int, fp4: str):
 
   Per pair of codes (nibbles ``i`` and ``i + 4`` of a word, as for INT4): a shift and an
   AND put each nibble's exponent and mantissa bits at bf16 bits 8..6, a shift and a LOP3
-  add its sign at bit 15, and two bf16 multiplies, by ``2 ** 126`` (exponent bias 1 of
-  E2M1 against bf16's 127; E2M1's subnormal 0.5 comes out of bf16's subnormal 2 ** -127)
-  and by the block scale, are exact. MXFP4's scale is ``e << 7``, bf16 ``2 ** (e -
-  127)`` (``e = 0`` gives 0 instead of ``2 ** -127``, ``e = 255`` infinity instead of
-  NaN); NVFP4's is converted by :data:`_SCALE_TO_BF16X2` (NaN stays NaN).
+  add its sign at bit 15. That is E2M1 times 2 ** -126 (exponent bias 1 against bf16's
+  127; E2M1's subnormal 0.5 is bf16's subnormal 2 ** -127), and exact multiplies follow.
+  MXFP4: by ``2 ** 126``, then by the scale ``e << 7``, bf16 ``2 ** (e - 127)`` (``e =
+  0`` gives 0 instead of ``2 ** -127``, ``e = 255`` infinity instead of NaN). NVFP4: one
+  multiply by the scale times ``2 ** 118`` (:data:`_SCALE_TO_BF16X2`, NaN stays NaN), so
+  its weights come out ``2 ** -8`` of their value (:data:`_FOLDED_BIAS_SHIFT`; the
+  epilogue multiplies the sums back with the tensor scale).
   """
+  folded = fp4 in _FOLDED_BIAS_SHIFT
+  bias = "" if folded else f"mov.b32 c, {_BF16X2_2_126:#010x}; mul.rn.bf16x2 b, b, c; "
   per_run = len(scales) // runs
   shape = (w.shape[0], runs * int4_nk.CHUNK)
   row = plgpu.Layout.WGMMA.reduce(1)
@@ -427,8 +437,7 @@ def _e2m1_to_bf16_fragments(w, scales, first_run: int, runs: int, fp4: str):
             f"{{ .reg .b32 u, v, b, c; {up} {sign} "
             f"and.b32 u, u, {_E2M1_MAGNITUDE_BITS:#010x}; "
             f"lop3.b32 b, u, v, {_E2M1_SIGN_BITS:#010x}, {_LOP3_OR_AND_C:#04x}; "
-            f"mov.b32 c, {_BF16X2_2_126:#010x}; mul.rn.bf16x2 b, b, c; "
-            f"mul.rn.bf16x2 $0, b, $2; }}",
+            f"{bias}mul.rn.bf16x2 $0, b, $2; }}",
             "=r,r,r")
         regs[(idx[0], run * 4 + i, *idx[2:])] = mgpu.utils.bitcast(pair, bf16x2)
     return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
@@ -609,8 +618,8 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
         k0 = si * k_per_split
 
         def epilogue(acc):
-          if g_gmem is not None:
-            acc = acc * g_gmem[...]
+          if g_gmem is not None:  # NVFP4's tensor scale, and the bias power left out
+            acc = acc * (g_gmem[...] * float(2 ** _FOLDED_BIAS_SHIFT[fp4]))
           acc = plgpu.layout_cast(acc.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED)
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           for e in range(tm // cfg.epi_m):
