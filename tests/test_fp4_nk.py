@@ -362,3 +362,16 @@ def test_wgmma_layer_of_equals_each_layer(request, fmt):
     layer = jax.tree.map(lambda a, i=i: a[i], stack)
     np.testing.assert_array_equal(got[i], np.asarray(one(x, layer).astype(jnp.float32)))
     assert_each_output_close(got[i], reference(x, jax.tree.map(lambda a, i=i: a[i], w)))
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_flax_int4_dense_takes_the_layout(request, fmt):
+  """Int4Dense holds any quantized pytree: an FP4 kernel in the [N, K / 8] layout gives
+  the float64 result (XLA here; the wgmma kernel on Hopper)."""
+  from flax_layers import Int4Dense  # pylint: disable=g-import-not-at-top
+  x, w, wn = make_case(request.node.nodeid, 3, 256, 128, fmt)
+  bias = jnp.asarray(np.random.default_rng(1).standard_normal(128), jnp.float32)
+  y = Int4Dense(128).apply({"params": {"kernel": wn, "bias": bias}}, x)
+  assert y.shape == (3, 128)
+  ref = reference(x, w) + np.asarray(bias, np.float64)
+  assert rel_err(y, ref) < 1e-2
