@@ -323,31 +323,44 @@ def _to_bf16_fragments(w, first_run: int = 0, runs: int | None = None):
       return_type=plgpu.ShapeDtypeStruct(shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA))
   def convert(ctx, w4):
     del ctx
-    # pylint: disable=g-import-not-at-top
-    from jax.experimental.mosaic import gpu as mgpu
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import llvm
-    fa = mgpu.fragmented_array
-    i32 = ir.IntegerType.get_signless(32)
-    bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
-    regs = np.empty(fa.WGMMA_LAYOUT.registers_shape(shape), dtype=object)
-    for idx, reg in np.ndenumerate(w4.registers):  # idx[1]: the 32-code run
-      run = idx[1] - first_run
-      if not 0 <= run < runs:
-        continue
-      word = mgpu.utils.bitcast(reg, i32)
-      for i in range(4):
-        shift = f"shr.u32 t, $1, {4 * i};" if i else "mov.b32 t, $1;"
-        pair = llvm.inline_asm(
-            i32, [word],
-            f"{{ .reg .b32 t, u, b; {shift} "
-            f"lop3.b32 u, t, 0x000F000F, {_BF16X2_136:#010x}, {_LOP3_AND_XOR:#04x}; "
-            f"mov.b32 b, {_BF16X2_136:#010x}; sub.bf16x2 $0, u, b; }}",
-            "=r,r")
-        regs[(idx[0], run * 4 + i, *idx[2:])] = mgpu.utils.bitcast(pair, bf16x2)
-    return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+    from jax._src.lib.mlir.dialects import llvm  # pylint: disable=g-import-not-at-top
+
+    def pair(word, i32, idx, i):
+      del idx
+      shift = f"shr.u32 t, $1, {4 * i};" if i else "mov.b32 t, $1;"
+      return llvm.inline_asm(
+          i32, [word],
+          f"{{ .reg .b32 t, u, b; {shift} "
+          f"lop3.b32 u, t, 0x000F000F, {_BF16X2_136:#010x}, {_LOP3_AND_XOR:#04x}; "
+          f"mov.b32 b, {_BF16X2_136:#010x}; sub.bf16x2 $0, u, b; }}",
+          "=r,r")
+
+    return _pairs_to_fragments(w4, shape, first_run, runs, pair)
 
   return convert(w)
+
+
+def _pairs_to_fragments(w4, shape, first_run: int, runs: int, pair):
+  """Inside ``plgpu.inline_mgpu``: the WGMMA-layout bf16 array ``shape`` whose register
+  for K pair ``i`` (0..3) of each 32-code run ``first_run ..`` is ``pair(word, i32, idx,
+  i)``, an i32 of two bf16 made from the run's 32-bit register ``word`` of ``w4`` (the
+  WGMMA_UPCAST_4X codes; ``idx`` its register index: row tile, run, 1, 1, row half)."""
+  # pylint: disable=g-import-not-at-top
+  from jax.experimental.mosaic import gpu as mgpu
+  from jax._src.lib.mlir import ir
+  fa = mgpu.fragmented_array
+  i32 = ir.IntegerType.get_signless(32)
+  bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
+  regs = np.empty(fa.WGMMA_LAYOUT.registers_shape(shape), dtype=object)
+  for idx, reg in np.ndenumerate(w4.registers):  # idx[1]: the 32-code run
+    run = idx[1] - first_run
+    if not 0 <= run < runs:
+      continue
+    word = mgpu.utils.bitcast(reg, i32)
+    for i in range(4):
+      regs[(idx[0], run * 4 + i, *idx[2:])] = mgpu.utils.bitcast(pair(word, i32, idx, i),
+                                                                 bf16x2)
+  return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
 
 # E2M1 -> bf16 (see _e2m1_to_bf16_fragments): the bf16 bits of a nibble's exponent and
@@ -406,14 +419,11 @@ def _e2m1_to_bf16_fragments(w, scales, first_run: int, runs: int, fp4: str):
   def convert(ctx, w4, *scale_rows):
     del ctx
     # pylint: disable=g-import-not-at-top
-    from jax.experimental.mosaic import gpu as mgpu
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith
     from jax._src.lib.mlir.dialects import llvm
     from jax._src.lib.mlir.dialects import vector
-    fa = mgpu.fragmented_array
     i32 = ir.IntegerType.get_signless(32)
-    bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
     # Registers: w4 (row tile, run, 1, 1, row half, ...); a row (row tile, 1, row half, ...).
     scale2 = []
     for rows in scale_rows:
@@ -422,25 +432,20 @@ def _e2m1_to_bf16_fragments(w, scales, first_run: int, runs: int, fp4: str):
         e = arith.extui(i32, vector.extract(reg, [], [0]))
         by_half[(idx[0], idx[2])] = llvm.inline_asm(i32, [e], _SCALE_TO_BF16X2[fp4], "=r,r")
       scale2.append(by_half)
-    regs = np.empty(fa.WGMMA_LAYOUT.registers_shape(shape), dtype=object)
-    for idx, reg in np.ndenumerate(w4.registers):
-      run = idx[1] - first_run
-      if not 0 <= run < runs:
-        continue
-      word = mgpu.utils.bitcast(reg, i32)
-      for i in range(4):
-        s2 = scale2[run * per_run + i * per_run // 4][(idx[0], idx[4])]
-        up = f"shl.b32 u, $1, {6 - 4 * i};" if i < 2 else f"shr.u32 u, $1, {4 * i - 6};"
-        sign = f"shl.b32 v, $1, {12 - 4 * i};" if i < 3 else "mov.b32 v, $1;"
-        pair = llvm.inline_asm(
-            i32, [word, s2],
-            f"{{ .reg .b32 u, v, b, c; {up} {sign} "
-            f"and.b32 u, u, {_E2M1_MAGNITUDE_BITS:#010x}; "
-            f"lop3.b32 b, u, v, {_E2M1_SIGN_BITS:#010x}, {_LOP3_OR_AND_C:#04x}; "
-            f"{bias}mul.rn.bf16x2 $0, b, $2; }}",
-            "=r,r,r")
-        regs[(idx[0], run * 4 + i, *idx[2:])] = mgpu.utils.bitcast(pair, bf16x2)
-    return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+    def pair(word, i32, idx, i):
+      s2 = scale2[(idx[1] - first_run) * per_run + i * per_run // 4][(idx[0], idx[4])]
+      up = f"shl.b32 u, $1, {6 - 4 * i};" if i < 2 else f"shr.u32 u, $1, {4 * i - 6};"
+      sign = f"shl.b32 v, $1, {12 - 4 * i};" if i < 3 else "mov.b32 v, $1;"
+      return llvm.inline_asm(
+          i32, [word, s2],
+          f"{{ .reg .b32 u, v, b, c; {up} {sign} "
+          f"and.b32 u, u, {_E2M1_MAGNITUDE_BITS:#010x}; "
+          f"lop3.b32 b, u, v, {_E2M1_SIGN_BITS:#010x}, {_LOP3_OR_AND_C:#04x}; "
+          f"{bias}mul.rn.bf16x2 $0, b, $2; }}",
+          "=r,r,r")
+
+    return _pairs_to_fragments(w4, shape, first_run, runs, pair)
 
   return convert(w, *scales)
 
