@@ -472,3 +472,18 @@ def test_wgmma_layer_of_equals_each_layer(request):
   for index in (-1, layers + 1):
     np.testing.assert_array_equal(
         np.asarray(one(stack, x, jnp.int32(index)).astype(jnp.float32)), got[layers - 1])
+
+
+@pytest.mark.skipif(kw.supported(jax.devices()[0]), reason="checks the CPU refusal")
+def test_breakdown_example_refuses_a_machine_without_hopper(capsys):
+  """examples/wgmma_breakdown.py times GPU kernels only: elsewhere it says so (exit 2)."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+  path = pathlib.Path(__file__).parent.parent / "examples" / "wgmma_breakdown.py"
+  spec = importlib.util.spec_from_file_location("wgmma_breakdown", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  assert list(mod.VARIANTS) == ["full", "empty body", "1 group/step"]
+  with pytest.raises(SystemExit) as e:
+    mod.main(["--shapes", "256x128"])
+  assert e.value.code == 2 and "needs a Hopper GPU" in capsys.readouterr().err
