@@ -516,11 +516,14 @@ def test_bench_fp4_formats_floor_from_packed_bytes(tmp_path):
   from qjax._src import cli  # pylint: disable=g-import-not-at-top
   path = tmp_path / "b.json"
   assert cli.main(["bench", "--calls", "2", "--m", "1", "--shapes", "256x128", "--impl",
-                   "xla", "--format", "mxfp4,nvfp4", "--json", str(path)]) == 0
+                   "xla", "--format", "mxfp4,nvfp4,mxfp4nk,nvfp4nk", "--json", str(path)]) == 0
   rows = {r["fmt"]: r for r in json.loads(path.read_text())["rows"]}
   io_bytes = 256 * 2 + 128 * 2  # x and the output, bf16
   # codes: 256 * 128 / 2 bytes; scales: one byte per 32 (MXFP4) or 16 (NVFP4) weights.
   assert rows["mxfp4"]["floor_bytes"] == 16384 + 1024 + io_bytes
   assert rows["nvfp4"]["floor_bytes"] == 16384 + 2048 + 4 + io_bytes
-  with pytest.raises(ValueError, match="known formats: int4,int4nk,mxfp4,nvfp4"):
+  # The [N, K / 8] layouts hold the same bytes.
+  assert rows["mxfp4nk"]["floor_bytes"] == rows["mxfp4"]["floor_bytes"]
+  assert rows["nvfp4nk"]["floor_bytes"] == rows["nvfp4"]["floor_bytes"]
+  with pytest.raises(ValueError, match="known formats: int4,int4nk,mxfp4,mxfp4nk,nvfp4,nvfp4nk"):
     cli.main(["bench", "--format", "fp4", "--m", "1", "--shapes", "256x128"])
