@@ -30,6 +30,11 @@ memory:
   its own float32 ``[M, N]`` slice of the output, summed by XLA afterwards.
 * Under ``qjax.layer_of`` the kernel gets the stacked codes and scales and the layer
   index, and its TMA copies read the layer where it lies (no copy of the layer first).
+* :class:`qjax.MXFP4NKWeight` and :class:`qjax.NVFP4NKWeight` (:func:`fp4_nk_matmul`)
+  run the same pipeline with E2M1 codes in the same fragment order: each pair becomes
+  bf16 by bit placement and exact multiplies by E2M1's exponent bias and the block scale
+  (:func:`_e2m1_to_bf16_fragments`), one wgmma per 128 of K; NVFP4's tensor scale
+  multiplies the float32 sums in the epilogue.
 
 The weight is rounded to bf16 once per element (``bf16(c) * bf16(s)``, exact inputs, one
 rounding), as the XLA path's dequantization does; products accumulate in float32. With
@@ -148,7 +153,8 @@ class WgmmaConfig:
 
   def stage_bytes(self, group_size: int = 128, scale_bytes: int = 2) -> int:
     """Shared memory of one pipeline stage: x tile, W^T tile (4-bit), scale rows (one per
-    ``group_size`` of K, ``scale_bytes`` per element: 2 for bf16, 1 for MXFP4's E8M0)."""
+    ``group_size`` of K, ``scale_bytes`` per element: 2 for bf16, 1 for FP4's E8M0 or
+    float8_e4m3fn)."""
     c = self.consumers
     return (self.tile_m * self.tile_k * 2 + c * self.tile_n * self.tile_k // 2
             + c * self.tile_n * scale_bytes * _groups_per_step(self.tile_k, group_size))
