@@ -176,7 +176,9 @@ def test_save_and_load(request, tmp_path, fmt):
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("m,k,n,dtype", [
     (1, 256, 128, jnp.bfloat16), (5, 384, 37, jnp.bfloat16), (33, 512, 96, jnp.float16),
-    (7, 256, 64, jnp.float32), (2, 992, 24, jnp.bfloat16)])
+    (7, 256, 64, jnp.float32), (2, 992, 24, jnp.bfloat16),
+    # one row: the fused multiply-and-sum over the words
+    (1, 512, 40, jnp.float32), (1, 992, 24, jnp.float16)])
 def test_xla_path(request, m, k, n, dtype, fmt):
   x, w, wn = make_case(request.node.nodeid, m, k, n, fmt, dtype=dtype)
   y = jax.jit(lambda a, b: qjax.matmul(a, b, implementation="xla"))(x, wn)

@@ -213,13 +213,44 @@ def to_nvfp4_nk(w: fp4.NVFP4Weight) -> NVFP4NKWeight:
                        global_scale=w.global_scale, shape=w.shape)
 
 
+# Nibbles of a word by NVFP4 block within its 32-code run: nibbles i and i + 4 of word c
+# are K 8i + 2c and 8i + 2c + 1, so nibbles 0, 1, 4, 5 lie in K 0..15, the others in 16..31.
+_NIBBLES_BY_HALF_RUN = ((0, 1, 4, 5), (2, 3, 6, 7))
+
+
+def _row_xla(x: jax.Array, w: _FP4NKWeight) -> jax.Array:
+  """One row: ``x [1, K] @ W`` as one multiply-and-sum over the packed words (XLA fuses
+  the decoding into the reduction and reads each word once), float32 throughout: per
+  block, the sum of its codes' E2M1 values times x, then times the block's scale."""
+  k, n = w.shape
+  # x in the codes' storage order: xs[j, e] multiplies nibble e of word j (int4_nk's).
+  xs = jnp.transpose(x.astype(jnp.float32).reshape(k // int4_nk.CHUNK, 4, 4, 2),
+                     (0, 2, 3, 1)).reshape(k // 8, 8)
+  terms = [fp4.decode_e2m1((w.codes >> jnp.uint32(4 * e)) & jnp.uint32(0xF)) * xs[:, e]
+           for e in range(8)]  # [N, K // 8] each
+  runs = k // int4_nk.CHUNK
+  if w.block_size == int4_nk.CHUNK:  # MXFP4: a run is a block
+    per_block = sum(terms).reshape(n, runs, 4).sum(-1)  # [N, K // 32]
+  else:  # NVFP4: two blocks per run, split by nibble
+    halves = [sum(terms[e] for e in nibbles).reshape(n, runs, 4).sum(-1)
+              for nibbles in _NIBBLES_BY_HALF_RUN]
+    per_block = jnp.stack(halves, axis=-1).reshape(n, 2 * runs)  # [N, K // 16]
+  y = (per_block * w.block_scales().T).sum(-1)  # [N]
+  if isinstance(w, NVFP4NKWeight):
+    y = y * w.global_scale
+  return y[None].astype(x.dtype)
+
+
 def matmul_xla(x: jax.Array, w: _FP4NKWeight) -> jax.Array:
-  """``x [M, K] @ W`` in x's dtype: W^T dequantized in x's dtype (float32 math, one
+  """``x [M, K] @ W`` in x's dtype. One row: a fused multiply-and-sum over the packed
+  words (:func:`_row_xla`). More rows: W^T dequantized in x's dtype (float32 math, one
   rounding) and contracted on its K axis; float32 x at HIGHEST precision."""
   if w.codes.ndim != 2:
     raise NotImplementedError(
         f"codes of shape {w.codes.shape}: matmul takes one [K, N] weight (qjax.layer_of "
         "names one layer of a stack)")
+  if x.shape[0] == 1:
+    return _row_xla(x, w)
   wt = w.dequantize_nk(x.dtype)
   precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
   return jax.lax.dot_general(x, wt, (((1,), (1,)), ((), ())), precision=precision,
