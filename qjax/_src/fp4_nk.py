@@ -60,12 +60,7 @@ class _FP4NKWeight(formats.QuantizedWeight):
 
   def codes_nk(self) -> jax.Array:
     """``[..., N, K]`` uint8 E2M1 codes in ``[0, 15]``, K in logical order."""
-    planes = [((self.codes >> jnp.uint32(4 * e)) & jnp.uint32(0xF)).astype(jnp.uint8)
-              for e in range(8)]  # 8 x [..., N, K // 8]
-    lead = self.codes.shape[:-1]
-    slots = jnp.stack(planes, axis=-1).reshape(*lead, self.shape[0] // int4_nk.CHUNK,
-                                                int4_nk.CHUNK)
-    return slots[..., int4_nk.K_TO_SLOT].reshape(*lead, self.shape[0])
+    return int4_nk.fragment_nibbles(self.codes, self.shape[0])
 
   def block_scales(self) -> jax.Array:  # pragma: no cover - abstract
     """``[..., K // B, N]`` float32 multiplier of each block's E2M1 values."""
@@ -173,15 +168,11 @@ class NVFP4NKWeight(_FP4NKWeight):
 
 def _fragment_codes(w) -> jax.Array:
   """``[..., N, K // 8]`` words of ``w``'s E2M1 codes in fragment order."""
-  k, n = w.shape
+  k = w.shape[0]
   if k % int4_nk.CHUNK:
     raise ValueError(f"{type(w).__name__} with K={k}: the [N, K // 8] layout needs K to be "
                      f"a multiple of {int4_nk.CHUNK}")
-  q = w.unpacked_codes().astype(jnp.uint32)  # [..., K, N]
-  lead = q.shape[:-2]
-  slots = q.reshape(*lead, k // int4_nk.CHUNK, int4_nk.CHUNK, n)[..., int4_nk.SLOT_TO_K, :]
-  words = packing.pack_codes(slots.reshape(*lead, k, n), packing.PLAIN_TILE_K)
-  return jnp.swapaxes(words, -1, -2)
+  return int4_nk.fragment_words(w.unpacked_codes())
 
 
 def to_mxfp4_nk(w: fp4.MXFP4Weight) -> MXFP4NKWeight:
@@ -223,9 +214,7 @@ def _row_xla(x: jax.Array, w: _FP4NKWeight) -> jax.Array:
   the decoding into the reduction and reads each word once), float32 throughout: per
   block, the sum of its codes' E2M1 values times x, then times the block's scale."""
   k, n = w.shape
-  # x in the codes' storage order: xs[j, e] multiplies nibble e of word j (int4_nk's).
-  xs = jnp.transpose(x.astype(jnp.float32).reshape(k // int4_nk.CHUNK, 4, 4, 2),
-                     (0, 2, 3, 1)).reshape(k // 8, 8)
+  xs = int4_nk.x_in_fragment_order(x)
   terms = [fp4.decode_e2m1((w.codes >> jnp.uint32(4 * e)) & jnp.uint32(0xF)) * xs[:, e]
            for e in range(8)]  # [N, K // 8] each
   runs = k // int4_nk.CHUNK

@@ -92,10 +92,8 @@ class Int4NKWeight(formats.QuantizedWeight):
 
   def signed_codes(self) -> jax.Array:
     """``[..., N, K]`` int8 codes ``c`` in ``[-8, 7]``, K in logical order."""
-    planes = _signed_planes(self.codes, jnp.int8)  # 8 x [..., N, K // 8]
-    lead = self.codes.shape[:-1]
-    slots = jnp.stack(planes, axis=-1).reshape(*lead, self.shape[0] // CHUNK, CHUNK)
-    return slots[..., K_TO_SLOT].reshape(*lead, self.shape[0])
+    v = fragment_nibbles(self.codes, self.shape[0]).astype(jnp.int8)
+    return (v ^ 8) - 8  # two's complement nibbles
 
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
     """``[K, N]`` W in ``dtype``: ``c * s`` computed in float32, rounded once."""
@@ -139,12 +137,39 @@ def to_int4_nk(w: int4.Int4Weight) -> Int4NKWeight:
     raise ValueError(f"to_int4_nk needs K={k} and group_size={w.group_size} to be "
                      f"multiples of {CHUNK}; keep the Int4Weight for this shape")
   q = w.unpacked_codes().astype(jnp.uint32)  # [..., K, N] in [0, 15]
-  signed = q ^ jnp.uint32(8)  # q - 8 in 4-bit two's complement
-  lead = signed.shape[:-2]
-  slots = signed.reshape(*lead, k // CHUNK, CHUNK, n)[..., SLOT_TO_K, :].reshape(*lead, k, n)
-  words = packing.pack_codes(slots, packing.PLAIN_TILE_K)  # [..., K // 8, N]
-  return Int4NKWeight(codes=jnp.swapaxes(words, -1, -2), scales=w.scales, shape=w.shape,
-                      group_size=w.group_size)
+  # q - 8 in 4-bit two's complement
+  return Int4NKWeight(codes=fragment_words(q ^ jnp.uint32(8)), scales=w.scales,
+                      shape=w.shape, group_size=w.group_size)
+
+
+def fragment_words(q: jax.Array) -> jax.Array:
+  """``q [..., K, N]`` 4-bit codes (integers in ``[0, 15]``; K a multiple of 32) ->
+  ``[..., N, K // 8]`` uint32 words in fragment order: nibble ``e`` of word ``(n, 4t + c)``
+  holds ``q[32t + SLOT_TO_K[8c + e], n]``. The layout of every ``[N, K // 8]`` format
+  (INT4 here, E2M1 in :mod:`qjax._src.fp4_nk`); :func:`fragment_nibbles` inverts it."""
+  *lead, k, n = q.shape
+  slots = q.astype(jnp.uint32).reshape(*lead, k // CHUNK, CHUNK, n)[..., SLOT_TO_K, :]
+  words = packing.pack_codes(slots.reshape(*lead, k, n), packing.PLAIN_TILE_K)
+  return jnp.swapaxes(words, -1, -2)
+
+
+def fragment_nibbles(codes: jax.Array, k: int) -> jax.Array:
+  """``codes [..., N, K // 8]`` words in fragment order -> ``[..., N, K]`` uint8 nibbles
+  in ``[0, 15]``, K in logical order (the inverse of :func:`fragment_words`)."""
+  planes = [((codes >> jnp.uint32(4 * e)) & jnp.uint32(0xF)).astype(jnp.uint8)
+            for e in range(8)]  # 8 x [..., N, K // 8]
+  lead = codes.shape[:-1]
+  slots = jnp.stack(planes, axis=-1).reshape(*lead, k // CHUNK, CHUNK)
+  return slots[..., K_TO_SLOT].reshape(*lead, k)
+
+
+def x_in_fragment_order(x: jax.Array) -> jax.Array:
+  """One row ``x [1, K]`` -> ``[K // 8, 8]`` float32 in the codes' storage order:
+  element ``[j, e]`` multiplies nibble ``e`` of word ``j``. Nibble ``e = 4b + i`` of word
+  ``4t + c`` is K = 32t + 8i + 2c + b: a transpose of (i, c, b)."""
+  k = x.shape[-1]
+  return jnp.transpose(x.astype(jnp.float32).reshape(k // CHUNK, 4, 4, 2),
+                       (0, 2, 3, 1)).reshape(k // 8, 8)
 
 
 def _signed_planes(codes: jax.Array, dtype=jnp.float32) -> list[jax.Array]:
@@ -162,10 +187,7 @@ def _row_xla(x: jax.Array, w: Int4NKWeight) -> jax.Array:
   """One row: ``x [1, K] @ W`` as one multiply-and-sum over the packed words (XLA fuses
   the unpacking into the reduction, reading each word once), float32 throughout."""
   k, n = w.shape
-  # x in the codes' storage order: xs[j, e] multiplies nibble e of word j. Nibble
-  # e = 4b + i of word 4t + c is K = 32t + 8i + 2c + b: a transpose of (i, c, b).
-  xs = jnp.transpose(x.astype(jnp.float32).reshape(k // CHUNK, 4, 4, 2),
-                     (0, 2, 3, 1)).reshape(k // 8, 8)
+  xs = x_in_fragment_order(x)
   acc = sum(p * xs[:, i] for i, p in enumerate(_signed_planes(w.codes)))  # [N, K // 8]
   per_group = acc.reshape(n, k // w.group_size, w.group_size // 8).sum(-1)  # [N, K // G]
   y = (per_group * w.scales.T.astype(jnp.float32)).sum(-1)
