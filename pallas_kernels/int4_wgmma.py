@@ -244,6 +244,19 @@ def config_for(m: int, k: int, n: int, group_size: int, num_sms: int = 132, *,
   return dataclasses.replace(cfg, stages=stages, chain_tiles=chain, scale_accumulator=scale_acc)
 
 
+def _fp4_name(w: Any) -> str | None:
+  """"mxfp4" or "nvfp4" for the FP4 formats (:data:`_FP4_FORMATS`), else None."""
+  return next((name for name, cls in _FP4_FORMATS.items() if isinstance(w, cls)), None)
+
+
+def default_config(m: int, w: Any, num_sms: int = 132) -> WgmmaConfig:
+  """:func:`config_for` of ``m`` rows of x times the weight ``w`` (an Int4NKWeight,
+  MXFP4NKWeight or NVFP4NKWeight): the configuration the kernel runs with none given."""
+  k, n = w.shape
+  fp4 = _fp4_name(w)
+  return config_for(m, k, n, w.block_size if fp4 else w.group_size, num_sms, fp4=fp4)
+
+
 def _check(x: jax.Array, w: Any, cfg: WgmmaConfig) -> None:
   """NotImplementedError (the dispatcher falls back to XLA) for what the kernel lacks."""
   if not isinstance(w, (int4_nk.Int4NKWeight, *_FP4_FORMATS.values())):
@@ -750,11 +763,11 @@ def _matmul(x: jax.Array, w: Any, *, interpret: bool, config: WgmmaConfig | None
         "the CPU")
   m = x.shape[0]
   k, n = w.shape
-  fp4 = next((name for name, cls in _FP4_FORMATS.items() if isinstance(w, cls)), None)
+  fp4 = _fp4_name(w)
   group_size = w.block_size if fp4 else w.group_size
   if num_sms is None:
     num_sms = getattr(jax.devices()[0], "core_count", None) or 132
-  cfg = config or config_for(m, k, n, group_size, num_sms, fp4=fp4)
+  cfg = config or default_config(m, w, num_sms)
   _check(x, w, cfg)
   if m == 0:
     return jnp.zeros((0, n), jnp.bfloat16)

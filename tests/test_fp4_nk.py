@@ -22,6 +22,7 @@ from qjax._src import packing
 from qjax._src import stacked
 from pallas_kernels import int4_wgmma as kw
 from tests.conftest import needs_gpu, pallas_operand_shapes, rel_err, seed_from
+from tests.test_int4_nk import _poisoned_run  # the kernel's output buffer first holds NaN
 
 needs_hopper = pytest.mark.skipif(
     not kw.supported(jax.devices()[0]),
@@ -217,6 +218,7 @@ def test_config_for_is_legal(m, k, n, fmt):
   assert not cfg.scale_accumulator
   x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
   wn = _abstract(fmt, k, n)
+  assert kw.default_config(m, wn) == cfg  # what the kernel runs with no config given
   kw._check(x, wn, cfg)  # pylint: disable=protected-access
   block = wn.block_size
   assert cfg.stages * cfg.stage_bytes(block, 1) + cfg.epilogue_bytes() <= kw._SMEM_MAX
@@ -278,18 +280,6 @@ def test_kernel_reads_a_layer_of_a_stack_in_place(request, fmt):
   lowered = jax.jit(_scanned_wgmma, static_argnums=2).trace(stack, x, layers).lower(
       lowering_platforms=("cuda",))
   assert "mosaic_gpu" in lowered.as_text()
-
-
-def _poisoned_run(fn, x, wn, cfg):
-  """The kernel's output buffer first holds NaN (see tests/test_int4_nk.py)."""
-  m, (k, n) = x.shape[0], wn.shape
-  fmt = "mxfp4" if isinstance(wn, qjax.MXFP4NKWeight) else "nvfp4"
-  c = cfg or kw.config_for(m, k, n, 32, jax.devices()[0].core_count, fp4=fmt)
-  poison = jnp.full((c.split_k, kw.padded_rows(m, c), n), jnp.nan,
-                    jnp.float32 if c.split_k > 1 else jnp.bfloat16)
-  poison.block_until_ready()
-  poison.delete()
-  return np.asarray(fn(x, wn).astype(jnp.float32))
 
 
 GPU_CASES = [

@@ -253,8 +253,8 @@ def _poisoned_run(fn, x, wn, cfg):
   allocator hands that memory to the output: a tile the kernel does not write stays NaN
   (XLA may place the output elsewhere; the float64 comparison still fails then, since
   the inputs are fresh)."""
-  m, (k, n) = x.shape[0], wn.shape
-  c = cfg or kw.config_for(m, k, n, wn.group_size, jax.devices()[0].core_count)
+  m, n = x.shape[0], wn.shape[1]
+  c = cfg or kw.default_config(m, wn, jax.devices()[0].core_count)
   rows = kw.padded_rows(m, c)  # the rows of the kernel's output
   poison = jnp.full((c.split_k, rows, n), jnp.nan,
                     jnp.float32 if c.split_k > 1 else jnp.bfloat16)
