@@ -102,3 +102,10 @@ for _fp4_nk_format in (qjax.MXFP4NKWeight, qjax.NVFP4NKWeight):
       _fp4_nk_format,
       qjax.Backend(name="mosaic_gpu_wgmma", fn=int4_wgmma.fp4_nk_matmul,
                    supported_on=int4_wgmma.supported))
+  # ... and qjax.moe_matmul of their expert stacks: a grouped GEMM over the selected
+  # experts.
+  qjax.register_moe_kernel(
+      _fp4_nk_format,
+      qjax.Backend(name="mosaic_gpu_wgmma", fn=int4_wgmma.fp4_nk_moe_matmul,
+                   supported_on=int4_wgmma.supported))
+del _fp4_nk_format

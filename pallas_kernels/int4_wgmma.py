@@ -63,6 +63,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from qjax._src import fp4_nk
 from qjax._src import int4_nk
+from qjax._src import moe
 from qjax._src import stacked as stacked_lib
 
 _CHAIN = plgpu.PipelinePipeline  # pipeline_state values of chained tiles
@@ -83,6 +84,11 @@ _SCALE_ACC_MAX_TILE_M = 32
 _FP4_FORMATS = {"mxfp4": fp4_nk.MXFP4NKWeight, "nvfp4": fp4_nk.NVFP4NKWeight}
 
 
+# K per pipeline step: powers of two, and for K = 2880 (GPT-OSS) multiples of 64 that
+# divide it; those take FP4 weights only (INT4 steps must divide or span whole groups).
+_TILE_K = (64, 128, 192, 256, 320, 512, 576)
+
+
 @dataclasses.dataclass(frozen=True)
 class WgmmaConfig:
   """Static tile configuration of :func:`int4_nk_matmul`.
@@ -91,7 +97,7 @@ class WgmmaConfig:
     tile_n: rows of W^T (columns of y) per compute warpgroup; wgmma's M: 64 or 128.
     tile_m: rows of x per CTA; wgmma's N: a multiple of 8, at most 256.
     tile_k: K per pipeline step: 64, 128, 256 or 512, dividing the group size or a
-      multiple of it (512 with groups of 128: four scale rows and four wgmmas per step,
+      multiple of it (FP4 also 192, 320 or 576, for K = 2880) (512 with groups of 128: four scale rows and four wgmmas per step,
       and 256-byte rows of int4 per TMA copy instead of 64).
     stages: pipeline depth (TMA copies in flight).
     epi_m: rows of y per epilogue store; divides tile_m.
@@ -140,8 +146,8 @@ class WgmmaConfig:
       raise ValueError(f"WgmmaConfig.tile_n={self.tile_n} must be 64 or 128 (wgmma M)")
     if self.tile_m % 8 or self.tile_m > 256:
       raise ValueError(f"WgmmaConfig.tile_m={self.tile_m} must be a multiple of 8 up to 256")
-    if self.tile_k not in (64, 128, 256, 512):
-      raise ValueError(f"WgmmaConfig.tile_k={self.tile_k} must be 64, 128, 256 or 512")
+    if self.tile_k not in _TILE_K:
+      raise ValueError(f"WgmmaConfig.tile_k={self.tile_k} must be one of {_TILE_K}")
     if self.tile_m % self.epi_m or self.epi_m % 8:
       raise ValueError(
           f"WgmmaConfig.epi_m={self.epi_m} must be a multiple of 8 dividing tile_m="
@@ -281,6 +287,8 @@ def _check(x: jax.Array, w: Any, cfg: WgmmaConfig) -> None:
           f"K={k} split {cfg.split_k} ways is not a multiple of tile_k={cfg.tile_k}")
     _check_tiles(k, n, cfg)
     return
+  if cfg.tile_k & (cfg.tile_k - 1):
+    raise NotImplementedError(f"tile_k={cfg.tile_k}: INT4 steps are powers of two")
   if w.scales.dtype != jnp.bfloat16:
     raise NotImplementedError(
         f"scales of dtype {jnp.dtype(w.scales.dtype).name}: the kernel multiplies by bf16 "
@@ -491,14 +499,14 @@ def _step_groups(w_smem, x_smem, sub: int, convert=None):
 
 def _fp4_step(acc_ref, w_smem, s_smem, x_smem, fp4: str) -> None:
   """One pipeline step of a compute warpgroup for MXFP4 or NVFP4 (``fp4``): ``acc +=
-  W^T x^T`` without the NVFP4 tensor scale, a wgmma per 128 of K (the tile's whole K when
-  narrower).
+  W^T x^T`` without the NVFP4 tensor scale, a wgmma per 128 of K (per 64 where 128 does
+  not divide tile_k).
 
   w_smem: ``[tile_n, tile_k]`` E2M1 codes (int4 bits) in fragment order; s_smem:
   ``[tile_k // B, tile_n]`` uint8 block scale bits (B = 32 or 16); x_smem:
   ``[tile_m, tile_k]`` bf16; acc_ref: ``[tile_n, tile_m]`` float32.
   """
-  sub = min(w_smem.shape[1], 128)
+  sub = 128 if w_smem.shape[1] % 128 == 0 else 64
   per_run = int4_nk.CHUNK // _FP4_FORMATS[fp4].block_size
 
   def convert(w4, j, first_run, runs):
@@ -558,8 +566,8 @@ def _multiply_then_scale(acc, w_smem, s_smem, x_smem, group_size: int):
 
 def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Array | None,
                  cfg: WgmmaConfig, group_size: int, num_sms: int, out_dtype,
-                 fp4: str | None = None, global_scale: jax.Array | None = None
-                 ) -> jax.Array:
+                 fp4: str | None = None, global_scale: jax.Array | None = None,
+                 tile_table: tuple[jax.Array, ...] | None = None) -> jax.Array:
   """``[split_k, M, N]`` (``out_dtype``) partial products; M below 8 or a multiple of
   tile_m (:func:`padded_rows`).
 
@@ -569,15 +577,30 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
   (float32 ``[]``) multiplies the float32 products. Or, with ``layer`` (an int32 scalar),
   wt ``[L, N, K]``, scales ``[L, K // G, N]`` and global_scale ``[L]``: stacks of which the
   kernel reads layer ``layer``.
+
+  ``tile_table`` (a grouped GEMM over experts, :func:`fp4_nk_moe_matmul`): int32
+  ``(experts [T], rows [T], active [])``: row tile ``t``, x ``[T, tile_m, K]``, multiplies
+  expert ``experts[t]`` of wt ``[E, N, K]`` (after ``layer``'s axis, if any; scales and
+  global_scale likewise have an expert axis); the first ``active`` tiles have ``rows[t] >
+  0``, the others are skipped. (A row offset read from memory, to take the tiles' rows
+  from one ``[R, K]`` array, failed Mosaic GPU's layout inference.)
+  Returns ``[split_k, T, tile_m, N]``, garbage in the skipped tiles. N need not be a
+  multiple of ``consumers * tile_n``: the last column tile then overlaps the one before
+  it, both writing the same values.
   """
-  m, k = x.shape
+  grouped = tile_table is not None
+  if grouped:
+    num_row_tiles, _, k = x.shape
+    m = num_row_tiles * cfg.tile_m
+  else:
+    m, k = x.shape
   n = wt.shape[-2]
   tn, tm, tk, splits = cfg.tile_n, cfg.tile_m, cfg.tile_k, cfg.split_k
   wgs = cfg.consumers
-  if m != padded_rows(m, cfg):
+  if not grouped and m != padded_rows(m, cfg):
     raise ValueError(f"{m} rows: pad x to padded_rows(m, cfg) = {padded_rows(m, cfg)}")
   cta_n = wgs * tn
-  m_iters, n_iters = -(-m // tm), n // cta_n
+  m_iters, n_iters = -(-m // tm), -(-n // cta_n)
   k_per_split = k // splits
   k_iters = k_per_split // tk
   steps_per_group = max(1, group_size // tk)
@@ -604,6 +627,8 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
       w_gmem, s_gmem = w_gmem.at[index], s_gmem.at[index]
       if g_gmem is not None:
         g_gmem = g_gmem.at[index]
+    if grouped:
+      experts_gmem, rows_gmem, active_gmem = refs
 
     def pipeline(body, context, state=None):
       return plgpu.emit_pipeline_warp_specialized(
@@ -631,7 +656,10 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
       def _tile(info):
         (lin,) = info.index
         si, rest = lin // (m_iters * n_iters), lin % (m_iters * n_iters)
-        if cfg.snake_width:
+        if grouped:  # row tile major: the skipped tiles come last, as the table's do
+          mi, rest = lin // (splits * n_iters), lin % (splits * n_iters)
+          si, ni = rest // n_iters, rest % n_iters
+        elif cfg.snake_width:
           mi, ni = plgpu.planar_snake(rest, (m_iters, n_iters), 0 if cfg.m_minor else 1,
                                       cfg.snake_width)
         elif cfg.m_minor:
@@ -639,11 +667,21 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
         else:
           mi, ni = rest // n_iters, rest % n_iters
         m0, n0 = mi * tm, ni * cta_n
+        if n % cta_n:  # the last column tile overlaps the one before it
+          n0 = jnp.minimum(n0, n - cta_n)
         k0 = si * k_per_split
+        x_tile, w_tile, s_tile, g_tile = x_gmem, w_gmem, s_gmem, g_gmem
+        out_tile = out_gmem.at[si]
+        if grouped:
+          expert = experts_gmem.at[mi][...]
+          x_tile, out_tile, m0 = x_gmem.at[mi], out_tile.at[mi], 0
+          w_tile, s_tile = w_gmem.at[expert], s_gmem.at[expert]
+          if g_gmem is not None:
+            g_tile = g_gmem.at[expert]
 
         def epilogue(acc):
-          if g_gmem is not None:  # NVFP4's tensor scale, and the bias power left out
-            acc = acc * (g_gmem[...] * float(2 ** _FOLDED_BIAS_SHIFT[fp4]))
+          if g_tile is not None:  # NVFP4's tensor scale, and the bias power left out
+            acc = acc * (g_tile[...] * float(2 ** _FOLDED_BIAS_SHIFT[fp4]))
           acc = plgpu.layout_cast(acc.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED)
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           for e in range(tm // cfg.epi_m):
@@ -654,8 +692,7 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(
                 out_smem.at[wg, slot],
-                out_gmem.at[si, pl.ds(m0 + e * cfg.epi_m, cfg.epi_m),
-                            pl.ds(n0 + wg * tn, tn)])
+                out_tile.at[pl.ds(m0 + e * cfg.epi_m, cfg.epi_m), pl.ds(n0 + wg * tn, tn)])
 
         def context(run):
           if cfg.scale_accumulator:
@@ -681,26 +718,37 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
         state = None
         if cfg.chain_tiles:
           first, last = info.local_index == 0, info.local_index == info.num_local_steps - 1
+          if grouped:  # the CTA's last tile that is not skipped: tile sm + j * grid
+            active_lins = active_gmem[...] * (splits * n_iters)
+            last = info.local_index == (active_lins - 1 - lax.axis_index("sm")) // grid
           # A CTA with one tile starts it and skips the final quiesce (it has no next).
           state = jnp.where(first, int(_CHAIN.START),
                             jnp.where(last, int(_CHAIN.STOP), int(_CHAIN.STEADY)))
-        pipeline(body, context, state)(
-            x_gmem.at[pl.ds(m0, tm), pl.ds(k0, k_per_split)],
-            w_gmem.at[pl.ds(n0, cta_n), pl.ds(k0, k_per_split)],
-            s_gmem.at[pl.ds(k0 // group_size, k_per_split // group_size), pl.ds(n0, cta_n)],
-            allocations=allocations)
+        def run_tile():
+          pipeline(body, context, state)(
+              x_tile.at[pl.ds(m0, tm), pl.ds(k0, k_per_split)],
+              w_tile.at[pl.ds(n0, cta_n), pl.ds(k0, k_per_split)],
+              s_tile.at[pl.ds(k0 // group_size, k_per_split // group_size),
+                        pl.ds(n0, cta_n)],
+              allocations=allocations)
+
+        if grouped:
+          pl.when(rows_gmem.at[mi][...] > 0)(run_tile)
+        else:
+          run_tile()
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+  out_shape = (splits, num_row_tiles, tm, n) if grouped else (splits, m, n)
   call = plgpu.kernel(
-      kernel, out_type=jax.ShapeDtypeStruct((splits, m, n), out_dtype),
+      kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
       grid=(grid,), grid_names=("sm",), num_threads=wgs + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       scratch_types=dict(out_smem=plgpu.SMEM((wgs, 2, cfg.epi_m, tn), out_dtype,
                                              transforms=o_transforms)))
   extra = [a for a in (global_scale, layer) if a is not None]
-  return call(x, wt, scales, *extra)
+  return call(x, wt, scales, *extra, *(tile_table or ()))
 
 
 def padded_rows(m: int, cfg: WgmmaConfig) -> int:
@@ -787,3 +835,122 @@ def _matmul(x: jax.Array, w: Any, *, interpret: bool, config: WgmmaConfig | None
                    global_scale[0] if global_scale else None)
   y = y[0] if cfg.split_k == 1 else y.sum(0).astype(jnp.bfloat16)
   return y[:m] if mp != m else y
+
+
+# ------------------------------------------------------------------ mixture of experts
+
+
+def moe_config_for(num_pairs: int, num_experts: int, k: int, n: int, fp4: str,
+                   num_sms: int = 132) -> WgmmaConfig:
+  """The configuration of :func:`fp4_nk_moe_matmul` for ``num_pairs`` (token, expert)
+  pairs over ``num_experts`` experts of ``[k, n]``.
+
+  Row tiles and K splits are :func:`config_for`'s for the dense problem the grouped one
+  resembles (the rows per selected expert, N times the experts selected at once). K
+  steps are the widest up to 512 that divide a split of K in two or more, and the tiles
+  of a CTA are chained, with the deepest pipeline (up to 8 stages, in shared memory) that
+  divides the steps. H100, 128 experts of 2880x2880, top-4 (BENCHMARKS.md, session 20):
+  steps of 320 in 3 chained stages took 30.9 / 55.4 / 120.5 / 245.7 us at 1 / 4 / 16 /
+  64 tokens; unchained, 4 stages, 30.7 / 60.5 / 133.7 / 269.7; steps of 64, 36-42 % more.
+  """
+  active = min(num_experts, num_pairs)
+  rows = -(-num_pairs // active)
+  cfg = config_for(rows, k, n * active, 128, num_sms, fp4=fp4)
+  block = _FP4_FORMATS[fp4].block_size
+  k_split = k // cfg.split_k
+  for wide in sorted((t for t in _TILE_K if t <= 512), reverse=True):
+    wide_cfg = dataclasses.replace(cfg, tile_k=wide)
+    steps = k_split // wide
+    if k_split % wide or steps < 2:
+      continue
+    fit = (_SMEM_MAX - cfg.epilogue_bytes()) // wide_cfg.stage_bytes(block, 1)
+    divisors = [d for d in range(min(8, fit, steps), 1, -1) if steps % d == 0]
+    if divisors:
+      return dataclasses.replace(wide_cfg, stages=divisors[0], chain_tiles=True)
+    if fit >= 2:
+      return dataclasses.replace(wide_cfg, stages=min(8, fit), chain_tiles=False)
+  return dataclasses.replace(cfg, chain_tiles=False)
+
+
+def fp4_nk_moe_matmul(rows: jax.Array, w: fp4_nk.MXFP4NKWeight | fp4_nk.NVFP4NKWeight,
+                      pair_rows: jax.Array, pair_experts: jax.Array, *,
+                      interpret: bool = False, config: WgmmaConfig | None = None,
+                      num_sms: int | None = None) -> jax.Array:
+  """``y[p] = rows[pair_rows[p]] @ W[pair_experts[p]]`` -> ``[P, N]`` bf16 on Hopper: the
+  pipeline of :func:`fp4_nk_matmul` as a grouped GEMM (``qjax.moe_matmul``'s canonical
+  form).
+
+  The pairs are sorted by expert (:func:`qjax._src.moe.group_by_expert`) and their rows
+  gathered into row tiles of ``tile_m``, each of one expert; the persistent grid walks
+  (row tile, K split, column tile) and each CTA's TMA copies read the codes and scales of
+  its tile's expert where they lie in the stack, so no unselected expert is read and no
+  expert is dequantized in memory. Tiles of the table past the active ones are skipped.
+
+  Args:
+    rows: ``[R, K]`` bf16.
+    w: :class:`qjax.MXFP4NKWeight` / :class:`qjax.NVFP4NKWeight` of E experts: codes
+      ``[E, N, K // 8]``, scales ``[E, K // B, N]`` (and NVFP4's tensor scales ``[E]``);
+      N a multiple of 16, at least 128.
+    pair_rows, pair_experts: ``[P]`` int32; experts in ``[0, E)``.
+    interpret: must be False (no CPU interpret mode; NotImplementedError).
+    config: tiles; default :func:`moe_config_for`.
+    num_sms: CTAs of the persistent grid; default the device's SM count.
+
+  Raises:
+    NotImplementedError: an argument the kernel does not handle.
+  """
+  if interpret:
+    raise NotImplementedError(
+        "the Mosaic GPU wgmma kernel has no interpret mode; use implementation='xla' on "
+        "the CPU")
+  fp4 = _fp4_name(w)
+  if fp4 is None or w.codes.ndim != 3:
+    raise NotImplementedError(
+        "the wgmma MoE kernel takes an MXFP4NKWeight or NVFP4NKWeight with one leading "
+        f"expert axis, got {type(w).__name__} with codes of shape {tuple(w.codes.shape)}")
+  if rows.dtype != jnp.bfloat16:
+    raise NotImplementedError(
+        f"rows.dtype={jnp.dtype(rows.dtype).name}: the wgmma kernel takes bf16 activations")
+  num_experts = w.codes.shape[0]
+  k, n = w.shape
+  p = pair_experts.shape[0]
+  if n % 16 or n < 128:
+    raise NotImplementedError(f"N={n}: the wgmma MoE kernel needs N >= 128, a multiple of 16")
+  if num_sms is None:
+    num_sms = getattr(jax.devices()[0], "core_count", None) or 132
+  cfg = config or moe_config_for(p, num_experts, k, n, fp4, num_sms)
+  if cfg.scale_accumulator:
+    raise NotImplementedError("scale_accumulator: FP4 block scales are applied to the "
+                              "weights as they are converted; use scale_accumulator=False")
+  if k % cfg.split_k or (k // cfg.split_k) % cfg.tile_k:
+    raise NotImplementedError(
+        f"K={k} split {cfg.split_k} ways is not a multiple of tile_k={cfg.tile_k}")
+  _check_tiles(k, 128, cfg)
+  tm = cfg.tile_m
+  groups = moe.group_by_expert(pair_experts, num_experts, tm)
+  # Row tiles [T, tile_m, K]: each tile's pairs' rows, zeros past the tile's end.
+  position = groups.tile_starts[:, None] + jnp.arange(tm, dtype=jnp.int32)   # [T, tm]
+  pair = groups.order[jnp.minimum(position, p - 1)]
+  x_tiles = jnp.where((position < groups.tile_ends[:, None])[..., None],
+                      rows[pair_rows[pair]], jnp.zeros((), rows.dtype))
+  tile_rows = groups.tile_ends - groups.tile_starts
+  table = (groups.tile_experts, tile_rows, jnp.sum(tile_rows > 0).astype(jnp.int32))
+  arrays = [w.codes, w.scales] + ([w.global_scale] if fp4 == "nvfp4" else [])
+  stacks, in_stack, layer = stacked_lib.read_in_place(arrays)
+  if not all(in_stack):
+    stacks, layer = arrays, None
+  codes, scales, *global_scale = stacks
+  scales = lax.bitcast_convert_type(scales, jnp.uint8)
+  wt = lax.bitcast_convert_type(codes, jnp.int4).reshape(*codes.shape[:-1], k)
+  out_dtype = jnp.float32 if cfg.split_k > 1 else jnp.bfloat16
+  y = _kernel_call(x_tiles, wt, scales, layer, cfg, w.block_size, num_sms, out_dtype, fp4,
+                   global_scale[0] if global_scale else None, tile_table=table)
+  y = y[0] if cfg.split_k == 1 else y.sum(0)                          # [T, tm, N]
+  # Sorted position s of expert e lies in e's tile (s - group_starts[e]) // tile_m, at
+  # row (s - group_starts[e]) % tile_m; e's tiles follow those of the experts before it.
+  tiles_per_expert = (groups.group_sizes + tm - 1) // tm
+  first_tile = jnp.cumsum(tiles_per_expert) - tiles_per_expert                 # [E]
+  expert = pair_experts.astype(jnp.int32)[groups.order]                        # [P]
+  local = jnp.arange(p, dtype=jnp.int32) - groups.group_starts[expert]
+  y_sorted = y[first_tile[expert] + local // tm, local % tm]
+  return y_sorted[moe.inverse_permutation(groups.order)].astype(jnp.bfloat16)

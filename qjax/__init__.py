@@ -91,7 +91,9 @@ from qjax._src import moe as _moe
 register_xla(Int4Weight, _int4.matmul_xla)
 register_xla(MXFP4Weight, _fp4.matmul_xla)
 register_xla(NVFP4Weight, _fp4.matmul_xla)
-_moe.register_moe_xla(MXFP4Weight, _moe.moe_matmul_xla)
+for _moe_format in _moe.MOE_FORMATS:
+  _moe.register_moe_xla(_moe_format, _moe.moe_matmul_xla)
+del _moe_format
 register_xla(CodebookWeight, _codebook.matmul_xla)
 del _int4, _fp4, _moe, _codebook
 

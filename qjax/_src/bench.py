@@ -492,10 +492,12 @@ def run_model(on_gpu: bool, result: dict[str, Any]) -> None:
 
 GPU_MOE = dict(experts=128, k=2880, n=2880, top_k=4, tokens=(1, 4, 16, 64))
 CPU_MOE = dict(experts=8, k=256, n=256, top_k=2, tokens=(1, 8))
-MOE_IMPLS = ("default", "grouped", "gemv", "xla", "dequant_all")
-# The two MoE kernels, by their registered names.
+MOE_IMPLS = ("default", "grouped", "gemv", "wgmma", "xla", "dequant_all")
+# The MoE kernels, by their registered names: two for MXFP4Weight, and Hopper's wgmma
+# kernel for the same experts converted to MXFP4NKWeight.
 MOE_GROUPED_BACKEND = "pallas_triton"
 MOE_GEMV_BACKEND = "pallas_triton_gemv"
+MOE_WGMMA_BACKEND = "mosaic_gpu_wgmma"
 
 
 @dataclasses.dataclass
@@ -533,6 +535,9 @@ def bench_moe(tokens: int, *, experts: int, k: int, n: int, top_k: int, bandwidt
   * grouped: the grouped-GEMM kernel (``implementation="pallas:pallas_triton"``), routing
     and gathers included.
   * gemv: the per-pair GEMV kernel (``implementation="pallas:pallas_triton_gemv"``).
+  * wgmma: the same experts converted to :class:`qjax.MXFP4NKWeight` (once, outside the
+    timing) through Hopper's grouped wgmma kernel (``"pallas:mosaic_gpu_wgmma"``); NaN
+    where it does not run (not a Hopper GPU).
   * xla: its XLA reference (gathered experts, or every expert and ragged_dot).
   * dequant_all: every expert dequantized to bf16 first (materialized: an optimization
     barrier stops XLA from dequantizing only the gathered ones), then the selected ones'
@@ -555,10 +560,15 @@ def bench_moe(tokens: int, *, experts: int, k: int, n: int, top_k: int, bandwidt
              for i in range(reps)]
   distinct = sum(len(set(map(int, ids.reshape(-1)))) for ids in id_sets) / reps
   mode = "pallas" if on_gpu else "interpret"
+  w_nk = None
+  if on_gpu and _wgmma_moe_runs():
+    from qjax._src import fp4_nk  # pylint: disable=g-import-not-at-top
+    w_nk = jax.jit(fp4_nk.to_mxfp4_nk)(w)
   fns = {
       "default": lambda x_, w_, i_: dispatch_moe(x_, w_, i_, mode),
       "grouped": lambda x_, w_, i_: dispatch_moe(x_, w_, i_, f"{mode}:{MOE_GROUPED_BACKEND}"),
       "gemv": lambda x_, w_, i_: dispatch_moe(x_, w_, i_, f"{mode}:{MOE_GEMV_BACKEND}"),
+      "wgmma": lambda x_, w_, i_: dispatch_moe(x_, w_, i_, f"pallas:{MOE_WGMMA_BACKEND}"),
       "xla": lambda x_, w_, i_: dispatch_moe(x_, w_, i_, "xla"),
       # The barrier keeps XLA from fusing the gather into the dequantization (which would
       # dequantize only the selected experts): this is the "dequantize every expert, then
@@ -568,12 +578,24 @@ def bench_moe(tokens: int, *, experts: int, k: int, n: int, top_k: int, bandwidt
   }
   times, source = {}, "trace"
   for name, fn in fns.items():
-    t = devtime.device_time(jax.jit(fn), [(x, w, ids) for ids in id_sets], calls=calls)
+    weight = w_nk if name == "wgmma" else w
+    if weight is None:
+      times[name] = float("nan")
+      continue
+    t = devtime.device_time(jax.jit(fn), [(x, weight, ids) for ids in id_sets],
+                            calls=calls)
     times[name], source = t.us, t.source
   floor_bytes = distinct * per_expert + x.nbytes + tokens * top_k * n * 2
   return MoERow(tokens=tokens, experts=experts, k=k, n=n, top_k=top_k, times_us=times,
                 floor_us=floor_bytes / bandwidth * 1e6, floor_bytes=floor_bytes,
                 selected_experts=distinct, source=source)
+
+
+def _wgmma_moe_runs() -> bool:
+  """Whether Hopper's wgmma MoE kernel (registered for MXFP4NKWeight) runs here."""
+  from qjax._src import fp4_nk, moe  # pylint: disable=g-import-not-at-top
+  return any(b.name == MOE_WGMMA_BACKEND and b.supported_on(jax.devices()[0])
+             for b in moe.moe_kernels_for_format(fp4_nk.MXFP4NKWeight))
 
 
 def dispatch_moe(x, w, ids, implementation):
@@ -585,13 +607,14 @@ def format_moe_table(rows: Sequence[MoERow]) -> str:
   head = (f"{'T':>4} {'E':>4} {'K':>5} {'N':>5} {'top':>3} {'sel':>5} |"
           + "".join(f" {i:>11}" for i in MOE_IMPLS) + f" {'floor':>8} |"
           + f" {'default/floor':>13} {'grouped/floor':>13} {'gemv/floor':>10}"
+          + f" {'wgmma/floor':>11}"
           + f" {'dq_all/default':>14}")
   lines = [head, "-" * len(head)]
   for r in rows:
     s = f"{r.tokens:>4} {r.experts:>4} {r.k:>5} {r.n:>5} {r.top_k:>3} {r.selected_experts:>5.1f} |"
     s += "".join(f" {r.times_us[i]:>11.1f}" for i in MOE_IMPLS) + f" {r.floor_us:>8.1f} |"
     s += f" {r.over_floor('default'):>12.2f}x {r.over_floor('grouped'):>12.2f}x"
-    s += f" {r.over_floor('gemv'):>9.2f}x"
+    s += f" {r.over_floor('gemv'):>9.2f}x {r.over_floor('wgmma'):>10.2f}x"
     s += f" {r.times_us['dequant_all'] / r.times_us['default']:>13.1f}x"
     lines.append(s)
   return "\n".join(lines)

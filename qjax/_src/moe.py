@@ -31,7 +31,12 @@ import numpy as np
 
 from qjax._src import dispatch
 from qjax._src import fp4
+from qjax._src import fp4_nk
 from qjax._src import stacked
+
+# The formats moe_matmul takes (with a leading expert axis). The NK formats run Hopper's
+# wgmma kernel (pallas_kernels.int4_wgmma.fp4_nk_moe_matmul).
+MOE_FORMATS = (fp4.MXFP4Weight, fp4_nk.MXFP4NKWeight, fp4_nk.NVFP4NKWeight)
 
 _MOE_XLA: dict[type, Callable[..., jax.Array]] = {}
 _MOE_KERNELS: dict[type, list[dispatch.Backend]] = {}
@@ -119,7 +124,10 @@ def group_by_expert(pair_experts: jax.Array, num_experts: int, block_m: int) -> 
   tiles_end = jnp.cumsum(tiles_per_expert)                     # [E] inclusive
   num_tiles = max_row_tiles(p, num_experts, block_m)
   tile = jnp.arange(num_tiles, dtype=jnp.int32)
-  expert = jnp.searchsorted(tiles_end, tile, side="right").astype(jnp.int32)
+  # compare_all: one fused comparison; the default scan is a loop of tiny kernels that took
+  # tens of microseconds of device time per call on the H100.
+  expert = jnp.searchsorted(tiles_end, tile, side="right",
+                            method="compare_all").astype(jnp.int32)
   active = expert < num_experts
   # Empty tiles name the expert of the last sorted pair (a selected one).
   expert = jnp.where(active, expert, pair_experts[order[p - 1]])
@@ -173,14 +181,15 @@ def moe_matmul_xla(rows: jax.Array, w: Any, pair_rows: jax.Array, pair_experts: 
 
 
 def _check(x: jax.Array, w: Any, expert_ids: jax.Array) -> None:
-  if not isinstance(w, fp4.MXFP4Weight):
+  if not isinstance(w, MOE_FORMATS):
     raise NotImplementedError(
-        f"moe_matmul takes an MXFP4Weight with a leading expert axis, got "
-        f"{type(w).__name__}; convert GPT-OSS checkpoints with .to_mxfp4()")
+        f"moe_matmul takes an MXFP4Weight, MXFP4NKWeight or NVFP4NKWeight with a leading "
+        f"expert axis, got {type(w).__name__}; convert GPT-OSS checkpoints with .to_mxfp4()")
   if w.codes.ndim != 3:
     raise ValueError(
         f"w.codes has shape {tuple(w.codes.shape)}: moe_matmul needs exactly one leading "
-        "expert axis ([E, Kp // 8, N]); stack the experts' weights")
+        "expert axis ([E, Kp // 8, N], or [E, N, K // 8] for the NK formats); stack the "
+        "experts' weights")
   if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in dispatch.ACTIVATION_DTYPES]:
     raise ValueError(f"x.dtype={jnp.dtype(x.dtype).name} must be bfloat16, float16 or float32")
   if expert_ids.ndim != 2 or not jnp.issubdtype(expert_ids.dtype, jnp.integer):
@@ -273,7 +282,9 @@ def moe_matmul(x: jax.Array, w: Any, expert_ids: jax.Array, *,
     x: ``[T, K]`` (every selected expert of a token multiplies the same row) or
       ``[T, top_k, K]`` (one row per selected expert), bfloat16, float16 or float32.
     w: :class:`qjax.MXFP4Weight` of E experts: codes ``[E, Kp // 8, N]``, scales
-      ``[E, K // 32, N]``, logical shape ``(K, N)``.
+      ``[E, K // 32, N]``, logical shape ``(K, N)``. Or, for Hopper's wgmma kernel,
+      :class:`qjax.MXFP4NKWeight` / :class:`qjax.NVFP4NKWeight` of E experts (codes
+      ``[E, N, K // 8]``; ``qjax.to_mxfp4_nk(w)`` converts an MXFP4Weight exactly).
     expert_ids: ``[T, top_k]`` integers in ``[0, E)``; an expert may appear for any
       number of tokens, or none.
     implementation: None (best available), "xla", "pallas" or "interpret"; or
