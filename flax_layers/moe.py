@@ -7,6 +7,10 @@ expert ``e`` computes a gated MLP ``down_e(act(x @ gate_up_e))`` with MXFP4 weig
 the selected experts. Both expert projections go through :func:`qjax.moe_matmul` (one
 fused grouped-GEMM launch each on NVIDIA GPUs, reading only the selected experts).
 
+On Hopper, params converted with :func:`qjax.to_mxfp4_nk` (``gate_up`` and ``down`` as
+:class:`qjax.MXFP4NKWeight`, the same bits) run the wgmma MoE kernel instead: 1.2-1.4x
+less time from 4 tokens on (BENCHMARKS.md, session 20).
+
 Gating (``gating``):
   * ``"topk_softmax"`` (GPT-OSS, Mixtral): softmax over the k selected logits.
   * ``"softmax_topk"``: softmax over all E logits, the selected probabilities as they are

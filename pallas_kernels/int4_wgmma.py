@@ -839,6 +839,13 @@ def _matmul(x: jax.Array, w: Any, *, interpret: bool, config: WgmmaConfig | None
 
 # ------------------------------------------------------------------ mixture of experts
 
+# Up to this many (token, expert) pairs, each pair is a row tile of its own (no sorting by
+# expert): an expert two pairs select is read twice, but the routing's dozen small XLA
+# kernels do not run. H100, 128 experts of 2880x2880, top-4 (BENCHMARKS.md, session 20):
+# 1 / 4 / 8 tokens (4 / 16 / 32 pairs): 17.2 / 39.9 / 70.1 us, grouped 31.5 / 56.9 / 85.3;
+# 16 tokens: 130.6, grouped 114.7.
+_PER_PAIR_MAX_PAIRS = 32
+
 
 def moe_config_for(num_pairs: int, num_experts: int, k: int, n: int, fp4: str,
                    num_sms: int = 132) -> WgmmaConfig:
@@ -885,6 +892,8 @@ def fp4_nk_moe_matmul(rows: jax.Array, w: fp4_nk.MXFP4NKWeight | fp4_nk.NVFP4NKW
   (row tile, K split, column tile) and each CTA's TMA copies read the codes and scales of
   its tile's expert where they lie in the stack, so no unselected expert is read and no
   expert is dequantized in memory. Tiles of the table past the active ones are skipped.
+  Up to :data:`_PER_PAIR_MAX_PAIRS` pairs (decode), each pair is a row tile of its own
+  instead, which spares the sorting.
 
   Args:
     rows: ``[R, K]`` bf16.
@@ -927,14 +936,38 @@ def fp4_nk_moe_matmul(rows: jax.Array, w: fp4_nk.MXFP4NKWeight | fp4_nk.NVFP4NKW
         f"K={k} split {cfg.split_k} ways is not a multiple of tile_k={cfg.tile_k}")
   _check_tiles(k, 128, cfg)
   tm = cfg.tile_m
+  if p <= _PER_PAIR_MAX_PAIRS:
+    return _per_pair(rows, w, pair_rows, pair_experts, cfg, num_sms, fp4)
   groups = moe.group_by_expert(pair_experts, num_experts, tm)
-  # Row tiles [T, tile_m, K]: each tile's pairs' rows, zeros past the tile's end.
+  # Row tiles [T, tile_m, K]: each tile's pairs' rows, then a zero row (index R) past the
+  # tile's end; one gather of whole rows by a small index array.
   position = groups.tile_starts[:, None] + jnp.arange(tm, dtype=jnp.int32)   # [T, tm]
-  pair = groups.order[jnp.minimum(position, p - 1)]
-  x_tiles = jnp.where((position < groups.tile_ends[:, None])[..., None],
-                      rows[pair_rows[pair]], jnp.zeros((), rows.dtype))
+  source = jnp.where(position < groups.tile_ends[:, None],
+                     pair_rows[groups.order[jnp.minimum(position, p - 1)]], rows.shape[0])
+  x_tiles = jnp.concatenate([rows, jnp.zeros((1, k), rows.dtype)])[source.reshape(-1)]
+  x_tiles = x_tiles.reshape(-1, tm, k)
   tile_rows = groups.tile_ends - groups.tile_starts
   table = (groups.tile_experts, tile_rows, jnp.sum(tile_rows > 0).astype(jnp.int32))
+  y = _grouped_call(x_tiles, w, table, cfg, num_sms, fp4)              # [T, tm, N]
+  # Sorted position s of expert e lies in e's tile (s - group_starts[e]) // tile_m, at
+  # row (s - group_starts[e]) % tile_m; e's tiles follow those of the experts before it.
+  # The row of each pair, in pair order, then one gather of whole rows (H100, T = 64:
+  # 12.7 us less than gathering by tile and row, then by pair).
+  tiles_per_expert = (groups.group_sizes + tm - 1) // tm
+  first_tile = jnp.cumsum(tiles_per_expert) - tiles_per_expert                 # [E]
+  expert = pair_experts.astype(jnp.int32)[groups.order]                        # [P]
+  local = jnp.arange(p, dtype=jnp.int32) - groups.group_starts[expert]
+  row_sorted = (first_tile[expert] + local // tm) * tm + local % tm
+  row = jnp.zeros((p,), jnp.int32).at[groups.order].set(row_sorted)
+  return y.reshape(-1, n)[row].astype(jnp.bfloat16)
+
+
+def _grouped_call(x_tiles: jax.Array, w: Any, table: tuple[jax.Array, ...],
+                  cfg: WgmmaConfig, num_sms: int, fp4: str) -> jax.Array:
+  """The kernel over row tiles ``x_tiles [T, tile_m, K]`` and the tile table of
+  :func:`_kernel_call` -> ``[T, tile_m, N]`` float32 (split_k > 1) or bf16, reading the
+  expert stacks in place (also a layer of them under ``qjax.layer_of``)."""
+  k = w.shape[0]
   arrays = [w.codes, w.scales] + ([w.global_scale] if fp4 == "nvfp4" else [])
   stacks, in_stack, layer = stacked_lib.read_in_place(arrays)
   if not all(in_stack):
@@ -945,12 +978,14 @@ def fp4_nk_moe_matmul(rows: jax.Array, w: fp4_nk.MXFP4NKWeight | fp4_nk.NVFP4NKW
   out_dtype = jnp.float32 if cfg.split_k > 1 else jnp.bfloat16
   y = _kernel_call(x_tiles, wt, scales, layer, cfg, w.block_size, num_sms, out_dtype, fp4,
                    global_scale[0] if global_scale else None, tile_table=table)
-  y = y[0] if cfg.split_k == 1 else y.sum(0)                          # [T, tm, N]
-  # Sorted position s of expert e lies in e's tile (s - group_starts[e]) // tile_m, at
-  # row (s - group_starts[e]) % tile_m; e's tiles follow those of the experts before it.
-  tiles_per_expert = (groups.group_sizes + tm - 1) // tm
-  first_tile = jnp.cumsum(tiles_per_expert) - tiles_per_expert                 # [E]
-  expert = pair_experts.astype(jnp.int32)[groups.order]                        # [P]
-  local = jnp.arange(p, dtype=jnp.int32) - groups.group_starts[expert]
-  y_sorted = y[first_tile[expert] + local // tm, local % tm]
-  return y_sorted[moe.inverse_permutation(groups.order)].astype(jnp.bfloat16)
+  return y[0] if cfg.split_k == 1 else y.sum(0)
+
+
+def _per_pair(rows: jax.Array, w: Any, pair_rows: jax.Array, pair_experts: jax.Array,
+              cfg: WgmmaConfig, num_sms: int, fp4: str) -> jax.Array:
+  """:func:`fp4_nk_moe_matmul` with one row tile per pair (its row, then zeros)."""
+  p, k = pair_experts.shape[0], w.shape[0]
+  source = jnp.full((p, cfg.tile_m), rows.shape[0], jnp.int32).at[:, 0].set(pair_rows)
+  x_tiles = jnp.concatenate([rows, jnp.zeros((1, k), rows.dtype)])[source]
+  table = (pair_experts.astype(jnp.int32), jnp.ones((p,), jnp.int32), jnp.int32(p))
+  return _grouped_call(x_tiles, w, table, cfg, num_sms, fp4)[:, 0].astype(jnp.bfloat16)

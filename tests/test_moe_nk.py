@@ -183,6 +183,7 @@ GPU_CASES = [  # tokens, experts, k, n, top_k, config overrides
     (9, 8, 2880, 2880, 4, dict(tile_k=576, split_k=1, stages=3, chain_tiles=False)),
     (20, 8, 2880, 2880, 4, dict(tile_m=16, epi_m=16, tile_k=192, split_k=5, stages=3)),
     (2, 16, 2880, 2880, 4, dict(tile_k=64, split_k=1, stages=9, chain_tiles=True)),
+    (8, 3, 512, 256, 2, {}),  # 16 pairs, one row tile each, experts repeated
 ]
 
 
@@ -204,6 +205,19 @@ def test_wgmma_moe_matches_float64(request, fmt, tokens, experts, k, n, top_k, o
         *c.shape, -1)
   y = _poisoned_moe_run(jax.jit(fn), x, wn, ids, cfg)
   assert_moe_close(y, moe_reference(x, w, ids))
+
+
+@needs_gpu
+@needs_hopper
+@pytest.mark.parametrize("per_pair_max", [0, 64])
+def test_wgmma_moe_either_route(request, monkeypatch, per_pair_max):
+  """The same calls sorted and grouped by expert, and with a row tile per pair."""
+  monkeypatch.setattr(kw, "_PER_PAIR_MAX_PAIRS", per_pair_max)
+  for tokens, experts, top_k in [(1, 8, 4), (3, 4, 2), (12, 6, 3)]:
+    x, w, wn, ids = make_moe(f"{request.node.nodeid}/{tokens}", tokens, experts, 1024, 384,
+                             top_k)
+    y = jax.jit(lambda a, b, c: qjax.moe_matmul(a, b, c, implementation=WGMMA))(x, wn, ids)
+    assert_moe_close(y, moe_reference(x, w, ids))
 
 
 @needs_gpu
@@ -233,3 +247,33 @@ def test_wgmma_moe_layer_of(request):
   got = jax.jit(fn)(stack, x, ids)
   for i in range(layers):
     assert_moe_close(got[i], moe_reference(x, jax.tree.map(lambda a, i=i: a[i], w), ids))
+
+
+def _moe_block_both_layouts(implementation):
+  """flax_layers.MXFP4MoE applied with its MXFP4Weight params and with the same experts
+  converted to MXFP4NKWeight (``qjax.to_mxfp4_nk``)."""
+  from flax_layers import MXFP4MoE  # pylint: disable=g-import-not-at-top
+  layer = MXFP4MoE(num_experts=8, top_k=2, intermediate_size=128, activation="gpt_oss",
+                   implementation=implementation)
+  x = jax.random.normal(jax.random.key(7), (5, 256), jnp.float32).astype(jnp.bfloat16)
+  params = layer.init(jax.random.key(8), x)
+  nk = jax.tree.map(lambda a: a, params)
+  nk["params"] = dict(params["params"], **{
+      name: qjax.to_mxfp4_nk(params["params"][name]) for name in ("gate_up", "down")})
+  y_row = jax.jit(layer.apply)(params, x)
+  y_nk = jax.jit(layer.apply)(nk, x)
+  return np.asarray(y_row.astype(jnp.float32)), np.asarray(y_nk.astype(jnp.float32))
+
+
+def test_moe_block_takes_nk_experts_xla():
+  y_row, y_nk = _moe_block_both_layouts("xla")
+  assert np.isfinite(y_nk).all()
+  np.testing.assert_array_equal(y_nk, y_row)  # the same weights, the same XLA route
+
+
+@needs_gpu
+@needs_hopper
+def test_moe_block_takes_nk_experts_on_hopper():
+  """Default routes: the Triton MoE kernels for MXFP4Weight, wgmma for the NK form."""
+  y_row, y_nk = _moe_block_both_layouts(None)
+  assert rel_err(y_nk, y_row) < 1e-2
