@@ -97,8 +97,9 @@ class WgmmaConfig:
     tile_n: rows of W^T (columns of y) per compute warpgroup; wgmma's M: 64 or 128.
     tile_m: rows of x per CTA; wgmma's N: a multiple of 8, at most 256.
     tile_k: K per pipeline step: 64, 128, 256 or 512, dividing the group size or a
-      multiple of it (FP4 also 192, 320 or 576, for K = 2880) (512 with groups of 128: four scale rows and four wgmmas per step,
-      and 256-byte rows of int4 per TMA copy instead of 64).
+      multiple of it (512 with groups of 128: four scale rows and four wgmmas per step,
+      and 256-byte rows of int4 per TMA copy instead of 64); FP4 also 192, 320 or 576
+      (for K = 2880).
     stages: pipeline depth (TMA copies in flight).
     epi_m: rows of y per epilogue store; divides tile_m.
     split_k: K splits (float32 partial outputs summed by XLA when > 1).
@@ -934,7 +935,7 @@ def fp4_nk_moe_matmul(rows: jax.Array, w: fp4_nk.MXFP4NKWeight | fp4_nk.NVFP4NKW
   if k % cfg.split_k or (k // cfg.split_k) % cfg.tile_k:
     raise NotImplementedError(
         f"K={k} split {cfg.split_k} ways is not a multiple of tile_k={cfg.tile_k}")
-  _check_tiles(k, 128, cfg)
+  _check_tiles(k, 128, cfg)  # the K steps against chain_tiles (any N >= 128 is tiled)
   tm = cfg.tile_m
   if p <= _PER_PAIR_MAX_PAIRS:
     return _per_pair(rows, w, pair_rows, pair_experts, cfg, num_sms, fp4)
