@@ -280,13 +280,8 @@ def _check(x: jax.Array, w: Any, cfg: WgmmaConfig) -> None:
         "and takes bf16 activations")
   k, n = w.shape
   if isinstance(w, tuple(_FP4_FORMATS.values())):
-    if cfg.scale_accumulator:
-      raise NotImplementedError("scale_accumulator: FP4 block scales are applied to the "
-                                "weights as they are converted; use scale_accumulator=False")
-    if (k // cfg.split_k) % cfg.tile_k or k % cfg.split_k:
-      raise NotImplementedError(
-          f"K={k} split {cfg.split_k} ways is not a multiple of tile_k={cfg.tile_k}")
-    _check_tiles(k, n, cfg)
+    _check_fp4_steps(k, cfg)
+    _check_n(n, cfg)
     return
   if cfg.tile_k & (cfg.tile_k - 1):
     raise NotImplementedError(f"tile_k={cfg.tile_k}: INT4 steps are powers of two")
@@ -313,10 +308,29 @@ def _check(x: jax.Array, w: Any, cfg: WgmmaConfig) -> None:
 
 def _check_tiles(k: int, n: int, cfg: WgmmaConfig) -> None:
   """NotImplementedError where N or the K steps do not fit ``cfg``'s tiles."""
+  _check_chain(k, cfg)
+  _check_n(n, cfg)
+
+
+def _check_chain(k: int, cfg: WgmmaConfig) -> None:
   if cfg.chain_tiles and _k_steps(k, cfg) % cfg.stages:
     raise NotImplementedError(
         f"chain_tiles needs stages={cfg.stages} to divide the {_k_steps(k, cfg)} K steps "
         "of a tile")
+
+
+def _check_fp4_steps(k: int, cfg: WgmmaConfig) -> None:
+  """NotImplementedError where ``cfg``'s K steps do not fit an FP4 weight of K rows."""
+  if cfg.scale_accumulator:
+    raise NotImplementedError("scale_accumulator: FP4 block scales are applied to the "
+                              "weights as they are converted; use scale_accumulator=False")
+  if (k // cfg.split_k) % cfg.tile_k or k % cfg.split_k:
+    raise NotImplementedError(
+        f"K={k} split {cfg.split_k} ways is not a multiple of tile_k={cfg.tile_k}")
+  _check_chain(k, cfg)
+
+
+def _check_n(n: int, cfg: WgmmaConfig) -> None:
   if n % (cfg.consumers * cfg.tile_n):
     raise NotImplementedError(f"N={n} is not a multiple of consumers * tile_n = "
                               f"{cfg.consumers * cfg.tile_n}")
@@ -806,23 +820,38 @@ def fp4_nk_matmul(x: jax.Array, w: fp4_nk.MXFP4NKWeight | fp4_nk.NVFP4NKWeight, 
 def _matmul(x: jax.Array, w: Any, *, interpret: bool, config: WgmmaConfig | None,
             num_sms: int | None) -> jax.Array:
   """The body of :func:`int4_nk_matmul` and :func:`fp4_nk_matmul`."""
-  if interpret:
-    raise NotImplementedError(
-        "the Mosaic GPU wgmma kernel has no interpret mode; use implementation='xla' on "
-        "the CPU")
+  num_sms = _grid_sms(interpret, num_sms)
   m = x.shape[0]
-  k, n = w.shape
-  fp4 = _fp4_name(w)
-  group_size = w.block_size if fp4 else w.group_size
-  if num_sms is None:
-    num_sms = getattr(jax.devices()[0], "core_count", None) or 132
+  n = w.shape[1]
   cfg = config or default_config(m, w, num_sms)
   _check(x, w, cfg)
   if m == 0:
     return jnp.zeros((0, n), jnp.bfloat16)
   mp = padded_rows(m, cfg)
   xp = jnp.pad(x, ((0, mp - m), (0, 0))) if mp != m else x
-  # Under qjax.layer_of: the stacked codes and scales and the layer, read in place.
+  y = _run_kernel(xp, w, cfg, num_sms)
+  return y[:m] if mp != m else y
+
+
+def _grid_sms(interpret: bool, num_sms: int | None) -> int:
+  """The persistent grid's CTAs (default: the device's SM count); NotImplementedError
+  for interpret mode, which this kernel does not have."""
+  if interpret:
+    raise NotImplementedError(
+        "the Mosaic GPU wgmma kernel has no interpret mode; use implementation='xla' on "
+        "the CPU")
+  if num_sms is None:
+    num_sms = getattr(jax.devices()[0], "core_count", None) or 132
+  return num_sms
+
+
+def _run_kernel(x: jax.Array, w: Any, cfg: WgmmaConfig, num_sms: int,
+                tile_table: tuple[jax.Array, ...] | None = None) -> jax.Array:
+  """:func:`_kernel_call` on ``w``'s arrays, its K splits summed -> bf16 ``[M, N]`` (or
+  ``[T, tile_m, N]`` with ``tile_table``). Under ``qjax.layer_of`` the kernel gets the
+  stacked codes and scales and the layer index, and reads the layer in place."""
+  k = w.shape[0]
+  fp4 = _fp4_name(w)
   arrays = [w.codes, w.scales] + ([w.global_scale] if fp4 == "nvfp4" else [])
   stacks, in_stack, layer = stacked_lib.read_in_place(arrays)
   if not all(in_stack):
@@ -832,10 +861,10 @@ def _matmul(x: jax.Array, w: Any, *, interpret: bool, config: WgmmaConfig | None
     scales = lax.bitcast_convert_type(scales, jnp.uint8)
   wt = lax.bitcast_convert_type(codes, jnp.int4).reshape(*codes.shape[:-1], k)
   out_dtype = jnp.float32 if cfg.split_k > 1 else jnp.bfloat16
-  y = _kernel_call(xp, wt, scales, layer, cfg, group_size, num_sms, out_dtype, fp4,
-                   global_scale[0] if global_scale else None)
-  y = y[0] if cfg.split_k == 1 else y.sum(0).astype(jnp.bfloat16)
-  return y[:m] if mp != m else y
+  y = _kernel_call(x, wt, scales, layer, cfg, w.block_size if fp4 else w.group_size,
+                   num_sms, out_dtype, fp4, global_scale[0] if global_scale else None,
+                   tile_table=tile_table)
+  return y[0] if cfg.split_k == 1 else y.sum(0).astype(jnp.bfloat16)
 
 
 # ------------------------------------------------------------------ mixture of experts
@@ -909,10 +938,7 @@ def fp4_nk_moe_matmul(rows: jax.Array, w: fp4_nk.MXFP4NKWeight | fp4_nk.NVFP4NKW
   Raises:
     NotImplementedError: an argument the kernel does not handle.
   """
-  if interpret:
-    raise NotImplementedError(
-        "the Mosaic GPU wgmma kernel has no interpret mode; use implementation='xla' on "
-        "the CPU")
+  num_sms = _grid_sms(interpret, num_sms)
   fp4 = _fp4_name(w)
   if fp4 is None or w.codes.ndim != 3:
     raise NotImplementedError(
@@ -926,19 +952,11 @@ def fp4_nk_moe_matmul(rows: jax.Array, w: fp4_nk.MXFP4NKWeight | fp4_nk.NVFP4NKW
   p = pair_experts.shape[0]
   if n % 16 or n < 128:
     raise NotImplementedError(f"N={n}: the wgmma MoE kernel needs N >= 128, a multiple of 16")
-  if num_sms is None:
-    num_sms = getattr(jax.devices()[0], "core_count", None) or 132
   cfg = config or moe_config_for(p, num_experts, k, n, fp4, num_sms)
-  if cfg.scale_accumulator:
-    raise NotImplementedError("scale_accumulator: FP4 block scales are applied to the "
-                              "weights as they are converted; use scale_accumulator=False")
-  if k % cfg.split_k or (k // cfg.split_k) % cfg.tile_k:
-    raise NotImplementedError(
-        f"K={k} split {cfg.split_k} ways is not a multiple of tile_k={cfg.tile_k}")
-  _check_tiles(k, 128, cfg)  # the K steps against chain_tiles (any N >= 128 is tiled)
+  _check_fp4_steps(k, cfg)  # (any N >= 128 is tiled: no _check_n)
   tm = cfg.tile_m
   if p <= _PER_PAIR_MAX_PAIRS:
-    return _per_pair(rows, w, pair_rows, pair_experts, cfg, num_sms, fp4)
+    return _per_pair(rows, w, pair_rows, pair_experts, cfg, num_sms)
   groups = moe.group_by_expert(pair_experts, num_experts, tm)
   # Row tiles [T, tile_m, K]: each tile's pairs' rows, then a zero row (index R) past the
   # tile's end; one gather of whole rows by a small index array.
@@ -949,7 +967,7 @@ def fp4_nk_moe_matmul(rows: jax.Array, w: fp4_nk.MXFP4NKWeight | fp4_nk.NVFP4NKW
   x_tiles = x_tiles.reshape(-1, tm, k)
   tile_rows = groups.tile_ends - groups.tile_starts
   table = (groups.tile_experts, tile_rows, jnp.sum(tile_rows > 0).astype(jnp.int32))
-  y = _grouped_call(x_tiles, w, table, cfg, num_sms, fp4)              # [T, tm, N]
+  y = _run_kernel(x_tiles, w, cfg, num_sms, table)                     # [T, tm, N]
   # Sorted position s of expert e lies in e's tile (s - group_starts[e]) // tile_m, at
   # row (s - group_starts[e]) % tile_m; e's tiles follow those of the experts before it.
   # The row of each pair, in pair order, then one gather of whole rows (H100, T = 64:
@@ -960,33 +978,14 @@ def fp4_nk_moe_matmul(rows: jax.Array, w: fp4_nk.MXFP4NKWeight | fp4_nk.NVFP4NKW
   local = jnp.arange(p, dtype=jnp.int32) - groups.group_starts[expert]
   row_sorted = (first_tile[expert] + local // tm) * tm + local % tm
   row = jnp.zeros((p,), jnp.int32).at[groups.order].set(row_sorted)
-  return y.reshape(-1, n)[row].astype(jnp.bfloat16)
-
-
-def _grouped_call(x_tiles: jax.Array, w: Any, table: tuple[jax.Array, ...],
-                  cfg: WgmmaConfig, num_sms: int, fp4: str) -> jax.Array:
-  """The kernel over row tiles ``x_tiles [T, tile_m, K]`` and the tile table of
-  :func:`_kernel_call` -> ``[T, tile_m, N]`` float32 (split_k > 1) or bf16, reading the
-  expert stacks in place (also a layer of them under ``qjax.layer_of``)."""
-  k = w.shape[0]
-  arrays = [w.codes, w.scales] + ([w.global_scale] if fp4 == "nvfp4" else [])
-  stacks, in_stack, layer = stacked_lib.read_in_place(arrays)
-  if not all(in_stack):
-    stacks, layer = arrays, None
-  codes, scales, *global_scale = stacks
-  scales = lax.bitcast_convert_type(scales, jnp.uint8)
-  wt = lax.bitcast_convert_type(codes, jnp.int4).reshape(*codes.shape[:-1], k)
-  out_dtype = jnp.float32 if cfg.split_k > 1 else jnp.bfloat16
-  y = _kernel_call(x_tiles, wt, scales, layer, cfg, w.block_size, num_sms, out_dtype, fp4,
-                   global_scale[0] if global_scale else None, tile_table=table)
-  return y[0] if cfg.split_k == 1 else y.sum(0)
+  return y.reshape(-1, n)[row]
 
 
 def _per_pair(rows: jax.Array, w: Any, pair_rows: jax.Array, pair_experts: jax.Array,
-              cfg: WgmmaConfig, num_sms: int, fp4: str) -> jax.Array:
+              cfg: WgmmaConfig, num_sms: int) -> jax.Array:
   """:func:`fp4_nk_moe_matmul` with one row tile per pair (its row, then zeros)."""
   p, k = pair_experts.shape[0], w.shape[0]
   source = jnp.full((p, cfg.tile_m), rows.shape[0], jnp.int32).at[:, 0].set(pair_rows)
   x_tiles = jnp.concatenate([rows, jnp.zeros((1, k), rows.dtype)])[source]
   table = (pair_experts.astype(jnp.int32), jnp.ones((p,), jnp.int32), jnp.int32(p))
-  return _grouped_call(x_tiles, w, table, cfg, num_sms, fp4)[:, 0].astype(jnp.bfloat16)
+  return _run_kernel(x_tiles, w, cfg, num_sms, table)[:, 0]
