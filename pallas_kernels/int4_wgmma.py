@@ -79,6 +79,8 @@ _SMEM_MAX = 226 * 1024
 _WIDE_K_MAX_TILE_M = 64
 # ... and up to this many apply the group scales to float32 partial products.
 _SCALE_ACC_MAX_TILE_M = 32
+# K a CTA with one tile keeps in flight at most (wide steps; config_for).
+_UNCHAINED_K_IN_FLIGHT = 1536
 
 # The FP4 formats the kernel takes, by the name config_for and _kernel_call know them.
 _FP4_FORMATS = {"mxfp4": fp4_nk.MXFP4NKWeight, "nvfp4": fp4_nk.NVFP4NKWeight}
@@ -224,17 +226,25 @@ def config_for(m: int, k: int, n: int, group_size: int, num_sms: int = 132, *,
   budget = _SMEM_BUDGET
   if tile_m <= _WIDE_K_MAX_TILE_M:
     # Wider K steps read longer rows of W^T per TMA copy (tile_k / 2 bytes): session 18's
-    # sweep at M <= 64 took 512 where two stages fit, else 256 (4-21 % less time than 128).
-    for wide in (512, 256):
+    # sweep at M <= 64 took 512 or 256 (4-21 % less time than 128). 512 where three
+    # stages fit (session 21: at M = 64, where only two do, four of 256 took 5-6 % less).
+    for wide, min_stages in ((512, 3), (256, 2)):
       wide_cfg = dataclasses.replace(cfg, tile_k=wide)
       if (k // split_k % wide == 0 and group_size % 64 == 0
           and (wide % group_size == 0 or group_size % wide == 0)
-          and 2 * wide_cfg.stage_bytes(*scale_args) + cfg.epilogue_bytes() <= _SMEM_MAX):
+          and min_stages * wide_cfg.stage_bytes(*scale_args) + cfg.epilogue_bytes()
+          <= _SMEM_MAX):
         cfg, budget = wide_cfg, _SMEM_MAX
         break
   stages = (budget - cfg.epilogue_bytes()) // cfg.stage_bytes(*scale_args)
   stages = max(2, min(4 if tile_m == 256 else 8, stages))
   steps = _k_steps(k, cfg)
+  if tiles * split_k <= num_sms and cfg.tile_k > 128:
+    # One tile per CTA: the loads in flight at the end arrive together and their compute
+    # follows the last byte, so a CTA keeps 1024-1536 of K in flight (session 21, H100,
+    # M = 1 / 16 on the three smaller shapes: 3 stages of 512 or 4 of 256 took 5-10 % less
+    # time than 4 of 512; the chained tiles of 8192x28672 keep 4 of 512).
+    stages = min(stages, _UNCHAINED_K_IN_FLIGHT // cfg.tile_k)
   if tiles * split_k > num_sms and cfg.tile_k > 128:
     # Wide steps drop to the deepest pipeline that divides the K steps, so that the tiles
     # chain (session 18, M = 1 / 32 on 8192x28672: 4 stages chained 45.5 / 51.8 us against
@@ -923,7 +933,9 @@ def fp4_nk_moe_matmul(rows: jax.Array, w: fp4_nk.MXFP4NKWeight | fp4_nk.NVFP4NKW
   its tile's expert where they lie in the stack, so no unselected expert is read and no
   expert is dequantized in memory. Tiles of the table past the active ones are skipped.
   Up to :data:`_PER_PAIR_MAX_PAIRS` pairs (decode), each pair is a row tile of its own
-  instead, which spares the sorting.
+  instead, which spares the sorting; up to a few hundred, the same tiles as the sort's come
+  from comparisons of the pairs (:func:`qjax._src.moe.tile_slots`, fewer and smaller XLA
+  kernels than a sort and the index arithmetic around it).
 
   Args:
     rows: ``[R, K]`` bf16.
@@ -957,6 +969,8 @@ def fp4_nk_moe_matmul(rows: jax.Array, w: fp4_nk.MXFP4NKWeight | fp4_nk.NVFP4NKW
   tm = cfg.tile_m
   if p <= _PER_PAIR_MAX_PAIRS:
     return _per_pair(rows, w, pair_rows, pair_experts, cfg, num_sms)
+  if moe.tile_slots_comparisons(p, num_experts, tm) <= moe.TILE_SLOTS_MAX_COMPARISONS:
+    return _by_slots(rows, w, pair_rows, pair_experts, cfg, num_sms)
   groups = moe.group_by_expert(pair_experts, num_experts, tm)
   # Row tiles [T, tile_m, K]: each tile's pairs' rows, then a zero row (index R) past the
   # tile's end; one gather of whole rows by a small index array.
@@ -979,6 +993,19 @@ def fp4_nk_moe_matmul(rows: jax.Array, w: fp4_nk.MXFP4NKWeight | fp4_nk.NVFP4NKW
   row_sorted = (first_tile[expert] + local // tm) * tm + local % tm
   row = jnp.zeros((p,), jnp.int32).at[groups.order].set(row_sorted)
   return y.reshape(-1, n)[row]
+
+
+def _by_slots(rows: jax.Array, w: Any, pair_rows: jax.Array, pair_experts: jax.Array,
+              cfg: WgmmaConfig, num_sms: int) -> jax.Array:
+  """:func:`fp4_nk_moe_matmul`'s grouped route with :func:`qjax._src.moe.tile_slots`
+  (decode sizes): the same tiles as the sorting route, found by comparisons."""
+  k, tm = w.shape[0], cfg.tile_m
+  slots = moe.tile_slots(pair_experts, w.codes.shape[0], tm)
+  zero_row = jnp.append(pair_rows, rows.shape[0])  # source P (no pair): the zero row
+  x_tiles = jnp.concatenate([rows, jnp.zeros((1, k), rows.dtype)])[zero_row[slots.source]]
+  table = (slots.tile_experts, slots.tile_rows, slots.active)
+  y = _run_kernel(x_tiles.reshape(-1, tm, k), w, cfg, num_sms, table)  # [T, tm, N]
+  return y.reshape(-1, w.shape[1])[slots.slot]
 
 
 def _per_pair(rows: jax.Array, w: Any, pair_rows: jax.Array, pair_experts: jax.Array,

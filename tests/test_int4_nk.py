@@ -406,8 +406,7 @@ def test_profile_makes_room_for_its_buffer():
   stage fewer, then half the K step, chained only where the stages divide the steps."""
   mod = _profile_example()
   k = 8192
-  cfg = kw.config_for(64, k, 28672, 128)
-  assert (cfg.tile_k, cfg.stages, cfg.chain_tiles) == (512, 2, True)
+  cfg = kw.WgmmaConfig(tile_m=64, tile_k=512, stages=2, chain_tiles=True)
   smaller = mod.room_for_profiler(cfg, k)
   assert (smaller.tile_k, smaller.stages, smaller.chain_tiles) == (256, 2, True)
   assert smaller.stages * smaller.stage_bytes() < cfg.stages * cfg.stage_bytes()

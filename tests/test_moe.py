@@ -92,6 +92,31 @@ def test_group_by_expert_tiles_cover_each_group_once(rng, p, e, block_m):
   assert active <= len(g.tile_experts) == moe.max_row_tiles(p, e, block_m)
 
 
+@pytest.mark.parametrize("p,e,tile_m", [(1, 4, 16), (12, 4, 16), (256, 128, 8),
+                                        (200, 8, 64), (7, 8, 2), (64, 128, 8)])
+def test_tile_slots_are_group_by_experts_tiles(rng, p, e, tile_m):
+  """tile_slots (comparisons) puts each pair in the tile and row that group_by_expert's
+  table (a sort) gives it, and the slot table inverts the pair table."""
+  ids = rng.integers(0, e, p).astype(np.int32)
+  ids[: p // 3] = e - 1  # one expert receives a third of the pairs
+  g = jax.tree.map(np.asarray, moe.group_by_expert(jnp.asarray(ids), e, tile_m))
+  s = jax.tree.map(np.asarray, jax.jit(moe.tile_slots, static_argnums=(1, 2))(
+      jnp.asarray(ids), e, tile_m))
+  tiles = moe.max_row_tiles(p, e, tile_m)
+  assert s.tile_experts.shape == s.tile_rows.shape == (tiles,)
+  assert s.source.shape == (tiles * tile_m,)
+  np.testing.assert_array_equal(s.tile_rows, g.tile_ends - g.tile_starts)
+  assert int(s.active) == int(np.sum(s.tile_rows > 0))
+  assert (s.tile_rows[: int(s.active)] > 0).all() and (s.tile_rows[int(s.active):] == 0).all()
+  assert np.isin(s.tile_experts, ids).all(), "a tile names an expert no pair selected"
+  for t in range(int(s.active)):
+    assert s.tile_experts[t] == g.tile_experts[t]
+    np.testing.assert_array_equal(s.source[t * tile_m: t * tile_m + s.tile_rows[t]],
+                                  g.order[g.tile_starts[t]: g.tile_ends[t]])
+  np.testing.assert_array_equal(s.source[s.slot], np.arange(p))
+  assert np.sum(s.source < p) == p and (s.source[s.source >= p] == p).all()
+
+
 # ------------------------------------------------------------------------ the suite
 
 # (T, E, top_k): decode and prefill sizes, every top_k that fits.

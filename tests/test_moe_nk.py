@@ -207,12 +207,36 @@ def test_wgmma_moe_matches_float64(request, fmt, tokens, experts, k, n, top_k, o
   assert_moe_close(y, moe_reference(x, w, ids))
 
 
+def _force_route(monkeypatch, route):
+  """Makes fp4_nk_moe_matmul take ``route``: "per_pair" (a row tile per pair), "slots"
+  (grouped tiles from moe.tile_slots) or "sort" (grouped tiles from group_by_expert)."""
+  monkeypatch.setattr(kw, "_PER_PAIR_MAX_PAIRS", 1 << 20 if route == "per_pair" else 0)
+  monkeypatch.setattr(moe, "TILE_SLOTS_MAX_COMPARISONS", 1 << 40 if route == "slots" else 0)
+
+
+ROUTES = ["per_pair", "slots", "sort"]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_each_route_lowers_for_cuda(request, monkeypatch, route):
+  _force_route(monkeypatch, route)
+  experts, k, n = 8, 512, 256
+  x, _, wn, ids = make_moe(request.node.nodeid, 20, experts, k, n, 2)
+
+  def fn(a, b, c):
+    return kw.fp4_nk_moe_matmul(a, b, jnp.arange(40, dtype=jnp.int32) // 2, c.reshape(-1),
+                                num_sms=132)
+  text = _lower(fn, x, wn, ids)
+  assert "mosaic_gpu" in text
+  assert ("stablehlo.sort" in text) == (route == "sort")
+
+
 @needs_gpu
 @needs_hopper
-@pytest.mark.parametrize("per_pair_max", [0, 64])
-def test_wgmma_moe_either_route(request, monkeypatch, per_pair_max):
-  """The same calls sorted and grouped by expert, and with a row tile per pair."""
-  monkeypatch.setattr(kw, "_PER_PAIR_MAX_PAIRS", per_pair_max)
+@pytest.mark.parametrize("route", ROUTES)
+def test_wgmma_moe_every_route(request, monkeypatch, route):
+  """The same calls with a row tile per pair, and grouped by expert with either table."""
+  _force_route(monkeypatch, route)
   for tokens, experts, top_k in [(1, 8, 4), (3, 4, 2), (12, 6, 3)]:
     x, w, wn, ids = make_moe(f"{request.node.nodeid}/{tokens}", tokens, experts, 1024, 384,
                              top_k)

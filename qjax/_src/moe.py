@@ -18,6 +18,8 @@ calls, the grouped kernel the rest.
 
 :func:`group_by_expert` is the routing metadata both share: the pairs sorted by expert, each
 expert's group of rows, and a table of row tiles that a grouped-GEMM grid walks.
+:func:`tile_slots` gives the same tiles per pair and per row slot without sorting (decode
+sizes).
 """
 
 from __future__ import annotations
@@ -139,6 +141,76 @@ def group_by_expert(pair_experts: jax.Array, num_experts: int, block_m: int) -> 
   return ExpertGroups(order=order, group_sizes=sizes, group_starts=starts,
                       tile_experts=expert, tile_starts=tile_starts.astype(jnp.int32),
                       tile_ends=tile_ends.astype(jnp.int32))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TileSlots:
+  """Where each (row, expert) pair goes in a grouped GEMM's row tiles, without sorting.
+
+  The tiles of :class:`ExpertGroups` (expert by expert, ``tile_m`` rows each, a pair's
+  rank among its expert's pairs deciding its row), given per pair and per row slot instead
+  of by sorted position: :func:`tile_slots` computes them with a few comparisons of all
+  pairs against each other, no sort and no scatter (a handful of small XLA fusions: for a
+  few hundred pairs, cheaper than ``argsort`` and the index arithmetic around it).
+
+  Attributes:
+    slot: ``[P]`` int32, the row ``tile * tile_m + r`` of pair ``p``'s product.
+    source: ``[tiles * tile_m]`` int32, the pair in each row slot, or ``P`` for none.
+    tile_experts: ``[tiles]`` int32; tiles past the active ones name the first pair's
+      expert (a selected one).
+    tile_rows: ``[tiles]`` int32 pairs in each tile, 0 past the active ones.
+    active: ``[]`` int32 non-empty tiles (they come first).
+  """
+  slot: jax.Array
+  source: jax.Array
+  tile_experts: jax.Array
+  tile_rows: jax.Array
+  active: jax.Array
+
+
+# tile_slots compares every pair with every row slot: up to this many comparisons
+# (callers above it sort instead, with group_by_expert).
+TILE_SLOTS_MAX_COMPARISONS = 1 << 22
+
+
+def tile_slots_comparisons(num_pairs: int, num_experts: int, tile_m: int) -> int:
+  """The size of :func:`tile_slots`' largest comparison: row slots times pairs."""
+  return max_row_tiles(num_pairs, num_experts, tile_m) * tile_m * num_pairs
+
+
+def tile_slots(pair_experts: jax.Array, num_experts: int, tile_m: int) -> TileSlots:
+  """The row tiles of ``pair_experts [P]`` (ints in ``[0, E)``) in :class:`TileSlots`
+  form: expert ``e``'s ``ceil(g_e / tile_m)`` tiles follow those of the experts before it,
+  and its pairs fill them in pair order. Jittable, static shapes (``max_row_tiles``
+  tiles); work ``O(P * (P + E) + tiles * (E + tile_m * P))``
+  (:func:`tile_slots_comparisons`), for decode-sized P."""
+  p = pair_experts.shape[0]
+  e = pair_experts.astype(jnp.int32)
+  pair = jnp.arange(p, dtype=jnp.int32)
+  same = e[:, None] == e[None, :]                                          # [P, P]
+  local = jnp.sum(same & (pair[None, :] < pair[:, None]), axis=1, dtype=jnp.int32)
+  expert = jnp.arange(num_experts, dtype=jnp.int32)
+  sizes = jnp.sum(e[None, :] == expert[:, None], axis=1, dtype=jnp.int32)  # [E]
+  tiles_per_expert = (sizes + tile_m - 1) // tile_m
+  first_tile = jnp.sum(jnp.where(expert[None, :] < expert[:, None],
+                                 tiles_per_expert[None, :], 0), axis=1, dtype=jnp.int32)
+  slot = (first_tile[e] + local // tile_m) * tile_m + local % tile_m
+  num_tiles = max_row_tiles(p, num_experts, tile_m)
+  tile = jnp.arange(num_tiles, dtype=jnp.int32)
+  # Tile t belongs to the first expert whose tiles end after t.
+  ends = first_tile + tiles_per_expert
+  tile_expert = jnp.sum(ends[None, :] <= tile[:, None], axis=1, dtype=jnp.int32)
+  in_use = tile_expert < num_experts
+  tile_expert = jnp.where(in_use, tile_expert, e[0])
+  rows = jnp.clip(sizes[tile_expert] - (tile - first_tile[tile_expert]) * tile_m, 0, tile_m)
+  rows = jnp.where(in_use, rows, 0)
+  position = jnp.arange(num_tiles * tile_m, dtype=jnp.int32)
+  hit = slot[None, :] == position[:, None]                                 # [S, P]
+  source = jnp.where(jnp.any(hit, axis=1),
+                     jnp.sum(jnp.where(hit, pair[None, :], 0), axis=1, dtype=jnp.int32), p)
+  return TileSlots(slot=slot, source=source, tile_experts=tile_expert, tile_rows=rows,
+                   active=jnp.sum(tiles_per_expert, dtype=jnp.int32))
 
 
 def inverse_permutation(order: jax.Array) -> jax.Array:
