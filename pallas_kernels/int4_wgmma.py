@@ -415,12 +415,14 @@ def _pairs_to_fragments(w4, shape, first_run: int, runs: int, pair):
   return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
 
-# E2M1 -> bf16 (see _e2m1_to_bf16_fragments): the bf16 bits of a nibble's exponent and
-# mantissa bits (8, 7, 6) and of its sign (15), in both halves; 2**126 in bf16, both halves.
-_E2M1_MAGNITUDE_BITS = 0x01C001C0
-_E2M1_SIGN_BITS = 0x80008000
+# E2M1 -> bf16 (see _e2m1_to_bf16_fragments): the bf16 bits of a code's exponent and
+# mantissa (8, 7, 6) and sign (15), in both halves; those of pair 3's codes that the stored
+# word holds in place (8, 7, 15), and its mantissa's (6); 2**126 in bf16, both halves.
+_E2M1_BITS = 0x81C081C0
+_E2M1_PAIR3_IN_PLACE = 0x81808180
+_E2M1_PAIR3_MANTISSA = 0x00400040
 _BF16X2_2_126 = 0x7E807E80
-_LOP3_OR_AND_C = 0xF8  # LOP3 truth table of a | (b & c) (a = 0xF0, b = 0xCC, c = 0xAA)
+_LOP3_AND_OR_C = 0xEA  # LOP3 truth table of (a & b) | c (a = 0xF0, b = 0xCC, c = 0xAA)
 
 
 # PTX of one block scale byte (``$1``, zero-extended) -> the bf16 factor of its weights,
@@ -441,6 +443,21 @@ _SCALE_TO_BF16X2 = {
 _FOLDED_BIAS_SHIFT = {"nvfp4": 8}
 
 
+def _e2m1_pair_ptx(i: int, fp4: str) -> str:
+  """PTX of pair ``i`` (0..3) of a stored FP4 NK word (``$1``; :data:`qjax._src.fp4_nk.
+  STORED_BIT`) times the scale factor ``$2`` (bf16x2, :data:`_SCALE_TO_BF16X2`) -> ``$0``,
+  the pair's two bf16 weights (see :func:`_e2m1_to_bf16_fragments`)."""
+  if i < 3:  # one rotation places all eight bits
+    bits = (f"shf.l.wrap.b32 b, $1, $1, {fp4_nk.PAIR_ROTATION[i]}; "
+            f"and.b32 b, b, {_E2M1_BITS:#010x}; ")
+  else:  # six bits in place, the mantissas 8 above theirs
+    bits = (f"shr.u32 u, $1, 8; and.b32 u, u, {_E2M1_PAIR3_MANTISSA:#010x}; "
+            f"lop3.b32 b, $1, {_E2M1_PAIR3_IN_PLACE:#010x}, u, {_LOP3_AND_OR_C:#04x}; ")
+  bias = ("" if fp4 in _FOLDED_BIAS_SHIFT
+          else f"mov.b32 c, {_BF16X2_2_126:#010x}; mul.rn.bf16x2 b, b, c; ")
+  return f"{{ .reg .b32 u, b, c; {bits}{bias}mul.rn.bf16x2 $0, b, $2; }}"
+
+
 def _e2m1_to_bf16_fragments(w, scales, first_run: int, runs: int, fp4: str):
   """``w``: E2M1 codes ``[tile_n, tile_k]`` (as int4 bits) in the WGMMA_UPCAST_4X layout,
   in :class:`qjax.MXFP4NKWeight`'s fragment order; ``scales``: the block scale rows
@@ -449,9 +466,11 @@ def _e2m1_to_bf16_fragments(w, scales, first_run: int, runs: int, fp4: str):
   -> bf16 weights ``[tile_n, 32 * runs]`` of the runs ``first_run ..`` in wgmma's
   register operand layout, each ``e2m1(q) * scale``, exact.
 
-  Per pair of codes (nibbles ``i`` and ``i + 4`` of a word, as for INT4): a shift and an
-  AND put each nibble's exponent and mantissa bits at bf16 bits 8..6, a shift and a LOP3
-  add its sign at bit 15. That is E2M1 times 2 ** -126 (exponent bias 1 against bf16's
+  Per pair of codes (nibbles ``i`` and ``i + 4`` of a fragment-order word, as for INT4,
+  whose bits the format stores where :data:`qjax._src.fp4_nk.STORED_BIT` says): for pairs 0
+  to 2 a rotation and an AND put both codes' exponent and mantissa bits at bf16 bits 8..6
+  and their signs at bit 15; for pair 3 a shift, an AND and a LOP3 (the mantissas move,
+  the rest is in place). That is E2M1 times 2 ** -126 (exponent bias 1 against bf16's
   127; E2M1's subnormal 0.5 is bf16's subnormal 2 ** -127), and exact multiplies follow.
   MXFP4: by ``2 ** 126``, then by the scale ``e << 7``, bf16 ``2 ** (e - 127)`` (``e =
   0`` gives 0 instead of ``2 ** -127``, ``e = 255`` infinity instead of NaN). NVFP4: one
@@ -459,8 +478,6 @@ def _e2m1_to_bf16_fragments(w, scales, first_run: int, runs: int, fp4: str):
   its weights come out ``2 ** -8`` of their value (:data:`_FOLDED_BIAS_SHIFT`; the
   epilogue multiplies the sums back with the tensor scale).
   """
-  folded = fp4 in _FOLDED_BIAS_SHIFT
-  bias = "" if folded else f"mov.b32 c, {_BF16X2_2_126:#010x}; mul.rn.bf16x2 b, b, c; "
   per_run = len(scales) // runs
   shape = (w.shape[0], runs * int4_nk.CHUNK)
   row = plgpu.Layout.WGMMA.reduce(1)
@@ -487,15 +504,7 @@ def _e2m1_to_bf16_fragments(w, scales, first_run: int, runs: int, fp4: str):
 
     def pair(word, i32, idx, i):
       s2 = scale2[(idx[1] - first_run) * per_run + i * per_run // 4][(idx[0], idx[4])]
-      up = f"shl.b32 u, $1, {6 - 4 * i};" if i < 2 else f"shr.u32 u, $1, {4 * i - 6};"
-      sign = f"shl.b32 v, $1, {12 - 4 * i};" if i < 3 else "mov.b32 v, $1;"
-      return llvm.inline_asm(
-          i32, [word, s2],
-          f"{{ .reg .b32 u, v, b, c; {up} {sign} "
-          f"and.b32 u, u, {_E2M1_MAGNITUDE_BITS:#010x}; "
-          f"lop3.b32 b, u, v, {_E2M1_SIGN_BITS:#010x}, {_LOP3_OR_AND_C:#04x}; "
-          f"{bias}mul.rn.bf16x2 $0, b, $2; }}",
-          "=r,r,r")
+      return llvm.inline_asm(i32, [word, s2], _e2m1_pair_ptx(i, fp4), "=r,r,r")
 
     return _pairs_to_fragments(w4, shape, first_run, runs, pair)
 

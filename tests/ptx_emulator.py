@@ -4,12 +4,14 @@
 Values are numpy arrays. Every named register must be declared (``.reg``) with the type
 its instruction needs, or the other 32-bit type (PTX lets a ``.b32`` register serve as an
 ``.f32`` operand and back; the bits are reinterpreted). Covered: ``shl.b32``,
-``shr.u32``, ``and.b32``, ``add.u32``, ``lop3.b32``, ``prmt.b32`` (default mode, the
+``shr.u32``, ``shf.l.wrap.b32``, ``and.b32``, ``add.u32``, ``lop3.b32``, ``prmt.b32``
+(default mode, the
 sign-replicating selectors included), ``mov.b32`` (also
 the ``{lo, hi}`` split into two b16), ``cvt.f32.f16``, ``neg.f32``, ``mov.f32``,
 ``mul.rn.f32`` and ``fma.rn.f32`` (the exact product and sum in float64, then one
 rounding to float32: double rounding aside, which tolerances absorb), ``fma.rn.bf16x2``
-(per half, the same in float64, then one rounding to bfloat16, subnormals kept);
+and ``mul.rn.bf16x2`` (per half, the same in float64, then one rounding to bfloat16,
+subnormals kept);
 immediates ``0x..`` (integers) and ``0f..`` (float32 bits).
 """
 
@@ -89,6 +91,12 @@ def emulate(asm: str, operands: dict, result: str = "$0") -> np.ndarray:
     if op in ("shl.b32", "shr.u32"):
       v, amount = get(args[0], "u"), np.uint32(get(args[1], "u"))
       put(dst, "u", (v << amount) if op == "shl.b32" else (v >> amount))
+    elif op == "shf.l.wrap.b32":  # the high word of {b, a} << (c mod 32)
+      lo, hi = (np.uint64(0) | get(t, "u") for t in args[:2])
+      both = (hi << np.uint64(32)) | lo
+      amount = np.uint64(int(get(args[2], "u")) % 32)
+      put(dst, "u", (((both << amount) >> np.uint64(32)) & np.uint64(0xFFFFFFFF))
+          .astype(np.uint32))
     elif op == "mov.b32":
       put(dst, "u", get(args[0], "u"))
     elif op == "and.b32":
@@ -113,14 +121,14 @@ def emulate(asm: str, operands: dict, result: str = "$0") -> np.ndarray:
     elif op == "fma.rn.f32":
       a, b, c = (np.float64(1) * get(t, "f") for t in args)
       put(dst, "f", (a * b + c).astype(np.float32))
-    elif op == "fma.rn.bf16x2":
+    elif op in ("fma.rn.bf16x2", "mul.rn.bf16x2"):
       words = [np.uint32(0) | get(t, "u") for t in args]
       out = np.uint32(0)
       for shift in (0, 16):
-        a, b, c = (((v >> np.uint32(shift)) & np.uint32(0xFFFF)).astype(np.uint16)
-                   .view(ml_dtypes.bfloat16).astype(np.float64) for v in words)
-        half = (a * b + c).astype(ml_dtypes.bfloat16).view(np.uint16).astype(np.uint32)
-        out = out | (half << np.uint32(shift))
+        a, b, *c = (((v >> np.uint32(shift)) & np.uint32(0xFFFF)).astype(np.uint16)
+                    .view(ml_dtypes.bfloat16).astype(np.float64) for v in words)
+        half = (a * b + c[0] if c else a * b).astype(ml_dtypes.bfloat16)  # keeps -0
+        out = out | (half.view(np.uint16).astype(np.uint32) << np.uint32(shift))
       put(dst, "u", out)
     else:
       raise AssertionError(f"the emulator does not know {op!r}")

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import qjax
+from qjax._src import fp4_nk
 from qjax._src import packing
 from qjax._src import stacked
 from pallas_kernels import int4_wgmma as kw
@@ -81,16 +82,79 @@ def assert_each_output_close(y, ref):
   assert worst <= 1.0, f"an output is off by {worst:.2f}x its rounding bound"
 
 
+# Where bit b (mantissa, exponent low, exponent high, sign) of code e of a word is stored:
+# pairs (e, e + 4) for e = 0..2 one rotation apart from bf16's bits 8..6 and 15 (and their
+# high-half mirror), pair 3 with its exponents and signs in place.
+STORED_BIT = {0: (0, 1, 2, 9), 1: (4, 5, 6, 13), 2: (10, 11, 12, 19), 3: (14, 7, 8, 15),
+              4: (16, 17, 18, 25), 5: (20, 21, 22, 29), 6: (26, 27, 28, 3),
+              7: (30, 23, 24, 31)}
+
+
 def fragment_order_reference(q):
-  """numpy: nibble e of word (n, 4t + c) holds q[32t + 8 (e % 4) + 2c + e // 4, n]."""
+  """numpy: code e of word (n, 4t + c) is q[32t + 8 (e % 4) + 2c + e // 4, n], its bits
+  where :data:`STORED_BIT` says."""
   k, n = q.shape
   words = np.zeros((n, k // 8), np.uint64)
   for t in range(k // 32):
     for c in range(4):
       for e in range(8):
-        words[:, 4 * t + c] |= q[32 * t + 8 * (e % 4) + 2 * c + e // 4, :].astype(
-            np.uint64) << (4 * e)
+        code = q[32 * t + 8 * (e % 4) + 2 * c + e // 4, :].astype(np.uint64)
+        for b, at in enumerate(STORED_BIT[e]):
+          words[:, 4 * t + c] |= (code >> np.uint64(b) & np.uint64(1)) << np.uint64(at)
   return words.astype(np.uint32)
+
+
+def test_stored_bits_are_the_documented_ones_and_invert():
+  assert {e: tuple(v) for e, v in enumerate(fp4_nk.STORED_BIT)} == STORED_BIT
+  words = np.random.default_rng(0).integers(0, 2 ** 32, 4096, dtype=np.uint64).astype(
+      np.uint32)
+  for conv in (np.asarray, jnp.asarray):
+    w = conv(words)
+    np.testing.assert_array_equal(np.asarray(fp4_nk.from_stored_words(
+        fp4_nk.to_stored_words(w))), words)
+    np.testing.assert_array_equal(np.asarray(fp4_nk.to_stored_words(
+        fp4_nk.from_stored_words(w))), words)
+    for e in range(8):
+      np.testing.assert_array_equal(
+          np.asarray(fp4_nk.stored_nibble(fp4_nk.to_stored_words(w), e)),
+          (words >> np.uint32(4 * e)) & np.uint32(0xF))
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("pair", range(4))
+def test_pair_ptx_makes_each_pairs_weights_exactly(request, fmt, pair):
+  """The kernel's PTX of each pair of a stored word (tests/ptx_emulator.py) gives the two
+  codes' E2M1 values times the block scale as bf16, exactly, for all 256 code pairs (the
+  word's other codes random), and, for NVFP4, 2**-8 of that (the epilogue restores it)."""
+  import ptx_emulator  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(seed_from(request.node.nodeid))
+  lo, hi = np.meshgrid(np.arange(16), np.arange(16))
+  lo, hi = lo.ravel().astype(np.uint32), hi.ravel().astype(np.uint32)
+  frag = rng.integers(0, 2 ** 32, lo.shape, dtype=np.uint64).astype(np.uint32)
+  frag &= ~np.uint32(0xF << 4 * pair | 0xF << 4 * (pair + 4))
+  frag |= lo << np.uint32(4 * pair) | hi << np.uint32(4 * (pair + 4))
+  if fmt == "mxfp4":
+    e = rng.integers(100, 150, lo.shape)
+    scale = np.exp2(e - 127.0)
+    factor = (e << 7).astype(np.uint32)  # E8M0 as bf16 bits
+    shift = 0
+  else:
+    bits = rng.integers(0x08, 0x7F, lo.shape).astype(np.uint8) | (
+        rng.integers(0, 2, lo.shape).astype(np.uint8) << 7)
+    scale = bits.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    factor = (scale * 2.0 ** 118).astype(ml_dtypes.bfloat16).view(np.uint16).astype(
+        np.uint32)
+    shift = 8
+  asm = kw._e2m1_pair_ptx(pair, fmt)
+  asm = asm.replace("{ ", "{\n").replace("; ", ";\n").replace(" }", "\n}")
+  out = ptx_emulator.emulate(asm, {1: fp4_nk.to_stored_words(frag),
+                                   2: factor | factor << np.uint32(16)})
+  for half, code in ((0, lo), (16, hi)):
+    got = ((out >> np.uint32(half)) & np.uint32(0xFFFF)).astype(np.uint16).view(
+        ml_dtypes.bfloat16).astype(np.float64)
+    want = code.astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64) * scale
+    np.testing.assert_array_equal(got, want * 2.0 ** -shift)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))  # -0 too
 
 
 @pytest.mark.parametrize("fmt", FMTS)
@@ -172,6 +236,13 @@ def test_save_and_load(request, tmp_path, fmt):
   for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(wn)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   np.testing.assert_array_equal(np.asarray(back.dequantize()), np.asarray(w.dequantize()))
+  # A file of sessions 19-20 (nibbles in order, format "mxfp4_nk") must not load as this.
+  raw = (tmp_path / "w.qjax").read_bytes()
+  old = raw.replace(f'\\"{fmt}_nk.v2\\"'.encode(), f'\\"{fmt}_nk\\"   '.encode())
+  assert old != raw
+  (tmp_path / "old.qjax").write_bytes(old)
+  with pytest.raises(ValueError, match=f"'{fmt}_nk' is retired.*to_{fmt}_nk"):
+    qjax.load(tmp_path / "old.qjax")
 
 
 @pytest.mark.parametrize("fmt", FMTS)

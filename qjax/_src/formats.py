@@ -47,6 +47,10 @@ RETIRED_FORMATS = {
     "int4_nk": "Int4NKWeight's codes of session 16 (plain K order); session 17 stores them "
                "in wgmma fragment order (format 'int4_nk.v2'): save the Int4Weight and "
                "convert it again with qjax.to_int4_nk",
+    **{f"{fmt}_nk": f"{fmt.upper()}NKWeight's codes of sessions 19-20 (nibbles in order); "
+                    f"session 21 stores their bits for the wgmma kernel (format '{fmt}_nk.v2'): "
+                    f"save the {fmt.upper()}Weight and convert it again with qjax.to_{fmt}_nk"
+       for fmt in ("mxfp4", "nvfp4")},
 }
 
 

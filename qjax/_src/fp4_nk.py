@@ -31,6 +31,76 @@ from qjax._src import int4_nk
 from qjax._src import packing
 
 
+# Where each E2M1 code's bits lie in a stored word. In fragment order (int4_nk.fragment_words)
+# nibble e of a word holds one code, and the wgmma kernel converts pair i of the word, nibbles
+# i (low bf16 half) and i + 4 (high half), into bf16 bits: exponent and mantissa at 8..6 and
+# 22..24's mirror, signs at 15 and 31. The stored word places the bits so that, for pairs 0..2,
+# one 32-bit rotation puts all eight in place (then one AND), and for pair 3 six are in place
+# and the mantissa bits need a shift: 9 integer instructions per word instead of 15.
+# STORED_BIT[e][b]: the stored position of bit b (0: mantissa, 1, 2: exponent, 3: sign) of
+# nibble e. A pair-i code of "start" t has its bits at t, t + 1, t + 2 and sign at t + 9,
+# the high code 16 further on (mod 32); rotating left by 6 - t (mod 32) places them.
+_PAIR_START = (0, 4, 10)  # pairs 0, 1, 2; pair 3 takes the remaining bits
+PAIR_ROTATION = tuple((6 - t) % 32 for t in _PAIR_START)
+
+
+def _stored_bits() -> tuple[tuple[int, int, int, int], ...]:
+  low, high = {}, {}
+  for i, t in enumerate(_PAIR_START):
+    low[i] = (t, t + 1, t + 2, t + 9)
+    high[i] = tuple((b + 16) % 32 for b in low[i])
+  low[3], high[3] = (14, 7, 8, 15), (30, 23, 24, 31)  # e1 e0 and s in place, m at 14 / 30
+  return tuple(low[e] if e < 4 else high[e - 4] for e in range(8))
+
+
+STORED_BIT = _stored_bits()
+assert sorted(b for code in STORED_BIT for b in code) == list(range(32))
+
+
+def _moves(e: int) -> dict[int, int]:
+  """``{shift: mask}`` of nibble ``e``: its bits at ``4e + b`` move to ``STORED_BIT[e][b]``,
+  grouped by shift (``stored - fragment``), the mask over the fragment-order bits."""
+  moves: dict[int, int] = {}
+  for b, stored in enumerate(STORED_BIT[e]):
+    moves[stored - (4 * e + b)] = moves.get(stored - (4 * e + b), 0) | 1 << (4 * e + b)
+  return moves
+
+
+def _shift(words, by: int):
+  """``words`` shifted left by ``by`` bits (right where negative), uint32."""
+  return words << np.uint32(by) if by >= 0 else words >> np.uint32(-by)
+
+
+def to_stored_words(words):
+  """Fragment-order words (``int4_nk.fragment_words``) -> the stored words of the FP4 NK
+  formats (:data:`STORED_BIT`); uint32 numpy or jax arrays, elementwise."""
+  out = None
+  for e in range(8):
+    for by, mask in _moves(e).items():
+      part = _shift(words & np.uint32(mask), by)
+      out = part if out is None else out | part
+  return out
+
+
+def stored_nibble(stored, e: int):
+  """Nibble ``e`` of the fragment-order word (an E2M1 code in ``[0, 15]``, uint32) from
+  stored words."""
+  out = None
+  for by, mask in _moves(e).items():
+    part = _shift(stored, -by) & np.uint32(mask)
+    out = part if out is None else out | part
+  return _shift(out, -4 * e)
+
+
+def from_stored_words(stored):
+  """The inverse of :func:`to_stored_words`."""
+  out = None
+  for e in range(8):
+    part = _shift(stored_nibble(stored, e), 4 * e)
+    out = part if out is None else out | part
+  return out
+
+
 class _FP4NKWeight(formats.QuantizedWeight):
   """What MXFP4NKWeight and NVFP4NKWeight share: E2M1 codes ``[N, K // 8]`` in fragment
   order and one scale row per block of K."""
@@ -60,7 +130,7 @@ class _FP4NKWeight(formats.QuantizedWeight):
 
   def codes_nk(self) -> jax.Array:
     """``[..., N, K]`` uint8 E2M1 codes in ``[0, 15]``, K in logical order."""
-    return int4_nk.fragment_nibbles(self.codes, self.shape[0])
+    return int4_nk.fragment_nibbles(from_stored_words(self.codes), self.shape[0])
 
   def block_scales(self) -> jax.Array:  # pragma: no cover - abstract
     """``[..., K // B, N]`` float32 multiplier of each block's E2M1 values."""
@@ -92,14 +162,17 @@ class MXFP4NKWeight(_FP4NKWeight):
   ``W[k, n] = e2m1(q[n, k]) * 2 ** (scales[k // 32, n] - 127)``.
 
   Attributes:
-    codes: ``[N, K // 8]`` uint32; bits ``4e .. 4e + 3`` of word ``(n, 4t + c)`` hold the
-      E2M1 code ``q[n, 32t + 8 (e % 4) + 2c + e // 4]`` (``int4_nk.SLOT_TO_K``).
+    codes: ``[N, K // 8]`` uint32; word ``(n, 4t + c)`` holds the E2M1 codes ``q[n, 32t
+      + 8 (e % 4) + 2c + e // 4]``, e = 0..7 (``int4_nk.SLOT_TO_K``), bit b of code e at
+      bit ``STORED_BIT[e][b]`` (:data:`STORED_BIT`: where the wgmma kernel converts them
+      with the fewest instructions).
     scales: ``[K // 32, N]`` uint8 E8M0 biased exponents (255 is NaN), as
       :class:`~qjax.MXFP4Weight`'s.
     shape: the logical ``(K, N)``; K a multiple of 32.
   """
 
-  format_name = "mxfp4_nk"
+  # ".v2": the stored bit order of session 21 (STORED_BIT).
+  format_name = "mxfp4_nk.v2"
   block_size = fp4.MXFP4_BLOCK
   scale_dtype = np.dtype(np.uint8)
 
@@ -134,7 +207,7 @@ class NVFP4NKWeight(_FP4NKWeight):
     shape: the logical ``(K, N)``; K a multiple of 32.
   """
 
-  format_name = "nvfp4_nk"
+  format_name = "nvfp4_nk.v2"
   block_size = fp4.NVFP4_BLOCK
   scale_dtype = np.dtype(jnp.float8_e4m3fn)
 
@@ -172,7 +245,7 @@ def _fragment_codes(w) -> jax.Array:
   if k % int4_nk.CHUNK:
     raise ValueError(f"{type(w).__name__} with K={k}: the [N, K // 8] layout needs K to be "
                      f"a multiple of {int4_nk.CHUNK}")
-  return int4_nk.fragment_words(w.unpacked_codes())
+  return to_stored_words(int4_nk.fragment_words(w.unpacked_codes()))
 
 
 def to_mxfp4_nk(w: fp4.MXFP4Weight) -> MXFP4NKWeight:
@@ -215,7 +288,7 @@ def _row_xla(x: jax.Array, w: _FP4NKWeight) -> jax.Array:
   block, the sum of its codes' E2M1 values times x, then times the block's scale."""
   k, n = w.shape
   xs = int4_nk.x_in_fragment_order(x)
-  terms = [fp4.decode_e2m1((w.codes >> jnp.uint32(4 * e)) & jnp.uint32(0xF)) * xs[:, e]
+  terms = [fp4.decode_e2m1(stored_nibble(w.codes, e)) * xs[:, e]
            for e in range(8)]  # [N, K // 8] each
   runs = k // int4_nk.CHUNK
   if w.block_size == int4_nk.CHUNK:  # MXFP4: a run is a block
