@@ -618,13 +618,18 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
   global_scale likewise have an expert axis); the first ``active`` tiles have ``rows[t] >
   0``, the others are skipped. (A row offset read from memory, to take the tiles' rows
   from one ``[R, K]`` array, failed Mosaic GPU's layout inference.)
-  Returns ``[split_k, T, tile_m, N]``, garbage in the skipped tiles. N need not be a
+  Returns ``[split_k, T, tile_m, N]``, garbage in the skipped tiles. With a fourth entry
+  ``x_rows [T]`` each tile is one row: x ``[R, 1, K]``, tile ``t`` multiplies row
+  ``x_rows[t]`` (TMA fills the tile's other rows with zeros; an index on the leading axis,
+  unlike a row offset, lowers) and the result is ``[split_k, T, 1, N]`` (the store drops
+  the other rows). N need not be a
   multiple of ``consumers * tile_n``: the last column tile then overlaps the one before
   it, both writing the same values.
   """
   grouped = tile_table is not None
+  row_per_tile = grouped and len(tile_table) == 4
   if grouped:
-    num_row_tiles, _, k = x.shape
+    num_row_tiles, k = tile_table[0].shape[0], x.shape[-1]
     m = num_row_tiles * cfg.tile_m
   else:
     m, k = x.shape
@@ -662,7 +667,7 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
       if g_gmem is not None:
         g_gmem = g_gmem.at[index]
     if grouped:
-      experts_gmem, rows_gmem, active_gmem = refs
+      experts_gmem, rows_gmem, active_gmem, *x_rows_gmem = refs
 
     def pipeline(body, context, state=None):
       return plgpu.emit_pipeline_warp_specialized(
@@ -709,6 +714,8 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
         if grouped:
           expert = experts_gmem.at[mi][...]
           x_tile, out_tile, m0 = x_gmem.at[mi], out_tile.at[mi], 0
+          if row_per_tile:  # x [R, 1, K]: the tile's row, the rest zero-filled by TMA
+            x_tile = x_gmem.at[x_rows_gmem[0].at[mi][...]]
           w_tile, s_tile = w_gmem.at[expert], s_gmem.at[expert]
           if g_gmem is not None:
             g_tile = g_gmem.at[expert]
@@ -773,7 +780,8 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  out_shape = (splits, num_row_tiles, tm, n) if grouped else (splits, m, n)
+  out_shape = ((splits, num_row_tiles, 1 if row_per_tile else tm, n) if grouped
+               else (splits, m, n))
   call = plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
       grid=(grid,), grid_names=("sm",), num_threads=wgs + 1, thread_name="wg",
@@ -1019,9 +1027,9 @@ def _by_slots(rows: jax.Array, w: Any, pair_rows: jax.Array, pair_experts: jax.A
 
 def _per_pair(rows: jax.Array, w: Any, pair_rows: jax.Array, pair_experts: jax.Array,
               cfg: WgmmaConfig, num_sms: int) -> jax.Array:
-  """:func:`fp4_nk_moe_matmul` with one row tile per pair (its row, then zeros)."""
-  p, k = pair_experts.shape[0], w.shape[0]
-  source = jnp.full((p, cfg.tile_m), rows.shape[0], jnp.int32).at[:, 0].set(pair_rows)
-  x_tiles = jnp.concatenate([rows, jnp.zeros((1, k), rows.dtype)])[source]
-  table = (pair_experts.astype(jnp.int32), jnp.ones((p,), jnp.int32), jnp.int32(p))
-  return _run_kernel(x_tiles, w, cfg, num_sms, table)[:, 0]
+  """:func:`fp4_nk_moe_matmul` with one row tile per pair: the kernel reads the pair's row
+  of ``rows`` and writes its row of the result in place (no gather, no slice)."""
+  p, (r, k) = pair_experts.shape[0], rows.shape
+  table = (pair_experts.astype(jnp.int32), jnp.ones((p,), jnp.int32), jnp.int32(p),
+           pair_rows.astype(jnp.int32))
+  return _run_kernel(rows.reshape(r, 1, k), w, cfg, num_sms, table).reshape(p, -1)

@@ -161,12 +161,16 @@ def test_kernel_reads_a_layer_of_expert_stacks_in_place(request):
 
 def _poisoned_moe_run(fn, x, wn, ids, cfg):
   """Runs ``fn`` right after freeing a NaN buffer of the size of the kernel's output
-  ``[split_k, row tiles, tile_m, N]``, so a tile the kernel fails to write reads NaN."""
+  (``[split_k, row tiles, tile_m, N]``, or ``[split_k, pairs, 1, N]`` for a row tile per
+  pair), so a tile the kernel fails to write reads NaN."""
   pairs = ids.size
   c = cfg or kw.moe_config_for(pairs, wn.codes.shape[-3], *wn.shape,
                                kw._fp4_name(wn), jax.devices()[0].core_count)
   tiles = moe.max_row_tiles(pairs, wn.codes.shape[-3], c.tile_m)
-  poison = jnp.full((c.split_k, tiles, c.tile_m, wn.shape[1]), jnp.nan,
+  rows = c.tile_m
+  if pairs <= kw._PER_PAIR_MAX_PAIRS:  # a row per pair, written in place
+    tiles, rows = pairs, 1
+  poison = jnp.full((c.split_k, tiles, rows, wn.shape[1]), jnp.nan,
                     jnp.float32 if c.split_k > 1 else jnp.bfloat16)
   poison.block_until_ready()
   poison.delete()
