@@ -1018,8 +1018,9 @@ def _by_slots(rows: jax.Array, w: Any, pair_rows: jax.Array, pair_experts: jax.A
   (decode sizes): the same tiles as the sorting route, found by comparisons."""
   k, tm = w.shape[0], cfg.tile_m
   slots = moe.tile_slots(pair_experts, w.codes.shape[0], tm)
-  zero_row = jnp.append(pair_rows, rows.shape[0])  # source P (no pair): the zero row
-  x_tiles = jnp.concatenate([rows, jnp.zeros((1, k), rows.dtype)])[zero_row[slots.source]]
+  p = pair_rows.shape[0]
+  filled = (slots.source < p)[:, None]  # slots without a pair multiply a zero row
+  x_tiles = jnp.where(filled, rows[pair_rows[jnp.minimum(slots.source, p - 1)]], 0)
   table = (slots.tile_experts, slots.tile_rows, slots.active)
   y = _run_kernel(x_tiles.reshape(-1, tm, k), w, cfg, num_sms, table)  # [T, tm, N]
   return y.reshape(-1, w.shape[1])[slots.slot]

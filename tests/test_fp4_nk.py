@@ -173,6 +173,19 @@ def test_layout_is_bit_exact(request, k, n, fmt):
   assert wn.nbytes == w.nbytes - (-k % 128) * n // 2
 
 
+# sha256 of the eight pair PTX texts (both formats) as compiled and matched on the H100
+# (session 21: tests/test_fp4_nk.py and tests/test_moe_nk.py, 254 passed).
+_VALIDATED_PAIR_PTX_SHA256 = "af3dcb28f6ec5679993cd6409639ec2de26eeb2bbdd506859b23507229bd7cde"
+
+
+def test_pair_ptx_is_the_one_validated_on_the_gpu():
+  """ptxas runs on the GPU machine only: a changed text must run the GPU tests first (then
+  update the hash)."""
+  import hashlib  # pylint: disable=g-import-not-at-top
+  text = "\n".join(kw._e2m1_pair_ptx(i, f) for f in FMTS for i in range(4))
+  assert hashlib.sha256(text.encode()).hexdigest() == _VALIDATED_PAIR_PTX_SHA256
+
+
 @pytest.mark.parametrize("fmt", FMTS)
 def test_every_code_and_random_scales_decode_as_ml_dtypes(request, fmt):
   """All 16 E2M1 codes in every block. MXFP4: exponents over E8M0's range but for the

@@ -206,11 +206,10 @@ def tile_slots(pair_experts: jax.Array, num_experts: int, tile_m: int) -> TileSl
   rows = jnp.clip(sizes[tile_expert] - (tile - first_tile[tile_expert]) * tile_m, 0, tile_m)
   rows = jnp.where(in_use, rows, 0)
   position = jnp.arange(num_tiles * tile_m, dtype=jnp.int32)
-  hit = slot[None, :] == position[:, None]                                 # [S, P]
-  source = jnp.where(jnp.any(hit, axis=1),
-                     jnp.sum(jnp.where(hit, pair[None, :], 0), axis=1, dtype=jnp.int32), p)
+  # The pair in each slot, P where none: one min over the pairs.
+  source = jnp.min(jnp.where(slot[None, :] == position[:, None], pair[None, :], p), axis=1)
   return TileSlots(slot=slot, source=source, tile_experts=tile_expert, tile_rows=rows,
-                   active=jnp.sum(tiles_per_expert, dtype=jnp.int32))
+                   active=ends[-1])
 
 
 def inverse_permutation(order: jax.Array) -> jax.Array:
