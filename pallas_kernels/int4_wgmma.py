@@ -622,9 +622,10 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
   ``x_rows [T]`` each tile is one row: x ``[R, 1, K]``, tile ``t`` multiplies row
   ``x_rows[t]`` (TMA fills the tile's other rows with zeros; an index on the leading axis,
   unlike a row offset, lowers) and the result is ``[split_k, T, 1, N]`` (the store drops
-  the other rows). N need not be a
-  multiple of ``consumers * tile_n``: the last column tile then overlaps the one before
-  it, both writing the same values.
+  the other rows).
+
+  N need not be a multiple of ``consumers * tile_n``: the last column tile then overlaps
+  the one before it, both writing the same values.
   """
   grouped = tile_table is not None
   row_per_tile = grouped and len(tile_table) == 4
