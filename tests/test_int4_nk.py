@@ -173,6 +173,21 @@ def test_config_for_is_legal(m, k, n):
   steps = k // cfg.split_k // cfg.tile_k
   assert cfg.chain_tiles == (tiles * cfg.split_k > 132 and steps % cfg.stages == 0)
   assert cfg.scale_accumulator == (cfg.tile_m <= 32)
+  if tiles * cfg.split_k <= 132 and cfg.tile_k > 128:
+    # One tile per CTA: at most 1536 of K in flight (BENCHMARKS.md, session 21).
+    assert cfg.stages * cfg.tile_k <= 1536
+  if cfg.tile_m <= 64 and cfg.tile_k == 512:  # 512-wide steps only where 3 stages fit
+    assert 3 * cfg.stage_bytes(128) + cfg.epilogue_bytes() <= kw._SMEM_MAX
+
+
+@pytest.mark.parametrize("m,k,n,want", [
+    # (tile_k, stages, split_k, chained) as the session 21 sweep chose them (H100).
+    (1, 4096, 14336, (512, 3, 1, False)), (16, 14336, 4096, (512, 3, 4, False)),
+    (64, 4096, 14336, (256, 4, 1, False)), (64, 8192, 28672, (256, 4, 1, True)),
+    (16, 8192, 28672, (512, 4, 1, True))])
+def test_config_for_takes_the_swept_small_m_configs(m, k, n, want):
+  cfg = kw.config_for(m, k, n, 128)
+  assert (cfg.tile_k, cfg.stages, cfg.split_k, cfg.chain_tiles) == want
 
 
 @pytest.mark.parametrize("field,value", [("tile_n", 96), ("tile_m", 12), ("tile_m", 264),

@@ -233,6 +233,9 @@ def test_each_route_lowers_for_cuda(request, monkeypatch, route):
   text = _lower(fn, x, wn, ids)
   assert "mosaic_gpu" in text
   assert ("stablehlo.sort" in text) == (route == "sort")
+  calls = pallas_operand_shapes(jax.make_jaxpr(fn)(x, wn, ids).jaxpr)
+  if route == "per_pair":  # the kernel reads the rows as they are: no gathered row tiles
+    assert calls and all((20, 1, k) in shapes for shapes in calls), calls
 
 
 @needs_gpu
