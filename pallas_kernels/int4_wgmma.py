@@ -313,11 +313,6 @@ def _check(x: jax.Array, w: Any, cfg: WgmmaConfig) -> None:
   if k % (cfg.split_k * w.group_size):
     raise NotImplementedError(f"K={k} is not a multiple of split_k * group_size = "
                               f"{cfg.split_k * w.group_size}")
-  _check_tiles(k, n, cfg)
-
-
-def _check_tiles(k: int, n: int, cfg: WgmmaConfig) -> None:
-  """NotImplementedError where N or the K steps do not fit ``cfg``'s tiles."""
   _check_chain(k, cfg)
   _check_n(n, cfg)
 
@@ -945,15 +940,13 @@ def fp4_nk_moe_matmul(rows: jax.Array, w: fp4_nk.MXFP4NKWeight | fp4_nk.NVFP4NKW
   pipeline of :func:`fp4_nk_matmul` as a grouped GEMM (``qjax.moe_matmul``'s canonical
   form).
 
-  The pairs are sorted by expert (:func:`qjax._src.moe.group_by_expert`) and their rows
-  gathered into row tiles of ``tile_m``, each of one expert; the persistent grid walks
-  (row tile, K split, column tile) and each CTA's TMA copies read the codes and scales of
-  its tile's expert where they lie in the stack, so no unselected expert is read and no
-  expert is dequantized in memory. Tiles of the table past the active ones are skipped.
-  Up to :data:`_PER_PAIR_MAX_PAIRS` pairs (decode), each pair is a row tile of its own
-  instead, which spares the sorting; up to a few hundred, the same tiles as the sort's come
-  from comparisons of the pairs (:func:`qjax._src.moe.tile_slots`, fewer and smaller XLA
-  kernels than a sort and the index arithmetic around it).
+  The pairs' rows are gathered into row tiles of ``tile_m``, each of one expert
+  (:func:`qjax._src.moe.tile_slots`: by comparisons of the pairs up to a few hundred, else
+  by a sort); the persistent grid walks (row tile, K split, column tile) and each CTA's
+  TMA copies read the codes and scales of its tile's expert where they lie in the stack,
+  so no unselected expert is read and no expert is dequantized in memory. Tiles of the
+  table past the active ones are skipped. Up to :data:`_PER_PAIR_MAX_PAIRS` pairs
+  (decode), each pair is a row tile of its own instead, read and written in place.
 
   Args:
     rows: ``[R, K]`` bf16.
@@ -984,39 +977,17 @@ def fp4_nk_moe_matmul(rows: jax.Array, w: fp4_nk.MXFP4NKWeight | fp4_nk.NVFP4NKW
     raise NotImplementedError(f"N={n}: the wgmma MoE kernel needs N >= 128, a multiple of 16")
   cfg = config or moe_config_for(p, num_experts, k, n, fp4, num_sms)
   _check_fp4_steps(k, cfg)  # (any N >= 128 is tiled: no _check_n)
-  tm = cfg.tile_m
   if p <= _PER_PAIR_MAX_PAIRS:
     return _per_pair(rows, w, pair_rows, pair_experts, cfg, num_sms)
-  if moe.tile_slots_comparisons(p, num_experts, tm) <= moe.TILE_SLOTS_MAX_COMPARISONS:
-    return _by_slots(rows, w, pair_rows, pair_experts, cfg, num_sms)
-  groups = moe.group_by_expert(pair_experts, num_experts, tm)
-  # Row tiles [T, tile_m, K]: each tile's pairs' rows, then a zero row (index R) past the
-  # tile's end; one gather of whole rows by a small index array.
-  position = groups.tile_starts[:, None] + jnp.arange(tm, dtype=jnp.int32)   # [T, tm]
-  source = jnp.where(position < groups.tile_ends[:, None],
-                     pair_rows[groups.order[jnp.minimum(position, p - 1)]], rows.shape[0])
-  x_tiles = jnp.concatenate([rows, jnp.zeros((1, k), rows.dtype)])[source.reshape(-1)]
-  x_tiles = x_tiles.reshape(-1, tm, k)
-  tile_rows = groups.tile_ends - groups.tile_starts
-  table = (groups.tile_experts, tile_rows, jnp.sum(tile_rows > 0).astype(jnp.int32))
-  y = _run_kernel(x_tiles, w, cfg, num_sms, table)                     # [T, tm, N]
-  # Sorted position s of expert e lies in e's tile (s - group_starts[e]) // tile_m, at
-  # row (s - group_starts[e]) % tile_m; e's tiles follow those of the experts before it.
-  # The row of each pair, in pair order, then one gather of whole rows (H100, T = 64:
-  # 12.7 us less than gathering by tile and row, then by pair).
-  tiles_per_expert = (groups.group_sizes + tm - 1) // tm
-  first_tile = jnp.cumsum(tiles_per_expert) - tiles_per_expert                 # [E]
-  expert = pair_experts.astype(jnp.int32)[groups.order]                        # [P]
-  local = jnp.arange(p, dtype=jnp.int32) - groups.group_starts[expert]
-  row_sorted = (first_tile[expert] + local // tm) * tm + local % tm
-  row = jnp.zeros((p,), jnp.int32).at[groups.order].set(row_sorted)
-  return y.reshape(-1, n)[row]
+  return _grouped(rows, w, pair_rows, pair_experts, cfg, num_sms)
 
 
-def _by_slots(rows: jax.Array, w: Any, pair_rows: jax.Array, pair_experts: jax.Array,
-              cfg: WgmmaConfig, num_sms: int) -> jax.Array:
-  """:func:`fp4_nk_moe_matmul`'s grouped route with :func:`qjax._src.moe.tile_slots`
-  (decode sizes): the same tiles as the sorting route, found by comparisons."""
+def _grouped(rows: jax.Array, w: Any, pair_rows: jax.Array, pair_experts: jax.Array,
+             cfg: WgmmaConfig, num_sms: int) -> jax.Array:
+  """:func:`fp4_nk_moe_matmul` over row tiles of one expert each
+  (:func:`qjax._src.moe.tile_slots`): x gathered into ``[T, tile_m, K]``, then each
+  pair's row of the result by one gather of whole rows (H100, T = 64: 12.7 us less than
+  gathering by tile and row, then by pair)."""
   k, tm = w.shape[0], cfg.tile_m
   slots = moe.tile_slots(pair_experts, w.codes.shape[0], tm)
   p = pair_rows.shape[0]

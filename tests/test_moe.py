@@ -92,11 +92,14 @@ def test_group_by_expert_tiles_cover_each_group_once(rng, p, e, block_m):
   assert active <= len(g.tile_experts) == moe.max_row_tiles(p, e, block_m)
 
 
+@pytest.mark.parametrize("by", ["comparison", "sort"])
 @pytest.mark.parametrize("p,e,tile_m", [(1, 4, 16), (12, 4, 16), (256, 128, 8),
                                         (200, 8, 64), (7, 8, 2), (64, 128, 8)])
-def test_tile_slots_are_group_by_experts_tiles(rng, p, e, tile_m):
-  """tile_slots (comparisons) puts each pair in the tile and row that group_by_expert's
-  table (a sort) gives it, and the slot table inverts the pair table."""
+def test_tile_slots_are_group_by_experts_tiles(rng, monkeypatch, p, e, tile_m, by):
+  """tile_slots (by comparisons, or above its limit by a sort) puts each pair in the tile
+  and row that group_by_expert's table gives it, and the slot table inverts the pair
+  table."""
+  monkeypatch.setattr(moe, "TILE_SLOTS_MAX_COMPARISONS", 1 << 40 if by == "comparison" else 0)
   ids = rng.integers(0, e, p).astype(np.int32)
   ids[: p // 3] = e - 1  # one expert receives a third of the pairs
   g = jax.tree.map(np.asarray, moe.group_by_expert(jnp.asarray(ids), e, tile_m))

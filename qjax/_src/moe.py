@@ -18,8 +18,8 @@ calls, the grouped kernel the rest.
 
 :func:`group_by_expert` is the routing metadata both share: the pairs sorted by expert, each
 expert's group of rows, and a table of row tiles that a grouped-GEMM grid walks.
-:func:`tile_slots` gives the same tiles per pair and per row slot without sorting (decode
-sizes).
+:func:`tile_slots` gives the same tiles per pair and per row slot (by comparisons of the
+pairs for decode sizes, without sorting; from the sort above).
 """
 
 from __future__ import annotations
@@ -150,9 +150,10 @@ class TileSlots:
 
   The tiles of :class:`ExpertGroups` (expert by expert, ``tile_m`` rows each, a pair's
   rank among its expert's pairs deciding its row), given per pair and per row slot instead
-  of by sorted position: :func:`tile_slots` computes them with a few comparisons of all
-  pairs against each other, no sort and no scatter (a handful of small XLA fusions: for a
-  few hundred pairs, cheaper than ``argsort`` and the index arithmetic around it).
+  of by sorted position. For up to a few hundred pairs :func:`tile_slots` computes them
+  with a few comparisons of all pairs against each other, no sort and no scatter (a
+  handful of small XLA fusions, cheaper than ``argsort`` and the index arithmetic around
+  it); above, from :func:`group_by_expert`'s sort.
 
   Attributes:
     slot: ``[P]`` int32, the row ``tile * tile_m + r`` of pair ``p``'s product.
@@ -169,8 +170,8 @@ class TileSlots:
   active: jax.Array
 
 
-# tile_slots compares every pair with every row slot: up to this many comparisons
-# (callers above it sort instead, with group_by_expert).
+# tile_slots compares every pair with every row slot up to this many comparisons, and
+# sorts (group_by_expert) above.
 TILE_SLOTS_MAX_COMPARISONS = 1 << 22
 
 
@@ -183,8 +184,35 @@ def tile_slots(pair_experts: jax.Array, num_experts: int, tile_m: int) -> TileSl
   """The row tiles of ``pair_experts [P]`` (ints in ``[0, E)``) in :class:`TileSlots`
   form: expert ``e``'s ``ceil(g_e / tile_m)`` tiles follow those of the experts before it,
   and its pairs fill them in pair order. Jittable, static shapes (``max_row_tiles``
-  tiles); work ``O(P * (P + E) + tiles * (E + tile_m * P))``
-  (:func:`tile_slots_comparisons`), for decode-sized P."""
+  tiles). Up to :data:`TILE_SLOTS_MAX_COMPARISONS` (:func:`tile_slots_comparisons`) by
+  comparisons, work ``O(P * (P + E) + tiles * (E + tile_m * P))``; above, by a sort."""
+  if tile_slots_comparisons(pair_experts.shape[0], num_experts,
+                            tile_m) <= TILE_SLOTS_MAX_COMPARISONS:
+    return _tile_slots_by_comparison(pair_experts, num_experts, tile_m)
+  return _tile_slots_by_sort(pair_experts, num_experts, tile_m)
+
+
+def _tile_slots_by_sort(pair_experts: jax.Array, num_experts: int, tile_m: int
+                        ) -> TileSlots:
+  """:func:`tile_slots` from :func:`group_by_expert`: each tile's sorted positions name
+  its slots' pairs, and one scatter inverts that."""
+  p = pair_experts.shape[0]
+  g = group_by_expert(pair_experts, num_experts, tile_m)
+  position = g.tile_starts[:, None] + jnp.arange(tile_m, dtype=jnp.int32)   # [T, tm]
+  source = jnp.where(position < g.tile_ends[:, None],
+                     g.order[jnp.minimum(position, p - 1)], p).reshape(-1)
+  slot = jnp.zeros((p,), jnp.int32).at[source].set(
+      jnp.arange(source.shape[0], dtype=jnp.int32), mode="drop")  # source P: no pair
+  rows = g.tile_ends - g.tile_starts
+  first_expert = pair_experts[0].astype(jnp.int32)
+  return TileSlots(slot=slot, source=source,
+                   tile_experts=jnp.where(rows > 0, g.tile_experts, first_expert),
+                   tile_rows=rows, active=jnp.sum(rows > 0, dtype=jnp.int32))
+
+
+def _tile_slots_by_comparison(pair_experts: jax.Array, num_experts: int, tile_m: int
+                              ) -> TileSlots:
+  """:func:`tile_slots` by comparisons of the pairs, for decode sizes."""
   p = pair_experts.shape[0]
   e = pair_experts.astype(jnp.int32)
   pair = jnp.arange(p, dtype=jnp.int32)
