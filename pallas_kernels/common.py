@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import split_sum
 from qjax import KernelConfig
 from qjax._src import stacked as stacked_lib
 
@@ -150,5 +151,5 @@ def launch(kernel: Callable[..., None], args: Sequence[Any], *, m: int, n: int,
   # drops whole when its outputs are unused, keeps that truth visible.
   out = jax.jit(call)(*args)
   if split_k > 1:
-    out = out.sum(axis=0).astype(dtype)
+    out = split_sum.sum_splits(out, dtype)
   return out
