@@ -61,7 +61,6 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels import split_sum
 from qjax._src import fp4_nk
 from qjax._src import int4_nk
 from qjax._src import moe
@@ -105,8 +104,7 @@ class WgmmaConfig:
       (for K = 2880).
     stages: pipeline depth (TMA copies in flight).
     epi_m: rows of y per epilogue store; divides tile_m.
-    split_k: K splits (float32 partial outputs summed by XLA in a fixed order when > 1,
-      :func:`pallas_kernels.split_sum.sum_splits`).
+    split_k: K splits (float32 partial outputs summed by XLA when > 1).
     m_minor: walk output tiles with M fastest (each W^T tile read once from memory, x
       tiles from L2) instead of N fastest.
     consumers: compute warpgroups per CTA, each owning tile_n rows of W^T: 2 (3 and 4
@@ -889,7 +887,7 @@ def _run_kernel(x: jax.Array, w: Any, cfg: WgmmaConfig, num_sms: int,
   y = _kernel_call(x, wt, scales, layer, cfg, w.block_size if fp4 else w.group_size,
                    num_sms, out_dtype, fp4, global_scale[0] if global_scale else None,
                    tile_table=tile_table)
-  return y[0] if cfg.split_k == 1 else split_sum.sum_splits(y, jnp.bfloat16)
+  return y[0] if cfg.split_k == 1 else y.sum(0).astype(jnp.bfloat16)
 
 
 # ------------------------------------------------------------------ mixture of experts
