@@ -22,7 +22,8 @@ from qjax._src import fp4_nk
 from qjax._src import packing
 from qjax._src import stacked
 from pallas_kernels import int4_wgmma as kw
-from tests.conftest import needs_gpu, pallas_operand_shapes, rel_err, seed_from
+from tests.conftest import (assert_same_bits, needs_gpu, pallas_operand_shapes, rel_err,
+                            seed_from)
 from tests.test_int4_nk import _poisoned_run  # the kernel's output buffer first holds NaN
 
 needs_hopper = pytest.mark.skipif(
@@ -436,7 +437,9 @@ def test_wgmma_layer_of_equals_each_layer(request, fmt):
   one = jax.jit(lambda a, b: qjax.matmul(a, b, implementation="pallas"))
   for i in range(layers):
     layer = jax.tree.map(lambda a, i=i: a[i], stack)
-    np.testing.assert_array_equal(got[i], np.asarray(one(x, layer).astype(jnp.float32)))
+    assert_same_bits(lambda i=i: fn(stack, x, layers)[i].astype(jnp.float32),
+                     lambda layer=layer: one(x, layer).astype(jnp.float32),
+                     f"layer {i}: scanned stack against the layer's own call")
     assert_each_output_close(got[i], reference(x, jax.tree.map(lambda a, i=i: a[i], w)))
 
 

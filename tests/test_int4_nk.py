@@ -17,7 +17,8 @@ import pytest
 import qjax
 from pallas_kernels import int4_wgmma as kw
 from qjax._src import stacked
-from tests.conftest import needs_gpu, pallas_operand_shapes, rel_err, seed_from
+from tests.conftest import (assert_same_bits, needs_gpu, pallas_operand_shapes, rel_err,
+                            seed_from)
 
 
 def make_case(name, m, k, n, group=128, dtype=jnp.bfloat16, scale_dtype=jnp.bfloat16):
@@ -475,10 +476,11 @@ def test_wgmma_layer_of_equals_each_layer(request):
   calls = pallas_operand_shapes(jax.make_jaxpr(fn, static_argnums=2)(stack, x, layers).jaxpr)
   assert calls and all((layers, n, k) in shapes for shapes in calls), calls
   got = np.asarray(fn(stack, x, layers).astype(jnp.float32))
+  one = jax.jit(lambda a, b: qjax.matmul(a, b, implementation="pallas"))
   for i, (_, w, wn) in enumerate(cases):
-    want = np.asarray(jax.jit(lambda a, b: qjax.matmul(a, b, implementation="pallas"))(
-        x, wn).astype(jnp.float32))
-    np.testing.assert_array_equal(got[i], want, err_msg=f"layer {i}")
+    assert_same_bits(lambda i=i: fn(stack, x, layers)[i].astype(jnp.float32),
+                     lambda wn=wn: one(x, wn).astype(jnp.float32),
+                     f"layer {i}: scanned stack against the layer's own call")
     ref = reference(x, w)
     assert np.abs(got[i] - ref).max() < 2e-2 * np.sqrt(np.mean(ref ** 2))
   # Indices outside the stack read the layer XLA's slice would (last, from the end).
