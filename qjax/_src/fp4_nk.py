@@ -18,6 +18,8 @@ Convert once, at load: ``qjax.to_mxfp4_nk(w)`` from an :class:`~qjax.MXFP4Weight
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 from typing import ClassVar
 
 import jax
@@ -71,34 +73,29 @@ def _shift(words, by: int):
   return words << np.uint32(by) if by >= 0 else words >> np.uint32(-by)
 
 
+def _bitwise_or(parts):
+  """The bitwise OR of the arrays ``parts`` (an iterable of at least one)."""
+  return functools.reduce(operator.or_, parts)
+
+
 def to_stored_words(words):
   """Fragment-order words (``int4_nk.fragment_words``) -> the stored words of the FP4 NK
   formats (:data:`STORED_BIT`); uint32 numpy or jax arrays, elementwise."""
-  out = None
-  for e in range(8):
-    for by, mask in _moves(e).items():
-      part = _shift(words & np.uint32(mask), by)
-      out = part if out is None else out | part
-  return out
+  return _bitwise_or(_shift(words & np.uint32(mask), by)
+                     for e in range(8) for by, mask in _moves(e).items())
 
 
 def stored_nibble(stored, e: int):
   """Nibble ``e`` of the fragment-order word (an E2M1 code in ``[0, 15]``, uint32) from
   stored words."""
-  out = None
-  for by, mask in _moves(e).items():
-    part = _shift(stored, -by) & np.uint32(mask)
-    out = part if out is None else out | part
-  return _shift(out, -4 * e)
+  fragment_bits = _bitwise_or(_shift(stored, -by) & np.uint32(mask)
+                              for by, mask in _moves(e).items())
+  return _shift(fragment_bits, -4 * e)
 
 
 def from_stored_words(stored):
   """The inverse of :func:`to_stored_words`."""
-  out = None
-  for e in range(8):
-    part = _shift(stored_nibble(stored, e), 4 * e)
-    out = part if out is None else out | part
-  return out
+  return _bitwise_or(_shift(stored_nibble(stored, e), 4 * e) for e in range(8))
 
 
 class _FP4NKWeight(formats.QuantizedWeight):

@@ -146,7 +146,7 @@ def group_by_expert(pair_experts: jax.Array, num_experts: int, block_m: int) -> 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TileSlots:
-  """Where each (row, expert) pair goes in a grouped GEMM's row tiles, without sorting.
+  """Where each (row, expert) pair goes in a grouped GEMM's row tiles, per pair and slot.
 
   The tiles of :class:`ExpertGroups` (expert by expert, ``tile_m`` rows each, a pair's
   rank among its expert's pairs deciding its row), given per pair and per row slot instead
