@@ -79,6 +79,8 @@ _SMEM_MAX = 226 * 1024
 _WIDE_K_MAX_TILE_M = 64
 # ... and up to this many apply the group scales to float32 partial products.
 _SCALE_ACC_MAX_TILE_M = 32
+# Row tiles of this many rows multiply with mma.sync instead of wgmma (config_for).
+_MMA_SYNC_TILE_M = 8
 # K a CTA with one tile keeps in flight at most (wide steps; config_for).
 _UNCHAINED_K_IN_FLIGHT = 1536
 
@@ -118,6 +120,10 @@ class WgmmaConfig:
     scale_accumulator: multiply the group scales into float32 partial products (one
       wgmma per group into its own accumulator, then ``acc += part * s``) instead of into
       the bf16 weights: fewer multiplies where the accumulator is small (small tile_m).
+    mma_sync: multiply each group (INT4, with ``scale_accumulator``) or 128 of K (FP4)
+      with per-warp ``mma.sync.m16n8k16`` (x's fragments by ``ldmatrix`` from the
+      swizzled tile) into a float32 value of its own, added to the accumulator, instead
+      of a warpgroup-wide wgmma: no wgmma fences or waits in the step.
   """
   tile_n: int = 64
   tile_m: int = 256
@@ -130,12 +136,13 @@ class WgmmaConfig:
   snake_width: int = 0
   chain_tiles: bool = False
   scale_accumulator: bool = False
+  mma_sync: bool = False
 
   def __post_init__(self):
     if (isinstance(self.snake_width, bool) or not isinstance(self.snake_width, int)
         or self.snake_width < 0):
       raise ValueError(f"WgmmaConfig.snake_width={self.snake_width!r} must be an int >= 0")
-    for name in ("m_minor", "chain_tiles", "scale_accumulator"):
+    for name in ("m_minor", "chain_tiles", "scale_accumulator", "mma_sync"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"WgmmaConfig.{name}={getattr(self, name)!r} must be a bool")
     if self.consumers != 2:
@@ -258,7 +265,12 @@ def config_for(m: int, k: int, n: int, group_size: int, num_sms: int = 132, *,
   # Scales on the float32 side where the accumulator is small (session 18: 1-5 % less time
   # at M <= 32 on all four shapes, 4-26 % more at M = 64).
   scale_acc = tile_m <= _SCALE_ACC_MAX_TILE_M and not fp4
-  return dataclasses.replace(cfg, stages=stages, chain_tiles=chain, scale_accumulator=scale_acc)
+  # mma.sync in place of wgmma where x is one tile of 8 rows (session 23, H100, M = 1 on
+  # the four shapes: 0.6-4.9 % less time for INT4, 2.2-7.1 % for MXFP4 and NVFP4; at M =
+  # 16 0.6-1.1 % more, at M = 32 9 % more).
+  mma_sync = tile_m == _MMA_SYNC_TILE_M
+  return dataclasses.replace(cfg, stages=stages, chain_tiles=chain, scale_accumulator=scale_acc,
+                             mma_sync=mma_sync)
 
 
 def _fp4_name(w: Any) -> str | None:
@@ -295,6 +307,9 @@ def _check(x: jax.Array, w: Any, cfg: WgmmaConfig) -> None:
     return
   if cfg.tile_k & (cfg.tile_k - 1):
     raise NotImplementedError(f"tile_k={cfg.tile_k}: INT4 steps are powers of two")
+  if cfg.mma_sync and not cfg.scale_accumulator:
+    raise NotImplementedError("mma_sync with INT4 needs scale_accumulator=True (each "
+                              "group's mma.sync product is scaled in float32)")
   if w.scales.dtype != jnp.bfloat16:
     raise NotImplementedError(
         f"scales of dtype {jnp.dtype(w.scales.dtype).name}: the kernel multiplies by bf16 "
@@ -526,6 +541,21 @@ def _step_groups(w_smem, x_smem, sub: int, convert=None):
     yield j, w, x.transpose((1, 0))
 
 
+def _fp4_converter(s_smem, fp4: str):
+  """The ``convert`` of :func:`_step_groups` for an FP4 step whose block scale bits are
+  ``s_smem`` (uint8 ``[tile_k // B, tile_n]``): :func:`_e2m1_to_bf16_fragments` with the
+  runs' scale rows."""
+  per_run = int4_nk.CHUNK // _FP4_FORMATS[fp4].block_size
+
+  def convert(w4, j, first_run, runs):
+    del j
+    scales = [plgpu.layout_cast(s_smem.at[first_run * per_run + r][...],
+                                plgpu.Layout.WGMMA.reduce(1)) for r in range(runs * per_run)]
+    return _e2m1_to_bf16_fragments(w4, scales, first_run, runs, fp4)
+
+  return convert
+
+
 def _fp4_step(acc_ref, w_smem, s_smem, x_smem, fp4: str) -> None:
   """One pipeline step of a compute warpgroup for MXFP4 or NVFP4 (``fp4``): ``acc +=
   W^T x^T`` without the NVFP4 tensor scale, a wgmma per 128 of K (per 64 where 128 does
@@ -536,19 +566,21 @@ def _fp4_step(acc_ref, w_smem, s_smem, x_smem, fp4: str) -> None:
   ``[tile_m, tile_k]`` bf16; acc_ref: ``[tile_n, tile_m]`` float32.
   """
   sub = 128 if w_smem.shape[1] % 128 == 0 else 64
-  per_run = int4_nk.CHUNK // _FP4_FORMATS[fp4].block_size
-
-  def convert(w4, j, first_run, runs):
-    del j
-    scales = [plgpu.layout_cast(s_smem.at[first_run * per_run + r][...],
-                                plgpu.Layout.WGMMA.reduce(1)) for r in range(runs * per_run)]
-    return _e2m1_to_bf16_fragments(w4, scales, first_run, runs, fp4)
-
-  for _, w, x_t in _step_groups(w_smem, x_smem, sub, convert):
+  for _, w, x_t in _step_groups(w_smem, x_smem, sub, _fp4_converter(s_smem, fp4)):
     with jax.named_scope("wgmma"):
       plgpu.wgmma(acc_ref, w, x_t)
   with jax.named_scope("wgmma_wait"):
     plgpu.wgmma_wait(0)
+
+
+def _fp4_mma_sync_step(acc, w_smem, s_smem, x_smem, fp4: str, x_transforms):
+  """:func:`_fp4_step` with :func:`_mma_sync_product` in place of wgmma: returns ``acc +
+  W^T x^T`` (acc float32 ``[tile_n, tile_m]``, a value), one product per 128 of K."""
+  sub = 128 if w_smem.shape[1] % 128 == 0 else 64
+  for j, w, _ in _step_groups(w_smem, x_smem, sub, _fp4_converter(s_smem, fp4)):
+    with jax.named_scope("mma"):
+      acc = acc + _mma_sync_product(w, x_smem, j * sub, x_transforms)
+  return acc
 
 
 def _convert_and_multiply(acc_ref, w_smem, s_smem, x_smem, group_size: int) -> None:
@@ -588,6 +620,102 @@ def _multiply_then_scale(acc, w_smem, s_smem, x_smem, group_size: int):
   parts = pl.run_scoped(issue, *[plgpu.ACC(acc.shape, jnp.float32) for _ in range(groups)])
   with jax.named_scope("scale"):
     for j, part in enumerate(parts):
+      s = plgpu.layout_cast(s_smem.at[j][...], plgpu.Layout.WGMMA.reduce(1))
+      acc = acc + part * lax.broadcast_in_dim(s.astype(jnp.float32), acc.shape, [0])
+  return acc
+
+
+# PTX of one m16n8k16 bf16 product accumulated in float32: $0..$3 = D, $4..$7 = A (the
+# weight's fragment), $8, $9 = B (x's), $10..$13 = C.
+_MMA_M16N8K16 = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
+_LDMATRIX_X4 = "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];"
+
+
+def _mma_sync_product(w, x_smem, k_offset: int, x_transforms):
+  """``w`` bf16 ``[tile_n, sub]`` (wgmma's register layout, :func:`_to_bf16_fragments`)
+  times ``x[:, k_offset : k_offset + sub]^T`` -> float32 ``[tile_n, tile_m]`` in the
+  WGMMA layout, by ``mma.sync.m16n8k16`` per warp.
+
+  x_smem: ``[tile_m, tile_k]`` bf16 in tiles of 8 x 64 with the 128-byte swizzle (TMA's
+  layout of the pipeline's x stage). Per warp, wgmma's register layout of a 64-row tile
+  is four m16n8k16 A fragments (rows ``16 * warp ..``), and its float32 layout the C
+  fragments of the same rows: only x's B fragments are loaded, by ``ldmatrix.x4`` (thread
+  ``t`` points at row ``t % 8`` of the 8 x 8 matrix ``t // 8``; x's rows are mma's N).
+  """
+  tile_n, sub = w.shape
+  tile_m, tile_k = x_smem.shape
+  swizzle = x_transforms[1].swizzle
+  if tile_k % 64 or sub % 32 or k_offset % 32 or swizzle != 128:
+    raise NotImplementedError(f"mma_sync: tile_k={tile_k}, sub={sub}, k_offset={k_offset}, "
+                              f"x swizzle {swizzle} (takes 128-byte swizzled rows)")
+
+  @plgpu.inline_mgpu(
+      arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(x_transforms)),
+      return_type=plgpu.ShapeDtypeStruct((tile_n, tile_m), jnp.float32,
+                                         layout=plgpu.Layout.WGMMA))
+  def product(ctx, wf, x_ref):
+    del ctx
+    # pylint: disable=g-import-not-at-top
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith
+    from jax._src.lib.mlir.dialects import gpu as gpu_dialect
+    from jax._src.lib.mlir.dialects import llvm
+    from jax._src.lib.mlir.dialects import vector
+    fa = mgpu.fragmented_array
+    i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
+    c = lambda v: arith.constant(i32, v)
+    base = llvm.ptrtoint(i32, mgpu.utils.memref_ptr(x_ref))
+    lane = arith.remui(arith.index_cast(i32, gpu_dialect.thread_id(gpu_dialect.Dimension.x)),
+                       c(32))
+    r, q = arith.andi(lane, c(7)), arith.shrui(lane, c(3))
+    # Byte offset of row r, 16-byte chunk (first + q) of a 1 KiB tile, swizzled (chunk ^ r).
+    chunk_offset = {
+        first: arith.addi(arith.shli(r, c(7)),
+                          arith.shli(arith.xori(arith.addi(q, c(first)), r), c(4)))
+        for first in (0, 4)}
+    quad = llvm.StructType.get_literal([i32] * 4)
+    b_frags = {}  # (n tile, k16 step of the group) -> (b0b1, b2b3)
+    for nt in range(tile_m // 8):
+      for k32 in range(sub // 32):
+        k0 = k_offset + 32 * k32
+        tile_offset = (nt * (tile_k // 64) + k0 // 64) * 1024
+        addr = arith.addi(arith.addi(base, c(tile_offset)), chunk_offset[k0 % 64 // 8])
+        regs = llvm.inline_asm(quad, [addr], _LDMATRIX_X4, "=r,=r,=r,=r,r",
+                               has_side_effects=True)
+        got = [llvm.extractvalue(i32, regs, [i]) for i in range(4)]
+        b_frags[(nt, 2 * k32)] = got[0:2]
+        b_frags[(nt, 2 * k32 + 1)] = got[2:4]
+    a_reg = lambda idx: mgpu.utils.bitcast(wf.registers[idx], i32)
+    out_shape = fa.WGMMA_LAYOUT.registers_shape((tile_n, tile_m))
+    out = np.empty(out_shape, dtype=object)
+    zero = arith.constant(f32, 0.0)
+    f32x4 = llvm.StructType.get_literal([f32] * 4)
+    vec2 = ir.VectorType.get((2,), f32)
+    for rt in range(tile_n // 64):
+      frag = lambda ct, h: a_reg((rt, ct, 0, 0, h, 0, 0, 0, 0))
+      for nt in range(tile_m // 8):
+        d = [zero] * 4
+        for s in range(sub // 16):
+          a = [frag(2 * s, 0), frag(2 * s, 1), frag(2 * s + 1, 0), frag(2 * s + 1, 1)]
+          res = llvm.inline_asm(f32x4, [*a, *b_frags[(nt, s)], *d], _MMA_M16N8K16,
+                                "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+          d = [llvm.extractvalue(f32, res, [i]) for i in range(4)]
+        out[(rt, nt, 0, 0, 0, 0, 0, 0, 0)] = vector.from_elements(vec2, d[0:2])
+        out[(rt, nt, 0, 0, 1, 0, 0, 0, 0)] = vector.from_elements(vec2, d[2:4])
+    return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+  return product(w, x_smem)
+
+
+def _mma_sync_then_scale(acc, w_smem, s_smem, x_smem, group_size: int, x_transforms):
+  """:func:`_multiply_then_scale` with :func:`_mma_sync_product` in place of wgmma."""
+  sub = min(w_smem.shape[1], group_size)
+  for j, w, _ in _step_groups(w_smem, x_smem, sub):
+    with jax.named_scope("mma"):
+      part = _mma_sync_product(w, x_smem, j * sub, x_transforms)
+    with jax.named_scope("scale"):
       s = plgpu.layout_cast(s_smem.at[j][...], plgpu.Layout.WGMMA.reduce(1))
       acc = acc + part * lax.broadcast_in_dim(s.astype(jnp.float32), acc.shape, [0])
   return acc
@@ -732,7 +860,7 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
                 out_tile.at[pl.ds(m0 + e * cfg.epi_m, cfg.epi_m), pl.ds(n0 + wg * tn, tn)])
 
         def context(run):
-          if cfg.scale_accumulator:
+          if cfg.scale_accumulator or cfg.mma_sync:
             zeros = jnp.zeros((tn, tm), jnp.float32)
             epilogue(run(plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)))
             return
@@ -744,9 +872,14 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
 
         def body(_, x_smem, w_smem, s_smem, acc):
           w_smem, s_smem = w_smem.at[wg_rows], s_smem.at[:, wg_rows]
+          if fp4 and cfg.mma_sync:
+            return _fp4_mma_sync_step(acc, w_smem, s_smem, x_smem, fp4, x_transforms)
           if fp4:
             _fp4_step(acc, w_smem, s_smem, x_smem, fp4)
             return acc
+          if cfg.mma_sync:
+            return _mma_sync_then_scale(acc, w_smem, s_smem, x_smem, group_size,
+                                        x_transforms)
           if cfg.scale_accumulator:
             return _multiply_then_scale(acc, w_smem, s_smem, x_smem, group_size)
           _convert_and_multiply(acc, w_smem, s_smem, x_smem, group_size)

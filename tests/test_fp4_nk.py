@@ -301,6 +301,7 @@ def test_config_for_is_legal(m, k, n, fmt):
   one-byte scale rows (one per 32 or 16 of K)."""
   cfg = kw.config_for(m, k, n, 32, fp4=fmt)
   assert not cfg.scale_accumulator
+  assert cfg.mma_sync == (cfg.tile_m == 8)
   x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
   wn = _abstract(fmt, k, n)
   assert kw.default_config(m, wn) == cfg  # what the kernel runs with no config given
@@ -324,9 +325,19 @@ def test_kernel_declines_what_it_lacks(request, fmt):
     kw.fp4_nk_matmul(x, wn, config=kw.WgmmaConfig(tile_m=16, tile_k=512, epi_m=16))
 
 
+# mma.sync in place of wgmma: 1-2 column tiles of 8, products of 128 of K (of 64 for
+# GPT-OSS's K = 2880 in steps of 320 or 192), split K.
+MMA_SYNC_CASES = [
+    (5, 1024, 256, kw.WgmmaConfig(tile_m=8, tile_k=512, epi_m=8, split_k=2, stages=2,
+                                  mma_sync=True)),
+    (13, 2880, 384, kw.WgmmaConfig(tile_m=16, tile_k=320, epi_m=16, stages=3, mma_sync=True)),
+    (1, 2880, 640, kw.WgmmaConfig(tile_m=8, tile_k=192, epi_m=8, stages=4, mma_sync=True)),
+]
+
 LOWERED = [(1, 4096, 4096, None), (16, 2048, 512, None), (300, 1024, 512, None),
            (64, 1024, 256, kw.WgmmaConfig(tile_m=64, tile_k=64, stages=3)),
-           (40, 1536, 384, kw.WgmmaConfig(tile_m=40, tile_k=512, epi_m=40, stages=2))]
+           (40, 1536, 384, kw.WgmmaConfig(tile_m=40, tile_k=512, epi_m=40, stages=2)),
+           *MMA_SYNC_CASES]
 
 
 @pytest.mark.parametrize("fmt", FMTS)
@@ -378,6 +389,7 @@ GPU_CASES = [
     (16, 2048, 512, kw.WgmmaConfig(tile_m=16, tile_k=256, epi_m=16, stages=4)),
     (5, 1024, 256, kw.WgmmaConfig(tile_m=8, tile_k=512, epi_m=8, split_k=2)),
     (512, 1024, 512, kw.WgmmaConfig(m_minor=True, snake_width=2)),
+    *MMA_SYNC_CASES,
 ]
 
 
@@ -401,11 +413,12 @@ def test_wgmma_matches_float64(request, m, k, n, cfg, fmt):
     ("mxfp4", (1, 12), 2.0 ** 120), ("mxfp4", (240, 250), 2.0 ** -120),
     # float8_e4m3fn: subnormals (2**-9 .. 7 * 2**-9), then the largest, then negatives.
     ("nvfp4", (0x01, 0x08), 1.0), ("nvfp4", (0x70, 0x7F), 1.0), ("nvfp4", (0x80, 0xFF), 1.0)])
-def test_wgmma_extreme_scales(request, fmt, scale_bits, x_scale):
+@pytest.mark.parametrize("m", [3, 16])
+def test_wgmma_extreme_scales(request, fmt, scale_bits, x_scale, m):
   """Block scales near the ends of their range (MXFP4 weights down to bf16's subnormals,
   2**-127; NVFP4's subnormal and negative scales): still exact; x is scaled so that the
-  outputs are normal bf16 numbers."""
-  x, w, wn = make_case(request.node.nodeid, 16, 1024, 256, fmt, scale_bits=scale_bits)
+  outputs are normal bf16 numbers. M = 3 runs mma.sync, M = 16 wgmma."""
+  x, w, wn = make_case(request.node.nodeid, m, 1024, 256, fmt, scale_bits=scale_bits)
   x = x * x_scale
   y = _poisoned_run(jax.jit(kw.fp4_nk_matmul), x, wn, None)
   ref = reference(x, w)
@@ -417,9 +430,11 @@ def test_wgmma_extreme_scales(request, fmt, scale_bits, x_scale):
 @needs_hopper
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("num_sms", [1, 5, 12])
-def test_wgmma_chained_tiles(request, num_sms, fmt):
-  cfg = kw.WgmmaConfig(tile_m=16, tile_k=512, epi_m=16, stages=2, chain_tiles=True)
-  x, w, wn = make_case(request.node.nodeid, 16, 2048, 1536, fmt)
+@pytest.mark.parametrize("m,mma_sync", [(16, False), (6, True)])
+def test_wgmma_chained_tiles(request, num_sms, fmt, m, mma_sync):
+  cfg = kw.WgmmaConfig(tile_m=-(-m // 8) * 8, tile_k=512, epi_m=-(-m // 8) * 8, stages=2,
+                       chain_tiles=True, mma_sync=mma_sync)
+  x, w, wn = make_case(request.node.nodeid, m, 2048, 1536, fmt)
   fn = jax.jit(lambda a, b: kw.fp4_nk_matmul(a, b, config=cfg, num_sms=num_sms))
   y = _poisoned_run(fn, x, wn, cfg)
   assert np.isfinite(y).all()

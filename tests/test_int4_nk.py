@@ -174,6 +174,7 @@ def test_config_for_is_legal(m, k, n):
   steps = k // cfg.split_k // cfg.tile_k
   assert cfg.chain_tiles == (tiles * cfg.split_k > 132 and steps % cfg.stages == 0)
   assert cfg.scale_accumulator == (cfg.tile_m <= 32)
+  assert cfg.mma_sync == (cfg.tile_m == 8)
   if tiles * cfg.split_k <= 132 and cfg.tile_k > 128:
     # One tile per CTA: at most 1536 of K in flight (BENCHMARKS.md, session 21).
     assert cfg.stages * cfg.tile_k <= 1536
@@ -195,7 +196,7 @@ def test_config_for_takes_the_swept_small_m_configs(m, k, n, want):
                                          ("tile_k", 32), ("epi_m", 24), ("split_k", 0),
                                          ("stages", True), ("consumers", 3),
                                          ("snake_width", -1), ("scale_accumulator", 1),
-                                         ("chain_tiles", None)])
+                                         ("chain_tiles", None), ("mma_sync", "yes")])
 def test_config_validation_names_the_field(field, value):
   with pytest.raises(ValueError, match=f"WgmmaConfig.{field}"):
     kw.WgmmaConfig(**{field: value})
@@ -215,6 +216,9 @@ def test_kernel_declines_what_it_lacks(request):
   for xi, wi, match in cases:
     with pytest.raises(NotImplementedError, match=match):
       kw.int4_nk_matmul(xi, wi, num_sms=132)
+  with pytest.raises(NotImplementedError, match="mma_sync with INT4 needs scale_accumulator"):
+    kw.int4_nk_matmul(x, wn, num_sms=132, config=kw.WgmmaConfig(
+        tile_m=8, tile_k=128, epi_m=8, mma_sync=True))
   with pytest.raises(NotImplementedError, match="stages=3 to divide the 2 K steps"):
     kw.int4_nk_matmul(x, wn, num_sms=132, config=kw.WgmmaConfig(
         tile_m=8, tile_k=128, epi_m=8, stages=3, chain_tiles=True))
@@ -225,6 +229,19 @@ def test_kernel_with_no_rows(request):
   y = kw.int4_nk_matmul(x[:0], wn, num_sms=132)
   assert y.shape == (0, 128) and y.dtype == jnp.bfloat16
 
+
+# mma.sync in place of wgmma: 1-3 column tiles of 8 (x's rows), K steps of 64-512 (one or
+# several groups per step), split K, chained tiles.
+MMA_SYNC_CASES = [
+    (3, 2048, 768, kw.WgmmaConfig(tile_m=8, tile_k=512, epi_m=8, split_k=2, stages=2,
+                                  scale_accumulator=True, mma_sync=True)),
+    (13, 1024, 384, kw.WgmmaConfig(tile_m=16, tile_k=256, epi_m=16, stages=3,
+                                   scale_accumulator=True, mma_sync=True)),
+    (20, 1536, 256, kw.WgmmaConfig(tile_m=24, tile_k=128, epi_m=24, stages=4,
+                                   scale_accumulator=True, mma_sync=True)),
+    (1, 1024, 640, kw.WgmmaConfig(tile_m=8, tile_k=64, epi_m=8, stages=5,
+                                  scale_accumulator=True, mma_sync=True)),
+]
 
 LOWERED = [
     (2048, 4096, 4096, None), (1, 4096, 4096, None), (16, 4096, 14336, None),
@@ -237,6 +254,7 @@ LOWERED = [
     (16, 1024, 512, kw.WgmmaConfig(tile_m=16, tile_k=256, epi_m=16, stages=4)),
     (16, 1024, 512, kw.WgmmaConfig(tile_m=16, tile_k=512, epi_m=16, stages=2,
                                    scale_accumulator=True)),
+    *MMA_SYNC_CASES,
 ]
 
 
@@ -298,6 +316,7 @@ GPU_CASES = [
                                    scale_accumulator=True)),
     (3, 1024, 384, kw.WgmmaConfig(tile_m=8, tile_k=128, epi_m=8, split_k=2,
                                   scale_accumulator=True)),
+    *MMA_SYNC_CASES,
 ]
 
 
@@ -326,6 +345,8 @@ def test_wgmma_matches_float64(request, m, k, n, cfg):
     # config_for's small-M form: 512-wide steps, scales on the accumulator.
     (16, 2048, 1536, kw.WgmmaConfig(tile_m=16, tile_k=512, epi_m=16, stages=2,
                                     chain_tiles=True, scale_accumulator=True)),
+    (5, 2048, 1536, kw.WgmmaConfig(tile_m=8, tile_k=512, epi_m=8, stages=2, chain_tiles=True,
+                                   scale_accumulator=True, mma_sync=True)),
 ])
 def test_wgmma_chained_tiles(request, num_sms, m, k, n, cfg):
   """12 tiles over 1, 5 or 12 CTAs: 12 tiles in one chained pipeline, 2 or 3 per CTA, or
