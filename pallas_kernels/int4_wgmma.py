@@ -20,6 +20,10 @@ memory:
   scale and issues ``wgmma`` with that register operand against the x tile in shared
   memory (transposed view), accumulating ``[tile_n, tile_m]`` in float32; the next
   group's conversion overlaps the previous wgmma.
+* Where x is one tile of 8 rows (``mma_sync``, :func:`config_for`'s choice at M <= 8)
+  each warp multiplies its 16 rows with ``mma.sync.m16n8k16`` instead: wgmma's register
+  layout is, per warp, mma.sync's A fragments, and x's B fragments come from the
+  swizzled x tile by ``ldmatrix`` (:func:`_mma_sync_product`); no warpgroup fences.
 * The epilogue relays the accumulator to the transposed wgmma layout and stores it into
   a transposed shared-memory view, so the TMA store writes ``y`` (not ``y^T``) tiles.
 * Where a CTA runs two or more tiles, they form one chained pipeline (``chain_tiles``):
