@@ -48,6 +48,7 @@ def _one_group(acc_ref, w_smem, s_smem, x_smem, group_size):
 VARIANTS = {
     "full": {},
     "empty body": dict(_multiply_then_scale=lambda acc, *a: acc,
+                       _mma_sync_then_scale=lambda acc, *a: acc,
                        _convert_and_multiply=lambda *a: None),
     # One group per step takes the bf16-scale form at every M.
     "1 group/step": dict(_convert_and_multiply=_one_group,
@@ -63,7 +64,7 @@ def time_variant(name: str, m: int, k: int, n: int, calls: int) -> float:
   x = jax.random.normal(key, (m, k), jnp.float32).astype(jnp.bfloat16)
   cfg = kw.config_for(m, k, n, 128)
   if name == "1 group/step":
-    cfg = dataclasses.replace(cfg, scale_accumulator=False)
+    cfg = dataclasses.replace(cfg, scale_accumulator=False, mma_sync=False)
   with _patched(**VARIANTS[name]):
     fn = jax.jit(lambda a, b: kw.int4_nk_matmul(a, b, config=cfg))
     return devtime.device_time(fn, [(x, w) for w in ws], calls=calls).us

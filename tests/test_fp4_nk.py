@@ -326,12 +326,14 @@ def test_kernel_declines_what_it_lacks(request, fmt):
 
 
 # mma.sync in place of wgmma: 1-2 column tiles of 8, products of 128 of K (of 64 for
-# GPT-OSS's K = 2880 in steps of 320 or 192), split K.
+# GPT-OSS's K = 2880 in steps of 320 or 192), split K, tile_n 128.
 MMA_SYNC_CASES = [
     (5, 1024, 256, kw.WgmmaConfig(tile_m=8, tile_k=512, epi_m=8, split_k=2, stages=2,
                                   mma_sync=True)),
     (13, 2880, 384, kw.WgmmaConfig(tile_m=16, tile_k=320, epi_m=16, stages=3, mma_sync=True)),
     (1, 2880, 640, kw.WgmmaConfig(tile_m=8, tile_k=192, epi_m=8, stages=4, mma_sync=True)),
+    (2, 1024, 512, kw.WgmmaConfig(tile_n=128, tile_m=8, tile_k=256, epi_m=8, stages=3,
+                                  mma_sync=True)),
 ]
 
 LOWERED = [(1, 4096, 4096, None), (16, 2048, 512, None), (300, 1024, 512, None),

@@ -231,7 +231,7 @@ def test_kernel_with_no_rows(request):
 
 
 # mma.sync in place of wgmma: 1-3 column tiles of 8 (x's rows), K steps of 64-512 (one or
-# several groups per step), split K, chained tiles.
+# several groups per step), split K, two row tiles of 64 per warpgroup (tile_n 128).
 MMA_SYNC_CASES = [
     (3, 2048, 768, kw.WgmmaConfig(tile_m=8, tile_k=512, epi_m=8, split_k=2, stages=2,
                                   scale_accumulator=True, mma_sync=True)),
@@ -240,6 +240,8 @@ MMA_SYNC_CASES = [
     (20, 1536, 256, kw.WgmmaConfig(tile_m=24, tile_k=128, epi_m=24, stages=4,
                                    scale_accumulator=True, mma_sync=True)),
     (1, 1024, 640, kw.WgmmaConfig(tile_m=8, tile_k=64, epi_m=8, stages=5,
+                                  scale_accumulator=True, mma_sync=True)),
+    (6, 1024, 512, kw.WgmmaConfig(tile_n=128, tile_m=8, tile_k=256, epi_m=8, stages=3,
                                   scale_accumulator=True, mma_sync=True)),
 ]
 
