@@ -526,3 +526,16 @@ def test_breakdown_example_refuses_a_machine_without_hopper(capsys):
   with pytest.raises(SystemExit) as e:
     mod.main(["--shapes", "256x128"])
   assert e.value.code == 2 and "needs a Hopper GPU" in capsys.readouterr().err
+
+
+# sha256 of the mma.sync and ldmatrix PTX texts as compiled and matched on the H100
+# (session 23: tests/test_int4_nk.py and tests/test_fp4_nk.py, 357 passed).
+_VALIDATED_MMA_SYNC_PTX_SHA256 = "702b1d8e7a5a8b75c696f7ee24dc303dca339ce47ca45163cd48f368f5106197"
+
+
+def test_mma_sync_ptx_is_the_one_validated_on_the_gpu():
+  """ptxas runs on the GPU machine only: a changed text must run the GPU tests first (then
+  update the hash)."""
+  import hashlib  # pylint: disable=g-import-not-at-top
+  text = kw._MMA_M16N8K16 + "\n" + kw._LDMATRIX_X4  # pylint: disable=protected-access
+  assert hashlib.sha256(text.encode()).hexdigest() == _VALIDATED_MMA_SYNC_PTX_SHA256
