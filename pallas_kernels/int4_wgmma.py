@@ -624,9 +624,15 @@ def _multiply_then_scale(acc, w_smem, s_smem, x_smem, group_size: int):
   parts = pl.run_scoped(issue, *[plgpu.ACC(acc.shape, jnp.float32) for _ in range(groups)])
   with jax.named_scope("scale"):
     for j, part in enumerate(parts):
-      s = plgpu.layout_cast(s_smem.at[j][...], plgpu.Layout.WGMMA.reduce(1))
-      acc = acc + part * lax.broadcast_in_dim(s.astype(jnp.float32), acc.shape, [0])
+      acc = _plus_scaled(acc, part, s_smem.at[j])
   return acc
+
+
+def _plus_scaled(acc, part, scale_row):
+  """``acc + part * s``: float32 ``[tile_n, tile_m]`` values, each row of ``part``
+  times its group scale in ``scale_row`` (bf16 ``[tile_n]`` in shared memory)."""
+  s = plgpu.layout_cast(scale_row[...], plgpu.Layout.WGMMA.reduce(1))
+  return acc + part * lax.broadcast_in_dim(s.astype(jnp.float32), acc.shape, [0])
 
 
 # PTX of one m16n8k16 bf16 product accumulated in float32: $0..$3 = D, $4..$7 = A (the
@@ -720,8 +726,7 @@ def _mma_sync_then_scale(acc, w_smem, s_smem, x_smem, group_size: int, x_transfo
     with jax.named_scope("mma"):
       part = _mma_sync_product(w, x_smem, j * sub, x_transforms)
     with jax.named_scope("scale"):
-      s = plgpu.layout_cast(s_smem.at[j][...], plgpu.Layout.WGMMA.reduce(1))
-      acc = acc + part * lax.broadcast_in_dim(s.astype(jnp.float32), acc.shape, [0])
+      acc = _plus_scaled(acc, part, s_smem.at[j])
   return acc
 
 
