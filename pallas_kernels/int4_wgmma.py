@@ -87,6 +87,9 @@ _SCALE_ACC_MAX_TILE_M = 32
 _MMA_SYNC_TILE_M = 8
 # K a CTA with one tile keeps in flight at most (wide steps; config_for).
 _UNCHAINED_K_IN_FLIGHT = 1536
+# config_for's K splits for FP4 whose K is not a multiple of 128: (splits, K step), the
+# most splits first; a split must be a multiple of its step.
+_ODD_FP4_SPLITS = ((5, 192), (3, 320))
 
 # The FP4 formats the kernel takes, by the name config_for and _kernel_call know them.
 _FP4_FORMATS = {"mxfp4": fp4_nk.MXFP4NKWeight, "nvfp4": fp4_nk.NVFP4NKWeight}
@@ -230,8 +233,16 @@ def config_for(m: int, k: int, n: int, group_size: int, num_sms: int = 132, *,
   cfg = WgmmaConfig(tile_n=64, tile_m=tile_m, tile_k=tile_k, stages=2, epi_m=epi_m)
   tiles = -(-m // tile_m) * (n // (cfg.consumers * cfg.tile_n))
   split_k = 1
-  while (tiles * split_k * 2 <= num_sms and k % (split_k * 2 * group_size) == 0
-         and k // (split_k * 2) // tile_k >= 4):
+  odd_fp4 = fp4 is not None and group_size == 64 and tile_m <= _WIDE_K_MAX_TILE_M
+  if odd_fp4:
+    # FP4 with K not a multiple of 128 (GPT-OSS: 2880) in splits of 5 (3 steps of 192) or
+    # 3 (3 of 320) where the tiles are few (session 24, H100, MXFP4 M = 1 / 16, us):
+    # 2880x1024 9.6 / 10.7 unsplit, 6.1 / 6.7 in 3, 5.3 / 5.8 in 5; 2880x2944 9.9 / 11.0,
+    # 6.6 / 7.2, 5.9 / 6.6; 2880x5120 (200 CTAs in 5) 10.0 / 11.3, 7.5 / 8.3, 8.9 / 10.2.
+    split_k = next((s for s, step in _ODD_FP4_SPLITS
+                    if tiles * s <= num_sms and k % (s * step) == 0), 1)
+  while (not odd_fp4 and tiles * split_k * 2 <= num_sms
+         and k % (split_k * 2 * group_size) == 0 and k // (split_k * 2) // tile_k >= 4):
     split_k *= 2
   cfg = dataclasses.replace(cfg, split_k=split_k)
   budget = _SMEM_BUDGET
@@ -239,7 +250,14 @@ def config_for(m: int, k: int, n: int, group_size: int, num_sms: int = 132, *,
     # Wider K steps read longer rows of W^T per TMA copy (tile_k / 2 bytes): session 18's
     # sweep at M <= 64 took 512 or 256 (4-21 % less time than 128). 512 where three
     # stages fit (session 21: at M = 64, where only two do, four of 256 took 5-6 % less).
-    for wide, min_stages in ((512, 3), (256, 2)):
+    wides = ((512, 3), (256, 2))
+    if odd_fp4:
+      # Steps of 320 (160-byte rows) where they divide the split, else of 192 (session
+      # 24, H100, MXFP4 2880x5120 / 2880x11520 unsplit, M = 1, 16, 64: 9.9 / 10.8, 11.2 /
+      # 12.1, 14.2 / 15.3 us against 13.7 / 14.2, 14.1 / 14.6, 16.9 / 17.7 with steps of
+      # 64; 192 and 576 were within -5..+6 % of 320).
+      wides = ((320, 2), (192, 2))
+    for wide, min_stages in wides:
       wide_cfg = dataclasses.replace(cfg, tile_k=wide)
       if (k // split_k % wide == 0 and group_size % 64 == 0
           and (wide % group_size == 0 or group_size % wide == 0)
@@ -256,6 +274,8 @@ def config_for(m: int, k: int, n: int, group_size: int, num_sms: int = 132, *,
     # M = 1 / 16 on the three smaller shapes: 3 stages of 512 or 4 of 256 took 5-10 % less
     # time than 4 of 512; the chained tiles of 8192x28672 keep 4 of 512).
     stages = min(stages, _UNCHAINED_K_IN_FLIGHT // cfg.tile_k)
+    if odd_fp4:  # three stages (session 24: 4 of 320 were 1-5 % slower at N = 11520)
+      stages = min(stages, 3)
   if tiles * split_k > num_sms and cfg.tile_k > 128:
     # Wide steps drop to the deepest pipeline that divides the K steps, so that the tiles
     # chain (session 18, M = 1 / 32 on 8192x28672: 4 stages chained 45.5 / 51.8 us against
@@ -750,17 +770,18 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
   global_scale likewise have an expert axis); the first ``active`` tiles have ``rows[t] >
   0``, the others are skipped. (A row offset read from memory, to take the tiles' rows
   from one ``[R, K]`` array, failed Mosaic GPU's layout inference.)
-  Returns ``[split_k, T, tile_m, N]``, garbage in the skipped tiles. With a fourth entry
-  ``x_rows [T]`` each tile is one row: x ``[R, 1, K]``, tile ``t`` multiplies row
-  ``x_rows[t]`` (TMA fills the tile's other rows with zeros; an index on the leading axis,
-  unlike a row offset, lowers) and the result is ``[split_k, T, 1, N]`` (the store drops
-  the other rows).
+  Returns ``[split_k, T, tile_m, N]``, garbage in the skipped tiles. Or ``(experts [T],
+  x_rows [T])``: every tile is active and one row: x ``[R, 1, K]``, tile ``t`` multiplies
+  row ``x_rows[t]`` (TMA fills the tile's other rows with zeros; an index on the leading
+  axis, unlike a row offset, lowers) and the result is ``[split_k, T, 1, N]`` (the store
+  drops the other rows). Or ``(experts [T],)``: the same with x ``[1, 1, K]``, every tile
+  multiplying its one row.
 
   N need not be a multiple of ``consumers * tile_n``: the last column tile then overlaps
   the one before it, both writing the same values.
   """
   grouped = tile_table is not None
-  row_per_tile = grouped and len(tile_table) == 4
+  row_per_tile = grouped and len(tile_table) in (1, 2)
   if grouped:
     num_row_tiles, k = tile_table[0].shape[0], x.shape[-1]
     m = num_row_tiles * cfg.tile_m
@@ -799,8 +820,10 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
       w_gmem, s_gmem = w_gmem.at[index], s_gmem.at[index]
       if g_gmem is not None:
         g_gmem = g_gmem.at[index]
-    if grouped:
-      experts_gmem, rows_gmem, active_gmem, *x_rows_gmem = refs
+    if row_per_tile:
+      experts_gmem, *x_rows_gmem = refs
+    elif grouped:
+      experts_gmem, rows_gmem, active_gmem = refs
 
     def pipeline(body, context, state=None):
       return plgpu.emit_pipeline_warp_specialized(
@@ -848,7 +871,7 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
           expert = experts_gmem.at[mi][...]
           x_tile, out_tile, m0 = x_gmem.at[mi], out_tile.at[mi], 0
           if row_per_tile:  # x [R, 1, K]: the tile's row, the rest zero-filled by TMA
-            x_tile = x_gmem.at[x_rows_gmem[0].at[mi][...]]
+            x_tile = x_gmem.at[x_rows_gmem[0].at[mi][...] if x_rows_gmem else 0]
           w_tile, s_tile = w_gmem.at[expert], s_gmem.at[expert]
           if g_gmem is not None:
             g_tile = g_gmem.at[expert]
@@ -897,7 +920,7 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
         state = None
         if cfg.chain_tiles:
           first, last = info.local_index == 0, info.local_index == info.num_local_steps - 1
-          if grouped:  # the CTA's last tile that is not skipped: tile sm + j * grid
+          if grouped and not row_per_tile:  # last tile not skipped: tile sm + j * grid
             active_lins = active_gmem[...] * (splits * n_iters)
             last = info.local_index == (active_lins - 1 - lax.axis_index("sm")) // grid
           # A CTA with one tile starts it and skips the final quiesce (it has no next).
@@ -911,7 +934,7 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
                         pl.ds(n0, cta_n)],
               allocations=allocations)
 
-        if grouped:
+        if grouped and not row_per_tile:
           pl.when(rows_gmem.at[mi][...] > 0)(run_tile)
         else:
           run_tile()
@@ -1143,8 +1166,12 @@ def _grouped(rows: jax.Array, w: Any, pair_rows: jax.Array, pair_experts: jax.Ar
 def _per_pair(rows: jax.Array, w: Any, pair_rows: jax.Array, pair_experts: jax.Array,
               cfg: WgmmaConfig, num_sms: int) -> jax.Array:
   """:func:`fp4_nk_moe_matmul` with one row tile per pair: the kernel reads the pair's row
-  of ``rows`` and writes its row of the result in place (no gather, no slice)."""
+  of ``rows`` and writes its row of the result in place (no gather, no slice). Every tile
+  is active, so no table of rows per tile is passed: its array of ones was an XLA kernel
+  of 0.9 us (H100, BENCHMARKS.md session 24). Nor, for one row, the pairs' rows: all
+  zero, XLA makes them a broadcast, a kernel of its own before the call (session 25)."""
   p, (r, k) = pair_experts.shape[0], rows.shape
-  table = (pair_experts.astype(jnp.int32), jnp.ones((p,), jnp.int32), jnp.int32(p),
-           pair_rows.astype(jnp.int32))
+  table = (pair_experts.astype(jnp.int32),)
+  if r > 1:
+    table += (pair_rows.astype(jnp.int32),)
   return _run_kernel(rows.reshape(r, 1, k), w, cfg, num_sms, table).reshape(p, -1)

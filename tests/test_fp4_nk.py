@@ -311,6 +311,20 @@ def test_config_for_is_legal(m, k, n, fmt):
 
 
 @pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("m,n,want", [
+    # (tile_k, stages, split_k, chained) for GPT-OSS's K = 2880 (session 24's H100 sweep):
+    # steps of 320, three stages; K split in 5 (steps of 192) or 3 where the tiles are few.
+    (1, 11520, (320, 3, 1, False)), (16, 11520, (320, 3, 1, False)),
+    (64, 5760, (320, 3, 1, False)), (1, 201088, (320, 3, 1, True)),
+    (1, 5120, (320, 3, 3, False)), (16, 4096, (320, 3, 3, False)),
+    (64, 5120, (320, 2, 3, False)), (1, 2944, (192, 3, 5, False)),
+    (16, 512, (192, 3, 5, False)), (256, 5120, (64, 8, 1, False))])
+def test_config_for_k2880_takes_steps_of_320(m, n, want, fmt):
+  cfg = kw.config_for(m, 2880, n, 32, fp4=fmt)
+  assert (cfg.tile_k, cfg.stages, cfg.split_k, cfg.chain_tiles) == want
+
+
+@pytest.mark.parametrize("fmt", FMTS)
 def test_kernel_declines_what_it_lacks(request, fmt):
   x, _, wn = make_case(request.node.nodeid, 16, 256, 128, fmt)
   with pytest.raises(NotImplementedError, match="bf16 activations"):
@@ -384,6 +398,7 @@ GPU_CASES = [
     (1, 256, 128, None), (3, 512, 256, None), (7, 512, 384, None), (16, 1024, 256, None),
     (40, 2048, 1280, None), (64, 4096, 4096, None), (100, 1024, 384, None),
     (130, 2880, 640, None), (300, 512, 640, None), (2048, 1024, 1024, None),
+    (1, 2880, 5120, None), (16, 2880, 1152, None), (61, 2880, 256, None),
     (1, 8192, 1024, None),
     (200, 1024, 256, kw.WgmmaConfig(tile_m=64, tile_k=128, split_k=4, stages=6)),
     (96, 768, 384, kw.WgmmaConfig(tile_m=96, tile_k=64, epi_m=32, stages=5)),

@@ -243,6 +243,23 @@ class TestInterpret(MoESuite):
     assert rel_err(np.asarray(y), np_moe_matmul(x, w, ids)) < 1e-2
 
 
+@pytest.mark.parametrize("tokens,top_k", [(1, 4), (3, 2), (5000, 4)])
+@pytest.mark.parametrize("shared_row", [True, False])
+def test_pair_rows(monkeypatch, tokens, top_k, shared_row):
+  """Each pair's row: p // top_k where a token's experts share its row, else p; a constant
+  of the program up to _CONSTANT_PAIR_ROWS_MAX pairs, computed above (both the same)."""
+  p = np.arange(tokens * top_k)
+  want = p // top_k if shared_row else p
+  got = moe._pair_rows(tokens, top_k, shared_row=shared_row)  # pylint: disable=protected-access
+  assert got.dtype == jnp.int32
+  np.testing.assert_array_equal(np.asarray(got), want)
+  hlo = jax.jit(lambda: moe._pair_rows(tokens, top_k, shared_row=shared_row)).lower().as_text()
+  assert ("iota" in hlo) == (tokens * top_k > moe._CONSTANT_PAIR_ROWS_MAX)
+  monkeypatch.setattr(moe, "_CONSTANT_PAIR_ROWS_MAX", 0)  # the computed form
+  computed = jax.jit(lambda: moe._pair_rows(tokens, top_k, shared_row=shared_row))()
+  np.testing.assert_array_equal(np.asarray(computed), want)
+
+
 def test_bad_arguments_are_named(rng):
   w = make_experts(rng, 4, 64, 32)
   x = jnp.ones((3, 64), jnp.float32)
@@ -386,8 +403,10 @@ def test_bench_moe_floor_counts_selected_experts_only(tmp_path):
                    "--moe-experts", "4", "--moe-top-k", "2", "--json", str(path)]) == 0
   (row,) = json.loads(path.read_text())["moe_rows"]
   assert set(row["times_us"]) == {"default", "grouped", "gemv", "wgmma", "xla", "dequant_all"}
-  if jax.devices()[0].platform == "cpu":  # Hopper's wgmma kernel does not run here
-    assert math.isnan(row["times_us"]["wgmma"])
+  # Hopper's wgmma kernel runs neither on a CPU nor for N = 64 (it needs N >= 128): NaN,
+  # not an error (the H100 raised NotImplementedError here before session 25).
+  assert math.isnan(row["times_us"]["wgmma"])
+  assert all(math.isfinite(t) for name, t in row["times_us"].items() if name != "wgmma")
   assert 2 <= row["selected_experts"] <= 4
   per_expert = 128 * 64 // 2 + 128 // 32 * 64  # packed codes + E8M0 scales
   io_bytes = 3 * 128 * 2 + 3 * 2 * 64 * 2     # x and the [T, top_k, N] output, bf16

@@ -238,6 +238,27 @@ def test_each_route_lowers_for_cuda(request, monkeypatch, route):
     assert calls and all((20, 1, k) in shapes for shapes in calls), calls
 
 
+@pytest.mark.parametrize("fmt", FMTS)
+def test_one_row_is_handed_no_row_table(request, fmt):
+  """One token's pairs all multiply row 0: the per-pair route hands the kernel x as
+  ``[1, 1, K]`` and the experts alone, not a table of rows (all zero, which XLA would
+  materialize by a broadcast kernel before the call); more rows do get the table."""
+  experts, k, n, top_k = 6, 512, 256, 4  # experts != pairs: NVFP4's [E] tensor scales
+  for tokens in (1, 2):
+    x, _, wn, ids = make_moe(f"{request.node.nodeid}/{tokens}", tokens, experts, k, n, top_k,
+                             fmt)
+    pairs = tokens * top_k
+
+    def fn(a, b, c):
+      return kw.fp4_nk_moe_matmul(a, b, jnp.arange(pairs, dtype=jnp.int32) // top_k,
+                                  c.reshape(-1), num_sms=132)
+    calls = pallas_operand_shapes(jax.make_jaxpr(fn)(x, wn, ids).jaxpr)
+    assert len(calls) == 1, calls
+    assert (tokens, 1, k) in calls[0], calls
+    assert calls[0].count((pairs,)) == (1 if tokens == 1 else 2), calls
+    assert "mosaic_gpu" in _lower(fn, x, wn, ids)
+
+
 @needs_gpu
 @needs_hopper
 @pytest.mark.parametrize("route", ROUTES)

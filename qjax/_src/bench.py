@@ -537,7 +537,8 @@ def bench_moe(tokens: int, *, experts: int, k: int, n: int, top_k: int, bandwidt
   * gemv: the per-pair GEMV kernel (``implementation="pallas:pallas_triton_gemv"``).
   * wgmma: the same experts converted to :class:`qjax.MXFP4NKWeight` (once, outside the
     timing) through Hopper's grouped wgmma kernel (``"pallas:mosaic_gpu_wgmma"``); NaN
-    where it does not run (not a Hopper GPU).
+    where it does not run (not a Hopper GPU, or N below 128; any kernel that declines the
+    shape is NaN, its reason printed to stderr).
   * xla: its XLA reference (gathered experts, or every expert and ragged_dot).
   * dequant_all: every expert dequantized to bf16 first (materialized: an optimization
     barrier stops XLA from dequantizing only the gathered ones), then the selected ones'
@@ -582,8 +583,13 @@ def bench_moe(tokens: int, *, experts: int, k: int, n: int, top_k: int, bandwidt
     if weight is None:
       times[name] = float("nan")
       continue
-    t = devtime.device_time(jax.jit(fn), [(x, weight, ids) for ids in id_sets],
-                            calls=calls)
+    try:
+      t = devtime.device_time(jax.jit(fn), [(x, weight, ids) for ids in id_sets],
+                              calls=calls)
+    except NotImplementedError as e:  # a kernel that declines this shape (wgmma: N < 128)
+      print(f"# --moe: {name} not timed: {e}", file=sys.stderr)
+      times[name] = float("nan")
+      continue
     times[name], source = t.us, t.source
   floor_bytes = distinct * per_expert + x.nbytes + tokens * top_k * n * 2
   return MoERow(tokens=tokens, experts=experts, k=k, n=n, top_k=top_k, times_us=times,

@@ -101,7 +101,10 @@ def device_time(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, calls: int
     total += float(e.get("dur", 0.0))
     names.add(name)
   if not names:
-    raise RuntimeError("the profiler trace holds no device kernel events; is this a GPU?")
+    raise RuntimeError(
+        "the profiler trace holds no device kernel events: is this a GPU, and is no other "
+        "process profiling it? (CUPTI failed to attach in pytest-xdist workers sharing one "
+        "H100; time in one process)")
   return Timing(us=total / calls, source="trace", kernels=tuple(sorted(names)))
 
 

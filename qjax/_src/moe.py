@@ -248,6 +248,21 @@ def inverse_permutation(order: jax.Array) -> jax.Array:
 # -------------------------------------------------------------------------------- XLA
 
 
+# Up to this many pairs the pairs' rows are a constant of the program; above, an iota.
+_CONSTANT_PAIR_ROWS_MAX = 1 << 14
+
+
+def _pair_rows(tokens: int, top_k: int, *, shared_row: bool) -> jax.Array:
+  """``[tokens * top_k]`` int32: the row of ``rows`` each (token, expert) pair multiplies,
+  ``p // top_k`` where a token's experts share its row, else ``p``. Small counts are a
+  numpy constant: computed by XLA, the iota and division were a kernel of their own (0.9
+  us on the H100, as much as a tenth of a one-token MoE layer; BENCHMARKS.md session 24)."""
+  pairs = tokens * top_k
+  xp = np if pairs <= _CONSTANT_PAIR_ROWS_MAX else jnp
+  index = xp.arange(pairs, dtype=np.int32)
+  return jnp.asarray(index // top_k if shared_row else index, dtype=jnp.int32)
+
+
 def moe_matmul_xla(rows: jax.Array, w: Any, pair_rows: jax.Array, pair_experts: jax.Array
                    ) -> jax.Array:
   """Reference of the canonical form: weights dequantized in the rows' dtype, f32
@@ -417,11 +432,8 @@ def moe_matmul(x: jax.Array, w: Any, expert_ids: jax.Array, *,
   t, top_k = expert_ids.shape
   _, fn = resolve_moe(w, implementation, t * top_k)
   pair_experts = expert_ids.reshape(-1).astype(jnp.int32)
-  if x.ndim == 2:
-    rows, pair_rows = x, jnp.arange(t * top_k, dtype=jnp.int32) // top_k
-  else:
-    rows, pair_rows = x.reshape(t * top_k, -1), jnp.arange(t * top_k, dtype=jnp.int32)
-  y = fn(rows, w, pair_rows, pair_experts)
+  rows = x if x.ndim == 2 else x.reshape(t * top_k, -1)
+  y = fn(rows, w, _pair_rows(t, top_k, shared_row=x.ndim == 2), pair_experts)
   return y.reshape(t, top_k, w.shape[1])
 
 
