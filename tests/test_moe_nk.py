@@ -329,3 +329,31 @@ def test_moe_block_takes_nk_experts_on_hopper():
   """Default routes: the Triton MoE kernels for MXFP4Weight, wgmma for the NK form."""
   y_row, y_nk = _moe_block_both_layouts(None)
   assert rel_err(y_nk, y_row) < 1e-2
+
+
+def test_decode_configs_example_lowers_each_config():
+  """examples/moe_decode_configs.py: every configuration it times passes the kernel's
+  checks and lowers for CUDA at one token of GPT-OSS-sized experts; on a machine without
+  Hopper it refuses with exit code 2, naming what it needs."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  path = pathlib.Path(__file__).parent.parent / "examples" / "moe_decode_configs.py"
+  spec = importlib.util.spec_from_file_location("moe_decode_configs", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  experts, k, n, top_k = 4, 2880, 2880, 4
+  x, _, wn, ids = make_moe("decode_configs", 1, experts, k, n, top_k)
+  variants = mod._variants(kw.moe_config_for(top_k, experts, k, n, "mxfp4"))  # pylint: disable=protected-access
+  assert list(variants)[0] == "default" and len(set(variants.values())) == len(variants)
+  for name, cfg in variants.items():
+    fn = lambda a, b, c, cfg=cfg: kw.fp4_nk_moe_matmul(
+        a, b, jnp.zeros((top_k,), jnp.int32), c.reshape(-1), config=cfg, num_sms=132)
+    assert "mosaic_gpu" in _lower(fn, x, wn, ids), name
+  if not kw.supported(jax.devices()[0]):
+    proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(path.parent.parent)},
+                          timeout=120)
+    assert proc.returncode == 2 and "Hopper" in proc.stderr, proc.stderr
