@@ -1168,8 +1168,8 @@ def _per_pair(rows: jax.Array, w: Any, pair_rows: jax.Array, pair_experts: jax.A
   """:func:`fp4_nk_moe_matmul` with one row tile per pair: the kernel reads the pair's row
   of ``rows`` and writes its row of the result in place (no gather, no slice). Every tile
   is active, so no table of rows per tile is passed: its array of ones was an XLA kernel
-  of 0.9 us (H100, BENCHMARKS.md session 24). Nor, for one row, the pairs' rows: all
-  zero, XLA makes them a broadcast, a kernel of its own before the call (session 25)."""
+  of 0.9 us (H100, session 24). Nor, for one row, the pairs' rows: all zero, XLA makes
+  them a broadcast, a kernel of its own before the call (BENCHMARKS.md, session 25)."""
   p, (r, k) = pair_experts.shape[0], rows.shape
   table = (pair_experts.astype(jnp.int32),)
   if r > 1:

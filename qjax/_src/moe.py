@@ -256,7 +256,8 @@ def _pair_rows(tokens: int, top_k: int, *, shared_row: bool) -> jax.Array:
   """``[tokens * top_k]`` int32: the row of ``rows`` each (token, expert) pair multiplies,
   ``p // top_k`` where a token's experts share its row, else ``p``. Small counts are a
   numpy constant: computed by XLA, the iota and division were a kernel of their own (0.9
-  us on the H100, as much as a tenth of a one-token MoE layer; BENCHMARKS.md session 24)."""
+  us on the H100, as much as a tenth of a one-token MoE layer; session 24, recorded in
+  BENCHMARKS.md's session 25)."""
   pairs = tokens * top_k
   xp = np if pairs <= _CONSTANT_PAIR_ROWS_MAX else jnp
   index = xp.arange(pairs, dtype=np.int32)
