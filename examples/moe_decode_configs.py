@@ -20,6 +20,7 @@ from pallas_kernels import int4_wgmma as kw
 from qjax._src import bench
 from qjax._src import devtime
 from qjax._src import fp4_nk
+from qjax._src import moe
 
 # (tile_k, stages) tried besides the default, unchained; then K splits, and wgmma for mma.sync.
 _STEPS = ((192, 3), (320, 2), (320, 4), (576, 2), (192, 4))
@@ -48,10 +49,7 @@ def main() -> int:
   if not kw.supported(jax.devices()[0]):
     p.error(f"needs an NVIDIA Hopper GPU (sm_90); this is {jax.devices()[0].device_kind}")
 
-  key = jax.random.key(0)
-  w0 = bench.random_weight("mxfp4", args.k, args.n, key)
-  w = jax.tree.map(lambda a: jnp.broadcast_to(a, (args.experts, *a.shape)) + 0, w0)
-  w = dataclasses.replace(w, codes=w.codes ^ jax.random.bits(key, w.codes.shape, jnp.uint32))
+  w = bench.random_experts(args.experts, args.k, args.n, jax.random.key(0))
   wn = jax.jit(fp4_nk.to_mxfp4_nk)(w)
   for tokens in map(int, args.tokens.split(",")):
     x = jax.random.normal(jax.random.key(1), (tokens, args.k), jnp.float32).astype(jnp.bfloat16)
@@ -62,8 +60,8 @@ def main() -> int:
     print(f"tokens {tokens}: default {base}", flush=True)
 
     def run(cfg):
-      def f(x_, w_, ids):
-        pair_rows = jnp.asarray(np.arange(pairs, dtype=np.int32) // args.top_k)
+      def f(x_, w_, ids):  # the pairs' rows as moe_matmul passes them
+        pair_rows = moe._pair_rows(tokens, args.top_k, shared_row=True)  # pylint: disable=protected-access
         return kw.fp4_nk_moe_matmul(x_, w_, pair_rows, ids.reshape(-1), config=cfg)
       return jax.jit(f)
 

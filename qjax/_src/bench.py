@@ -520,6 +520,15 @@ class MoERow:
     return t / self.floor_us if t else float("nan")
 
 
+def random_experts(experts: int, k: int, n: int, key: jax.Array) -> Any:
+  """A stack of ``experts`` random MXFP4 experts of ``[k, n]`` (codes ``[E, K // 8, N]``
+  uint32), each expert's codes drawn apart, the block scales shared."""
+  w0 = random_weight("mxfp4", k, n, key)
+  w = jax.tree.map(lambda a: jnp.broadcast_to(a, (experts, *a.shape)) + 0, w0)
+  return dataclasses.replace(w, codes=w.codes ^ jax.random.bits(key, w.codes.shape,
+                                                                 jnp.uint32))
+
+
 def _distinct_ids(key: jax.Array, tokens: int, experts: int, top_k: int) -> jax.Array:
   """``[T, top_k]`` int32, distinct experts per token (as a router's top-k gives)."""
   scores = jax.random.uniform(key, (tokens, experts))
@@ -551,11 +560,8 @@ def bench_moe(tokens: int, *, experts: int, k: int, n: int, top_k: int, bandwidt
   key = jax.random.key(seed)
   kx, kw, ki = jax.random.split(key, 3)
   x = jax.random.normal(kx, (tokens, k), jnp.float32).astype(jnp.bfloat16)
-  w0 = random_weight("mxfp4", k, n, kw)
-  w = jax.tree.map(lambda a: jnp.broadcast_to(a, (experts, *a.shape)) + 0, w0)
-  w = dataclasses.replace(w, codes=w.codes ^ jax.random.bits(kw, w.codes.shape, jnp.uint32))
-  per_expert = w0.nbytes
-  del w0
+  w = random_experts(experts, k, n, kw)
+  per_expert = w.nbytes // experts
   reps = _rotation(per_expert * tokens * top_k)
   id_sets = [_distinct_ids(jax.random.fold_in(ki, i), tokens, experts, top_k)
              for i in range(reps)]
