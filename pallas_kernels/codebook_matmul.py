@@ -47,7 +47,8 @@ def _lookup(q: jax.Array, levels: list[jax.Array]) -> jax.Array:
 
 
 def _codebook_kernel(x_ref, w_ref, n_ref, c_ref, x2_ref, w2_ref, n2_ref, c2_ref, o_ref, *,
-                     m, k, group_size, block_m, block_n, block_k, steps_per_split, split_k):
+                     m, k, group_size, block_m, block_n, block_k, steps_per_split, split_k,
+                     precision):
   """One ``[block_m, block_n]`` output tile over ``steps_per_split`` K steps.
 
   Refs (whole arrays; the ``2`` refs are pass 2, or all None):
@@ -100,7 +101,7 @@ def _codebook_kernel(x_ref, w_ref, n_ref, c_ref, x2_ref, w2_ref, n2_ref, c2_ref,
             kx = ((k_chunk + p * slab + jnp.arange(slab)) < k)[None, :]
             x_mask = kx if x_mask is None else x_mask & kx
           xs = _load(xr.at[pl.ds(m0, block_m), pl.ds(k_chunk + p * slab, slab)], x_mask)
-          part += plgpu.dot(xs, wv)
+          part += plgpu.dot(xs, wv, precision=precision)
         g = k_chunk // group_size
         scale = _load(nr.at[pl.ds(g, 1), pl.ds(n0, block_n)], row_mask(g))
         acc += part * (scale.astype(jnp.float32) * inv_sqrt_d)
@@ -168,7 +169,7 @@ def codebook_matmul(x: jax.Array, w: CodebookWeight, *, interpret: bool = False,
   kernel = functools.partial(
       _codebook_kernel, m=m, k=k, group_size=w.group_size, block_m=config.block_m,
       block_n=config.block_n, block_k=config.block_k, steps_per_split=steps // split_k,
-      split_k=split_k)
+      split_k=split_k, precision=common.dot_precision(x.dtype, interpret))
   x1, x2 = rotated_activations(x, w)
   args = [x1, w.codes, w.norms, w.codebook, x2, w.codes2, w.norms2, w.codebook2]
   return common.launch(kernel, args, m=m, n=n, dtype=x.dtype, config=config,

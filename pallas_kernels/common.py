@@ -17,10 +17,38 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax import lax
 from jax.experimental.pallas import triton as plgpu
 
 from qjax import KernelConfig
 from qjax._src import stacked as stacked_lib
+
+
+# Values of ``jax_default_matmul_precision`` that ask float32 dots for float32 accuracy.
+_FULL_F32_PRECISIONS = ("highest", "float32", "F32_F32_F32", "TF32_TF32_F32_X3")
+# Pipeline stages at most where a kernel's dots take three TF32 products: they need more
+# shared memory than one (H100, MXFP4 M = 64 at 4096 x 4096, 4 stages: 233472 bytes asked,
+# 232448 available; session 26).
+X3_MAX_STAGES = 2
+
+
+def dot_precision(dtype, interpret: bool):
+  """The ``precision`` of a kernel's ``plgpu.dot`` for activations of ``dtype``.
+
+  float32 activations take Triton's default, one TF32 product, as ``jnp.dot`` does on the
+  GPU: it keeps 10 bits of x's mantissa (H100, K = 4096: 2e-4 to 8e-4 relative error
+  against float64; session 26). Where jax's default matmul precision asks for float32
+  (``jax.default_matmul_precision("highest")`` or ``"float32"``, read when the call is
+  traced), they take three (Triton's "tf32x3": 1e-7 to 4e-7, 2-3x the device time), as
+  accurate as the XLA fallbacks, which always multiply float32 at ``Precision.HIGHEST``.
+  None (the inputs' precision) for 16-bit activations and in interpret mode, whose CPU
+  dot multiplies float32 exactly.
+  """
+  if interpret or jnp.dtype(dtype) != jnp.float32:
+    return None
+  if str(jax.config.jax_default_matmul_precision) in _FULL_F32_PRECISIONS:
+    return lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+  return None
 
 
 def load(ref, mask=None, other=0):
@@ -102,6 +130,14 @@ def _drop_aliased_input(kernel, *refs):
   return kernel(*refs[:-2], refs[-1])
 
 
+def compiled_stages(config: KernelConfig, dtype, interpret: bool) -> int:
+  """Triton's ``num_stages`` for a launch: ``config.num_stages``, at most
+  :data:`X3_MAX_STAGES` where the dots take three TF32 products (:func:`dot_precision`)."""
+  if dot_precision(dtype, interpret) is None:
+    return config.num_stages
+  return min(config.num_stages, X3_MAX_STAGES)
+
+
 def launch(kernel: Callable[..., None], args: Sequence[Any], *, m: int, n: int,
            dtype: Any, config: KernelConfig, interpret: bool, poison: bool,
            name: str, grid_m: int | None = None) -> jax.Array:
@@ -140,7 +176,8 @@ def launch(kernel: Callable[..., None], args: Sequence[Any], *, m: int, n: int,
       input_output_aliases=aliases,
       interpret=interpret,
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
-                                           num_stages=config.num_stages),
+                                           num_stages=compiled_stages(config, dtype,
+                                                                      interpret)),
       name=name,
   )
   # jax's dead-code elimination never removes a bare pallas_call (a kernel may write

@@ -143,7 +143,7 @@ def _e2m1_slab(words: jax.Array, j: int, dtype, paired: bool = False) -> jax.Arr
 
 
 def accumulate_k_tile(acc, words, load_x, load_scale, *, k_tile, tile_k, block_size,
-                      dtype, decode, factor=None, paired=False):
+                      dtype, decode, factor=None, paired=False, precision=None):
   """``acc + x[:, k_tile : k_tile + tile_k] @ W[k_tile : k_tile + tile_k, cols]``.
 
   The dequantize-in-registers step every FP4 kernel shares: slab ``j`` of the packed
@@ -162,6 +162,7 @@ def accumulate_k_tile(acc, words, load_x, load_scale, *, k_tile, tile_k, block_s
     dtype: the activations' dtype (the dots run in it).
     decode, factor: from :func:`scale_decoder` (factor None: applied by the caller).
     paired: decode two weights per inline-PTX instance (:func:`paired_decode`).
+    precision: the dots' (:func:`pallas_kernels.common.dot_precision`).
   """
   slab = tile_k // 8
   slabs_per_block = block_size // slab
@@ -169,7 +170,8 @@ def accumulate_k_tile(acc, words, load_x, load_scale, *, k_tile, tile_k, block_s
     part = None
     for p in range(slabs_per_block):
       j = b * slabs_per_block + p
-      d = plgpu.dot(load_x(k_tile + j * slab), _e2m1_slab(words, j, dtype, paired))  # f32
+      d = plgpu.dot(load_x(k_tile + j * slab), _e2m1_slab(words, j, dtype, paired),
+                    precision=precision)  # f32
       part = d if part is None else part + d
     scale = decode(load_scale(k_tile // block_size + b))
     acc += part * (scale if factor is None else scale * factor)
@@ -178,7 +180,7 @@ def accumulate_k_tile(acc, words, load_x, load_scale, *, k_tile, tile_k, block_s
 
 def _fp4_kernel(x_ref, w_ref, s_ref, g_ref, o_ref, *, m, k, scale_format, block_size,
                 tile_k, block_m, block_n, block_k, steps_per_split, split_k, paired,
-                factor_at_end, ptx_scales):
+                factor_at_end, ptx_scales, precision):
   """One ``[block_m, block_n]`` output tile over ``steps_per_split`` K steps.
 
   Refs (whole arrays):
@@ -223,7 +225,8 @@ def _fp4_kernel(x_ref, w_ref, s_ref, g_ref, o_ref, *, m, k, scale_format, block_
                     mask=n_mask[None, :] if n_ragged else None)
       acc = accumulate_k_tile(acc, words, load_x, load_scale, k_tile=k_tile, tile_k=tile_k,
                               block_size=block_size, dtype=x_ref.dtype, decode=decode,
-                              factor=None if factor_at_end else factor, paired=paired)
+                              factor=None if factor_at_end else factor, paired=paired,
+                              precision=precision)
     return acc
 
   acc = lax.fori_loop(0, steps_per_split, step, jnp.zeros((block_m, block_n), jnp.float32))
@@ -278,7 +281,8 @@ def fp4_matmul(x: jax.Array, w: MXFP4Weight | NVFP4Weight, *, interpret: bool = 
       block_k=config.block_k, steps_per_split=steps // split_k, split_k=split_k,
       paired=paired_decode(x.dtype, config.block_n, config.num_warps, interpret),
       factor_at_end=config.ptx_scales,
-      ptx_scales=config.ptx_scales and fp4_codec.use_ptx_scales(config.block_n, interpret))
+      ptx_scales=config.ptx_scales and fp4_codec.use_ptx_scales(config.block_n, interpret),
+      precision=common.dot_precision(x.dtype, interpret))
   return common.launch(kernel, [x, w.codes, scales, global_scale], m=m, n=n, dtype=x.dtype,
                        config=config, interpret=interpret, poison=poison,
                        name=f"qjax_{w.format_name}_matmul")

@@ -47,7 +47,7 @@ _TARGET_PROGRAMS = 256
 
 def _moe_kernel(tile_expert_ref, tile_start_ref, tile_end_ref, x_ref, w_ref, s_ref, o_ref,
                 *, k, tile_k, block_m, block_n, block_k, steps_per_split, split_k, paired,
-                ptx_scales):
+                ptx_scales, precision):
   """One ``[block_m, block_n]`` tile of one expert's rows over ``steps_per_split`` K steps.
 
   Refs (whole arrays):
@@ -91,7 +91,8 @@ def _moe_kernel(tile_expert_ref, tile_start_ref, tile_end_ref, x_ref, w_ref, s_r
           mask=n_mask[None, :] if n_ragged else None)
       acc = fp4_matmul.accumulate_k_tile(
           acc, words, load_x, load_scale, k_tile=k_tile, tile_k=tile_k,
-          block_size=block_size, dtype=x_ref.dtype, decode=decode, paired=paired)
+          block_size=block_size, dtype=x_ref.dtype, decode=decode, paired=paired,
+          precision=precision)
     return acc
 
   @pl.when(row_end > row0)
@@ -155,7 +156,8 @@ def mxfp4_moe_matmul(rows: jax.Array, w: MXFP4Weight, pair_rows: jax.Array,
       _moe_kernel, k=k, tile_k=w.tile_k, block_m=block_m, block_n=config.block_n,
       block_k=config.block_k, steps_per_split=steps // split_k, split_k=split_k,
       paired=fp4_matmul.paired_decode(rows.dtype, config.block_n, config.num_warps, interpret),
-      ptx_scales=fp4_codec.use_ptx_scales(config.block_n, interpret))
+      ptx_scales=fp4_codec.use_ptx_scales(config.block_n, interpret),
+      precision=common.dot_precision(rows.dtype, interpret))
   args = [groups.tile_experts, groups.tile_starts, groups.tile_ends, x, w.codes, w.scales]
   out = common.launch(kernel, args, m=padded, n=n, dtype=rows.dtype, config=config,
                       interpret=interpret, poison=poison, name="qjax_mxfp4_moe_matmul",

@@ -40,6 +40,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+import numpy as np
 
 from qjax import KernelConfig
 from qjax import MXFP4Weight
@@ -101,7 +102,8 @@ def _moe_gemv_kernel(pair_rows_ref, pair_experts_ref, x_ref, w_ref, s_ref, o_ref
   """Output columns ``[n0, n0 + block_n)`` of pair ``program_id(1)`` over one K split.
 
   Refs (whole arrays):
-    pair_rows_ref, pair_experts_ref: ``[P]`` int32.
+    pair_rows_ref, pair_experts_ref: ``[P]`` int32; pair_rows_ref None where every pair
+      multiplies row 0 (:func:`_constant_zeros`).
     x_ref: ``[R, K]`` bf16 / f16 / f32 rows.
     w_ref: ``[E, Kp // 8, N]`` uint32 E2M1 codes in tile order 128.
     s_ref: ``[E, K // 32, N]`` uint8 E8M0 scale bytes.
@@ -112,10 +114,14 @@ def _moe_gemv_kernel(pair_rows_ref, pair_experts_ref, x_ref, w_ref, s_ref, o_ref
   num_experts, _, n = w_ref.shape
   num_rows = x_ref.shape[0]
   num_blocks = s_ref.shape[1]
-  row = pair_rows_ref[pid_p]
   expert = pair_experts_ref[pid_p]
-  valid = (row >= 0) & (row < num_rows) & (expert >= 0) & (expert < num_experts)
-  row = jnp.clip(row, 0, num_rows - 1)           # in-bounds addresses whatever the ids
+  valid = (expert >= 0) & (expert < num_experts)
+  if pair_rows_ref is None:
+    row = jnp.int32(0)
+  else:
+    row = pair_rows_ref[pid_p]
+    valid &= (row >= 0) & (row < num_rows)
+    row = jnp.clip(row, 0, num_rows - 1)         # in-bounds addresses whatever the ids
   expert = jnp.clip(expert, 0, num_experts - 1)
   bn = plan.block_n
   n0 = pid_n * bn
@@ -212,6 +218,18 @@ def _check(rows, w, pair_rows, pair_experts, variant) -> None:
                      f"{tuple(pair_rows.shape)} and {tuple(pair_experts.shape)}")
 
 
+def _constant_zeros(a) -> bool:
+  """Whether ``a`` is a concrete array (not traced) of zeros only. ``qjax.moe_matmul``
+  passes its pair rows as a constant, all zero for one token; a custom call's operand
+  must be in memory, and XLA writes an all-equal constant by a broadcast kernel of its own
+  before the call (0.9-1 us on the H100, BENCHMARKS.md session 25). The kernel is then
+  handed no pair rows and reads row 0."""
+  try:
+    return not np.asarray(a).any()
+  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+    return False
+
+
 def mxfp4_moe_gemv(rows: jax.Array, w: MXFP4Weight, pair_rows: jax.Array,
                    pair_experts: jax.Array, *, config: KernelConfig | None = None,
                    variant: str = DEFAULT_VARIANT, interpret: bool = False,
@@ -224,6 +242,8 @@ def mxfp4_moe_gemv(rows: jax.Array, w: MXFP4Weight, pair_rows: jax.Array,
       (E8M0); codes in another tile order than 128 are repacked first (per call).
     pair_rows, pair_experts: ``[P]`` integers (cast to int32), in ``[0, R)`` and
       ``[0, E)``; a pair with an id outside its range gets a NaN output row (module doc).
+      Concrete all-zero ``pair_rows`` (one token's, from ``qjax.moe_matmul``) are not
+      passed to the kernel, which then reads row 0 for every pair.
     config: ``block_n`` columns per program, ``block_k`` (a multiple of 128) K rows per
       loop step, ``split_k`` (at most; need not divide the K-tiles), ``num_warps``, and
       ``num_stages``: loop steps the loads run ahead. None: :func:`heuristic_config`.
@@ -253,8 +273,9 @@ def mxfp4_moe_gemv(rows: jax.Array, w: MXFP4Weight, pair_rows: jax.Array,
   # Triton's own pipeliner does nothing for these loads; the prefetch depth is ours.
   launch_config = KernelConfig(block_m=1, block_n=config.block_n, block_k=_TILE_K * tps,
                                split_k=split, num_warps=config.num_warps, num_stages=1)
-  args = [pair_rows.astype(jnp.int32), pair_experts.astype(jnp.int32), rows, w.codes,
-          w.scales]
+  shared_row_0 = _constant_zeros(pair_rows)
+  args = [None if shared_row_0 else jnp.asarray(pair_rows, jnp.int32),
+          pair_experts.astype(jnp.int32), rows, w.codes, w.scales]
   return common.launch(
       functools.partial(_moe_gemv_kernel, launch=_Launch(plan=plan, tiles=tiles)), args,
       m=p, n=n, dtype=rows.dtype, config=launch_config, interpret=interpret, poison=poison,

@@ -43,7 +43,7 @@ SUM_BY_DOT_MAX_BLOCK_M = 16
 
 def _gguf_kernel(x_ref, low_ref, high_ref, q8_ref, d_ref, dmin_ref, sc_ref, mn_ref, o_ref, *,
                  ggml_type, m, k, block_m, block_n, block_k, steps_per_split, split_k,
-                 by_dot):
+                 by_dot, precision):
   """One ``[block_m, block_n]`` output tile over ``steps_per_split`` K steps.
 
   Refs (whole arrays; the GGUFTiledWeight fields, None where the type has none):
@@ -112,7 +112,7 @@ def _gguf_kernel(x_ref, low_ref, high_ref, q8_ref, d_ref, dmin_ref, sc_ref, mn_r
           kx = ((k_group + p * slab + jnp.arange(slab)) < k)[None, :]
           x_mask = kx if x_mask is None else x_mask & kx
         xs = _load(x_ref.at[pl.ds(m0, block_m), pl.ds(k_group + p * slab, slab)], x_mask)
-        part += plgpu.dot(xs, wq)
+        part += plgpu.dot(xs, wq, precision=precision)
         if sc_ref is not None:  # Q8_0 has no offset and needs no x sum
           xpart = int4_matmul.x_sum_add(xpart, xs, by_dot)
       xsum = int4_matmul.x_sum_total(xpart, by_dot)
@@ -169,7 +169,8 @@ def gguf_matmul(x: jax.Array, w, *, interpret: bool = False,
       _gguf_kernel, ggml_type=w.ggml_type, m=m, k=k, block_m=config.block_m,
       block_n=config.block_n, block_k=config.block_k, steps_per_split=steps // split_k,
       split_k=split_k, by_dot=int4_matmul.sum_by_dot(x.dtype, config.block_m,
-                                                     max_block_m=SUM_BY_DOT_MAX_BLOCK_M))
+                                                     max_block_m=SUM_BY_DOT_MAX_BLOCK_M),
+      precision=common.dot_precision(x.dtype, interpret))
   return common.launch(kernel, [x] + [getattr(w, f) for f in _FIELDS], m=m, n=n,
                        dtype=x.dtype, config=config, interpret=interpret, poison=poison,
                        name=f"qjax_gguf_{w.ggml_type.lower()}_matmul")

@@ -146,7 +146,7 @@ def x_sum_total(xpart: jax.Array, by_dot: bool) -> jax.Array:
 
 def _int4_kernel(x_ref, w_ref, s_ref, z_ref, b_ref, o_ref, *, m, k, group_size, tile_k,
                  block_m, block_n, block_k, steps_per_split, split_k, paired,
-                 by_dot):
+                 by_dot, precision):
   """One ``[block_m, block_n]`` output tile over ``steps_per_split`` K steps.
 
   Refs (whole arrays):
@@ -204,7 +204,7 @@ def _int4_kernel(x_ref, w_ref, s_ref, z_ref, b_ref, o_ref, *, m, k, group_size, 
           kx = ((k_chunk + p * slab + jnp.arange(slab)) < k)[None, :]
           x_mask = kx if x_mask is None else x_mask & kx
         xs = _load(x_ref.at[pl.ds(m0, block_m), pl.ds(k_chunk + p * slab, slab)], x_mask)
-        part += plgpu.dot(xs, wq)  # = x_slab @ (C + q_slab), f32
+        part += plgpu.dot(xs, wq, precision=precision)  # = x_slab @ (C + q_slab), f32
         xpart = x_sum_add(xpart, xs, by_dot)
       xsum = x_sum_total(xpart, by_dot)
       s = tables[c][0].astype(jnp.float32)
@@ -320,7 +320,8 @@ def int4_matmul(x: jax.Array, w: Int4Weight, *, interpret: bool = False,
       steps_per_split=steps // split_k, split_k=split_k,
       paired=(PAIRED_PTX and not interpret
               and pairs_fit(w.tile_k // 8, config.block_n, config.num_warps)),
-      by_dot=sum_by_dot(x.dtype, config.block_m))
+      by_dot=sum_by_dot(x.dtype, config.block_m),
+      precision=common.dot_precision(x.dtype, interpret))
   return common.launch(kernel, [x, w.codes, w.scales, w.zeros, w.biases], m=m, n=n,
                        dtype=x.dtype, config=config, interpret=interpret, poison=poison,
                        name="qjax_int4_matmul")

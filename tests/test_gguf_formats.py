@@ -145,11 +145,15 @@ def test_mxfp4_to_mxfp4_lossless(tile_k):
   assert isinstance(q, fp4.MXFP4Weight) and q.shape == (512, 256) and q.tile_k == tile_k
   assert q.scales.dtype == jnp.uint8 and q.scales.shape == (16, 256)
   got = np.asarray(jax.jit(lambda q: q.dequantize())(q))
-  # Byte 0 is a subnormal scale and byte 1 gives subnormal products, which XLA flushes to
-  # zero on the CPU.
-  _assert_bit_equal(got[:, 2:], ref[:, 2:])
-  np.testing.assert_array_equal(got[:, 0], 0.0)
-  np.testing.assert_array_equal(got[:, 1], np.where(np.abs(ref[:, 1]) < 2.0**-126, 0, ref[:, 1]))
+  # Byte 0 is a subnormal scale and byte 1 gives subnormal products. XLA flushes them to
+  # zero on the CPU; the GPU keeps them (H100, session 26), so there every value is exact.
+  if jax.default_backend() == "cpu":
+    _assert_bit_equal(got[:, 2:], ref[:, 2:])
+    np.testing.assert_array_equal(got[:, 0], 0.0)
+    np.testing.assert_array_equal(got[:, 1],
+                                  np.where(np.abs(ref[:, 1]) < 2.0**-126, 0, ref[:, 1]))
+  else:
+    _assert_bit_equal(got, ref)
   # Codes and bytes are kept but for the two folds (-0 -> +0; e = 255 -> 254, doubled).
   codes, want = np.asarray(q.unpacked_codes()), np.asarray(w.codes()).reshape(256, 512).T
   keep = np.asarray(w.e != 255).repeat(32, axis=1).T & (want != 8)

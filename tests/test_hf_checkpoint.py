@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import pathlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -28,6 +29,16 @@ from qjax._src import gguf_formats  # noqa: E402
 from qjax._src import int4  # noqa: E402
 from qjax._src import packing  # noqa: E402
 from qjax._src import safetensors_io as sio  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _float32_matmuls():
+  """Outputs are compared with float64 at 1e-4, so float32 dots run at float32 accuracy on
+  the GPU too, whose default is one TF32 product: 3e-4 to 1e-3 off on the H100 (session 26;
+  pallas_kernels.common.dot_precision). The CPU multiplies float32 exactly either way."""
+  with jax.default_matmul_precision("highest"):
+    yield
+
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB = 64, 2, 4, 2, 16, 128, 96
 GROUP = 32

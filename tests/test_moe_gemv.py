@@ -20,7 +20,7 @@ import pytest
 import qjax
 from qjax._src import moe
 from qjax._src import packing
-from conftest import needs_gpu, on_gpu, rel_err, seed_from
+from conftest import needs_gpu, on_gpu, pallas_operand_shapes, rel_err, seed_from
 from test_fp4 import np_dequantize
 
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -160,6 +160,38 @@ class MoEGemvSuite:
     bad = np.array([True, False, True, True, True, False])
     assert np.isnan(y[bad]).all()
     check(y[~bad], rows, w, pair_rows[~bad], pair_experts[~bad], jnp.float32)
+
+  def test_constant_row_zero_is_not_handed_to_the_kernel(self, request):
+    """Concrete all-zero pair rows (one token's, as ``qjax.moe_matmul`` passes them) are
+    left out of the kernel's operands, which then reads row 0; traced or nonzero pair rows
+    are handed over. Both match float64, poisoned outputs, experts' NaN scales unread."""
+    rng = np.random.default_rng(seed_from(request.node.nodeid))
+    fn = _mod().mxfp4_moe_gemv
+    p, k, n = 4, 2880, 130
+    for r, pair_rows in ((1, np.zeros(p, np.int32)), (3, np.array([2, 0, 2, 1], np.int32))):
+      _, pair_experts = make_pairs(rng, p, r, 9)
+      w = nan_unselected(make_experts(rng, 9, k, n, jnp.bfloat16), pair_experts)
+      rows = make_rows(rng, r, k, jnp.bfloat16)
+
+      def call(a, b, e, rows_arg=pair_rows):
+        return fn(a, b, rows_arg, e, variant=self.variant, poison=True,
+                  interpret=self.interpret)
+      calls = pallas_operand_shapes(jax.make_jaxpr(call)(rows, w, jnp.asarray(pair_experts)).jaxpr)
+      assert len(calls) == 1 and calls[0].count((p,)) == (1 if r == 1 else 2), calls
+      traced = pallas_operand_shapes(jax.make_jaxpr(
+          lambda a, b, e, q: call(a, b, e, q))(rows, w, jnp.asarray(pair_experts),
+                                               jnp.asarray(pair_rows)).jaxpr)
+      assert traced[0].count((p,)) == 2, traced
+      y = jax.jit(call)(rows, w, jnp.asarray(pair_experts))
+      check(y, rows, w, pair_rows, pair_experts, jnp.bfloat16)
+    # qjax.moe_matmul's pair rows are concrete under jit too: one token's are left out.
+    impl = f"{'interpret' if self.interpret else 'pallas'}:{_mod().BACKEND_NAME}"
+    for tokens in (1, 2):
+      ids = jnp.asarray(rng.choice(9, (tokens, p), replace=False), jnp.int32)
+      calls = pallas_operand_shapes(jax.make_jaxpr(
+          lambda a, b, c: qjax.moe_matmul(a, b, c, implementation=impl))(
+              make_rows(rng, tokens, k, jnp.bfloat16), w, ids).jaxpr)
+      assert len(calls) == 1 and calls[0].count((tokens * p,)) == tokens, calls
 
   def test_plain_tile_order_is_repacked(self, request):
     rng = np.random.default_rng(seed_from(request.node.nodeid))

@@ -255,13 +255,19 @@ _CONSTANT_PAIR_ROWS_MAX = 1 << 14
 def _pair_rows(tokens: int, top_k: int, *, shared_row: bool) -> jax.Array:
   """``[tokens * top_k]`` int32: the row of ``rows`` each (token, expert) pair multiplies,
   ``p // top_k`` where a token's experts share its row, else ``p``. Small counts are a
-  numpy constant: computed by XLA, the iota and division were a kernel of their own (0.9
-  us on the H100, as much as a tenth of a one-token MoE layer; session 24, recorded in
-  BENCHMARKS.md's session 25)."""
+  constant of the program, computed in numpy: computed by XLA, the iota and division were
+  a kernel of their own (0.9 us on the H100, as much as a tenth of a one-token MoE layer;
+  session 24, recorded in BENCHMARKS.md's session 25)."""
   pairs = tokens * top_k
-  xp = np if pairs <= _CONSTANT_PAIR_ROWS_MAX else jnp
-  index = xp.arange(pairs, dtype=np.int32)
-  return jnp.asarray(index // top_k if shared_row else index, dtype=jnp.int32)
+  if pairs > _CONSTANT_PAIR_ROWS_MAX:
+    index = jnp.arange(pairs, dtype=jnp.int32)
+    return index // top_k if shared_row else index
+  index = np.arange(pairs, dtype=np.int32)
+  # A concrete array even under jit (jnp.asarray alone would stage it as a traced
+  # constant), so that a kernel can see its values: one token's rows are all zero, which
+  # the GEMV kernel then does not take as an operand (session 26).
+  with jax.ensure_compile_time_eval():
+    return jnp.asarray(index // top_k if shared_row else index, dtype=jnp.int32)
 
 
 def moe_matmul_xla(rows: jax.Array, w: Any, pair_rows: jax.Array, pair_experts: jax.Array
