@@ -125,4 +125,5 @@ class CodebookLinear(nnx.Module):
 
   def __call__(self, x: Array) -> Array:
     bias = None if self.bias is None else _value(self.bias)
-    return _apply(x, _value(self.kernel), bias, self.dtype, self.implementation)
+    return _apply(x, _value(self.kernel), bias, self.dtype, self.implementation,
+                  self.precision)

@@ -27,16 +27,17 @@ def _value(variable: nnx.Variable) -> Any:
   return get() if get is not None else variable.value
 
 
-def _apply(x: Array, kernel: Any, bias: Array | None, dtype: Any, implementation: str | None
-           ) -> Array:
+def _apply(x: Array, kernel: Any, bias: Array | None, dtype: Any, implementation: str | None,
+           precision: Any = None) -> Array:
   dtype = dtype or x.dtype
   if jnp.dtype(dtype) not in [jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32)]:
     raise ValueError(f"dtype={jnp.dtype(dtype).name} must be bfloat16, float16 or float32")
   x = jnp.asarray(x, dtype)
   if qjax.is_quantized(kernel) or isinstance(kernel, qjax.LayerOf):
     y = qjax.matmul(x, kernel, implementation=implementation)
-  else:  # a float kernel (e.g. a layer left unquantized by a skip rule)
-    y = jnp.dot(x, kernel.astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
+  else:  # a float kernel (e.g. a layer left unquantized by a skip rule), as nn.Dense
+    y = jnp.dot(x, kernel.astype(dtype), preferred_element_type=jnp.float32,
+                precision=precision).astype(dtype)
   if bias is not None:
     y = y + bias.astype(dtype)
   return y
@@ -64,7 +65,7 @@ def _quantized_dense(module: nn.Module, x: Array, quantize: Callable[[Array], An
   bias = None
   if module.use_bias:
     bias = module.param("bias", module.bias_init, (module.features,), module.param_dtype)
-  return _apply(x, kernel, bias, module.dtype, module.implementation)
+  return _apply(x, kernel, bias, module.dtype, module.implementation, module.precision)
 
 
 def _set_linear_params(module: nnx.Module, kernel: Any, in_features: int, out_features: int,
@@ -118,7 +119,11 @@ class Int4Dense(nn.Module):
     use_bias: add a float bias.
     dtype: computation dtype (bf16, f16, f32); None: x's dtype.
     param_dtype: dtype of the float params before quantization (kernel init, bias).
-    precision: accepted for nn.Dense compatibility; the kernel accumulates in f32.
+    precision: the dot's precision where the kernel is a float array (a layer left
+      unquantized), as nn.Dense's (None: jax's default, one TF32 product for float32 on
+      the GPU). A quantized kernel accumulates in float32 and ignores it: float32 x
+      takes qjax.matmul's XLA path at ``Precision.HIGHEST``, and the Pallas kernels follow
+      ``jax.default_matmul_precision``.
     group_size, symmetric, scale_dtype: quantization of the initialized kernel.
     implementation: qjax.matmul implementation (None: best available).
   """
@@ -192,4 +197,5 @@ class Int4Linear(nnx.Module):
 
   def __call__(self, x: Array) -> Array:
     bias = None if self.bias is None else _value(self.bias)
-    return _apply(x, _value(self.kernel), bias, self.dtype, self.implementation)
+    return _apply(x, _value(self.kernel), bias, self.dtype, self.implementation,
+                  self.precision)

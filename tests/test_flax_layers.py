@@ -79,3 +79,35 @@ def test_nnx_from_prequantized_and_errors(rng):
   with pytest.raises(ValueError, match="dtype=int32"):
     layer(jnp.ones((1, 128)).astype(jnp.int32)) if False else Int4Dense(8, dtype=jnp.int32).apply(
         {"params": {"kernel": w, "bias": jnp.zeros(8)}}, jnp.ones((1, 128)))
+
+
+def _dot_precisions(jaxpr):
+  """The ``precision`` of every dot_general in ``jaxpr`` and its sub-jaxprs."""
+  from jax.extend import core as jex_core  # pylint: disable=g-import-not-at-top
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      found.append(eqn.params["precision"])
+    for sub in jex_core.jaxprs_in_params(eqn.params):
+      found += _dot_precisions(sub)
+  return found
+
+
+def test_float_kernel_takes_the_layers_precision(rng):
+  """A kernel left float (a skip rule) multiplies at the layer's ``precision``, as
+  ``nn.Dense``: linen and NNX; the values match nn.Dense's at HIGHEST."""
+  w = rng.standard_normal((128, 24)).astype(np.float32)
+  x = jnp.asarray(rng.standard_normal((3, 128)), jnp.float32)
+  highest = jax.lax.Precision.HIGHEST
+  for precision in (None, highest):
+    layer = Int4Dense(24, use_bias=False, precision=precision)
+    fn = lambda p, a: layer.apply({"params": p}, a)  # noqa: E731
+    got = _dot_precisions(jax.make_jaxpr(fn)({"kernel": jnp.asarray(w)}, x).jaxpr)
+    assert got and all(p in ((precision, precision), precision) for p in got), got
+  y = Int4Dense(24, use_bias=False, precision=highest).apply({"params": {"kernel": w}}, x)
+  want = nn.Dense(24, use_bias=False, precision=highest).apply({"params": {"kernel": w}}, x)
+  np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-6)
+  lin = Int4Linear(128, 24, use_bias=False, precision=highest, rngs=nnx.Rngs(0))
+  lin.kernel = nnx.Param(jnp.asarray(w))
+  got = _dot_precisions(jax.make_jaxpr(lambda a: lin(a))(x).jaxpr)
+  assert got and all(p in ((highest, highest), highest) for p in got), got
