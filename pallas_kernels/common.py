@@ -15,9 +15,9 @@ import functools
 from typing import Any, Callable, Sequence
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax import lax
 from jax.experimental.pallas import triton as plgpu
 
 from qjax import KernelConfig
