@@ -39,7 +39,7 @@ def dot_precision(dtype, interpret: bool):
   GPU: it keeps 10 bits of x's mantissa (H100, K = 4096: 2e-4 to 8e-4 relative error
   against float64; session 26). Where jax's default matmul precision asks for float32
   (``jax.default_matmul_precision("highest")`` or ``"float32"``, read when the call is
-  traced), they take three (Triton's "tf32x3": 1e-7 to 4e-7, 2-3x the device time), as
+  traced), they take three (Triton's "tf32x3": 1e-7 to 4e-7, 1.3-2.8x the device time), as
   accurate as the XLA fallbacks, which always multiply float32 at ``Precision.HIGHEST``.
   None (the inputs' precision) for 16-bit activations and in interpret mode, whose CPU
   dot multiplies float32 exactly.
