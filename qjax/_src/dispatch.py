@@ -20,12 +20,14 @@ import dataclasses
 import importlib
 import importlib.metadata
 import logging
+import math
 import threading
 from typing import Any, Callable, Protocol
 
 import jax
 import jax.numpy as jnp
 
+from qjax._src import autodiff
 from qjax._src import formats
 from qjax._src import stacked
 
@@ -205,10 +207,13 @@ def resolve(w: Any, implementation: str | None) -> tuple[str, Callable[..., jax.
 
 
 def _xla_fn(fmt: type) -> Callable[[jax.Array, Any], jax.Array]:
+  """The registered XLA path of ``fmt``, differentiable in the weight as ``x @
+  w.dequantize()`` (:func:`qjax._src.autodiff.weight_derivative_from_dequantize`)."""
   try:
-    return _XLA[fmt]
+    fn = _XLA[fmt]
   except KeyError:
     raise NotImplementedError(f"no XLA implementation is registered for {fmt.__name__}") from None
+  return autodiff.weight_derivative_from_dequantize(fn)
 
 
 def matmul(x: jax.Array, w: Any, *, implementation: str | None = None) -> jax.Array:
@@ -234,7 +239,16 @@ def matmul(x: jax.Array, w: Any, *, implementation: str | None = None) -> jax.Ar
   partial products are summed over the mesh axis in float32). Or a :class:`qjax.LayerOf`
   (:func:`qjax.layer_of`): one layer of a stacked weight, which the kernels read in place
   instead of from a copy (for layers run by ``lax.scan``).
+
+  Differentiable in reverse mode (``jax.grad``, ``jax.vjp``) with respect to x and to the
+  weight's float arrays on every implementation. Where a kernel runs, the backward pass
+  is the XLA path's (:mod:`qjax._src.autodiff`); forward mode (``jax.jvp``) needs
+  ``implementation="xla"`` there.
   """
+  if not autodiff.inside_kernel_call() and _runs_a_kernel(x, w, implementation):
+    return autodiff.kernel_call(
+        lambda x_, w_: matmul(x_, w_, implementation=implementation),
+        lambda x_, w_: matmul(x_, w_, implementation="xla"), x, w)
   sharded = sharded_weight_class()
   if isinstance(w, sharded):
     return w.matmul(x, implementation=implementation)
@@ -246,6 +260,23 @@ def matmul(x: jax.Array, w: Any, *, implementation: str | None = None) -> jax.Ar
   lead = x.shape[:-1]
   y = fn(x.reshape(-1, x.shape[-1]), w)
   return y.reshape(*lead, w.shape[1])
+
+
+def _runs_a_kernel(x: Any, w: Any, implementation: str | None) -> bool:
+  """Whether ``matmul(x, w, implementation=implementation)`` would run a kernel rather
+  than the XLA path. Arguments it cannot judge count as XLA: the call itself then
+  raises its error."""
+  if implementation == "xla" or jnp.ndim(x) < 1:
+    return False
+  base = resolvable_weight(w)
+  if not isinstance(base, formats.QuantizedWeight):
+    return False
+  try:
+    name = implementation_name(w, implementation, m=math.prod(jnp.shape(x)[:-1]),
+                               dtype=jnp.result_type(x))
+  except (NotImplementedError, ValueError, TypeError):
+    return False
+  return name != "xla"
 
 
 def resolvable_weight(w: Any) -> Any:

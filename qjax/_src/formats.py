@@ -102,11 +102,14 @@ class QuantizedWeight:
     raise NotImplementedError
 
   def _leaves_concrete_2d(self) -> bool:
-    """True when every leaf is an array whose shapes can be validated (not, e.g., the
-    ``ArgInfo`` stand-ins that ``jax.jit(f).lower(...)`` rebuilds a weight from)."""
+    """True when every leaf is an array whose shapes can be validated: not, e.g., the
+    ``ArgInfo`` stand-ins that ``jax.jit(f).lower(...)`` rebuilds a weight from, nor a
+    cotangent of a weight (``jax.grad`` / ``jax.vjp``), whose integer fields are
+    ``float0``."""
     leaves = jax.tree_util.tree_leaves(self)
     return bool(leaves) and all(
-        hasattr(a, "shape") and hasattr(a, "dtype") and hasattr(a, "ndim") for a in leaves)
+        hasattr(a, "shape") and hasattr(a, "dtype") and hasattr(a, "ndim")
+        and a.dtype != jax.dtypes.float0 for a in leaves)
 
 
 def check_trailing_fields(w: Any, want: dict[str, tuple[tuple[int, ...], Sequence[Any]]],

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qjax._src import autodiff
 from qjax._src import dispatch
 from qjax._src import fp4
 from qjax._src import fp4_nk
@@ -428,7 +429,14 @@ def moe_matmul(x: jax.Array, w: Any, expert_ids: jax.Array, *,
   axis completes it (see :func:`qjax.sharded_moe_matmul`). Or a :class:`qjax.LayerOf`:
   one layer of a stack of expert weights (``[layers, E, ...]`` arrays), which the kernels
   read in place (:func:`qjax.layer_of`).
+
+  Differentiable in reverse mode with respect to x and the experts' float arrays, as
+  :func:`qjax.matmul` (a kernel's backward pass is the XLA path's).
   """
+  if not autodiff.inside_kernel_call() and _runs_a_kernel(x, w, expert_ids, implementation):
+    return autodiff.kernel_call(
+        lambda x_, w_, ids: moe_matmul(x_, w_, ids, implementation=implementation),
+        lambda x_, w_, ids: moe_matmul(x_, w_, ids, implementation="xla"), x, w, expert_ids)
   sharded = dispatch.sharded_weight_class()
   if isinstance(w, sharded):
     return w.moe_matmul(x, expert_ids, implementation=implementation)
@@ -442,6 +450,20 @@ def moe_matmul(x: jax.Array, w: Any, expert_ids: jax.Array, *,
   rows = x if x.ndim == 2 else x.reshape(t * top_k, -1)
   y = fn(rows, w, _pair_rows(t, top_k, shared_row=x.ndim == 2), pair_experts)
   return y.reshape(t, top_k, w.shape[1])
+
+
+def _runs_a_kernel(x: Any, w: Any, expert_ids: Any, implementation: str | None) -> bool:
+  """Whether ``moe_matmul`` would run a kernel for these arguments; those it cannot
+  judge count as XLA (the call itself then raises its error)."""
+  if implementation == "xla" or jnp.ndim(expert_ids) != 2:
+    return False
+  if not isinstance(dispatch.resolvable_weight(w), MOE_FORMATS):
+    return False
+  try:
+    name = moe_implementation_name(w, implementation, int(np.prod(jnp.shape(expert_ids))))
+  except (NotImplementedError, ValueError, TypeError):
+    return False
+  return name != "xla"
 
 
 def moe_implementation_name(w: Any, implementation: str | None = None,
