@@ -77,8 +77,8 @@ def _assert_same_tree(a, b, what):
 _CASES = {c.name: c for c in check.format_cases()}
 
 
-def _is_float8_field(w, i) -> bool:
-  return jnp.dtype(jax.tree.leaves(w)[i].dtype).itemsize == 1
+def _field_itemsize(w, i) -> int:
+  return jnp.dtype(jax.tree.leaves(w)[i].dtype).itemsize
 
 
 @pytest.mark.parametrize("name", sorted(_CASES))
@@ -93,7 +93,7 @@ def test_kernel_path_gradients_are_the_xla_paths(name):
     y_k, gx_k, gw_k = _grads("interpret", x, w, dy)
   except NotImplementedError:
     # GPT-OSS's layout has the XLA path only, and Hopper's wgmma kernel (the NK formats)
-    # no interpret mode: test_compiled_kernel_gradients_are_the_xla_paths on the GPU.
+    # no interpret mode: test_pallas_kernel_gradients_are_the_xla_paths on the GPU.
     assert not dispatch.kernels_for(w) or name.split("-")[0].endswith("_nk"), name
   else:
     # The forward value is the kernel's, as without differentiation.
@@ -159,9 +159,16 @@ def test_xla_path_weight_gradient_is_the_dequantized_products(name, m, dtype):
     finite = np.isfinite(a) & np.isfinite(b)
     np.testing.assert_array_equal(a[~finite], b[~finite], err_msg=f"{name} leaf {i}")
     assert finite.any(), (name, i)
-    # float32: the same products; bf16: the output's cotangent in bf16; float8 fields
-    # (NVFP4's block scales) hold their cotangent in float8.
-    tol = TOL if dtype == jnp.float32 else (5e-2 if _is_float8_field(w, i) else 1e-2)
+    # float32: the same products (a 16-bit field's cotangent rounded to it: on the H100
+    # the sums' order differs, 2e-5 to 5e-5 in session 27); bf16: the output's cotangent
+    # in bf16; float8 fields (NVFP4's block scales) hold their cotangent in float8.
+    itemsize = _field_itemsize(w, i)
+    if itemsize == 1:
+      tol = 5e-2
+    elif dtype != jnp.float32:
+      tol = 1e-2
+    else:
+      tol = TOL if itemsize == 4 else 1e-3
     assert rel_err(a[finite], b[finite]) < tol, (name, i)
 
 
@@ -281,7 +288,7 @@ _GPU_FORMATS = ["int4-sym-g128", "int4-asym-g64-f16", "int4_nk-sym-g128", "mxfp4
 @needs_gpu
 @pytest.mark.parametrize("m", [1, 16, 200])
 @pytest.mark.parametrize("name", _GPU_FORMATS)
-def test_compiled_kernel_gradients_are_the_xla_paths(name, m):
+def test_pallas_kernel_gradients_are_the_xla_paths(name, m):
   case = _CASES[name]
   rng = np.random.default_rng(seed_from(f"gpu-{name}-{m}"))
   k, n = case.fit(1024, 384)
@@ -299,7 +306,7 @@ def test_compiled_kernel_gradients_are_the_xla_paths(name, m):
 
 @needs_gpu
 @pytest.mark.parametrize("tokens", [1, 4, 40])
-def test_compiled_moe_gradients_are_the_xla_paths(tokens):
+def test_pallas_moe_gradients_are_the_xla_paths(tokens):
   rng = np.random.default_rng(seed_from(f"gpu-moe-{tokens}"))
   w = qjax.quantize_mxfp4(jnp.asarray(rng.standard_normal((8, 512, 256)) / 22, jnp.float32))
   ids = jnp.asarray(rng.integers(0, 8, (tokens, 2)), jnp.int32)
