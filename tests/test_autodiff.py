@@ -320,3 +320,31 @@ def test_pallas_moe_gradients_are_the_xla_paths(tokens):
   wd = np.asarray(w.dequantize(), np.float64)[np.asarray(ids)]    # [T, 2, K, N]
   ref = np.einsum("tjn,tjkn->tk", np.asarray(dy, np.float64), wd)
   assert rel_err(grads["pallas"], ref) < 1e-2  # bf16 x, dy and dL/dx
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_moe_xla_path_weight_gradient_is_the_dequantized_products(dtype):
+  """NVFP4 experts in the NK layout (float8 block scales, float32 global scales): the XLA
+  path's cotangent of each float array equals that of the selected experts' float32
+  products with ``w.dequantize()``."""
+  rng = np.random.default_rng(seed_from(f"moe-wgrad-{jnp.dtype(dtype).name}"))
+  w = qjax.to_nvfp4_nk(qjax.quantize_nvfp4(
+      jnp.asarray(rng.standard_normal((4, 128, 128)) / 10, jnp.float32)))
+  ids = jnp.asarray([[0, 2], [3, 1], [1, 1]], jnp.int32)
+  x = jnp.asarray(rng.standard_normal((3, 128)), dtype)
+  dy = jnp.asarray(rng.standard_normal((3, 2, 128)), jnp.float32)
+  got = jax.grad(lambda w_: jnp.vdot(qjax.moe_matmul(
+      x, w_, ids, implementation="xla").astype(jnp.float32), dy), allow_int=True)(w)
+  want = jax.grad(lambda w_: jnp.vdot(jnp.einsum(
+      "tk,tjkn->tjn", x.astype(jnp.float32), w_.dequantize()[ids]),
+      dy.astype(dtype).astype(jnp.float32)), allow_int=True)(w)
+  floats = 0
+  for i, (a, b) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want))):
+    assert a.dtype == b.dtype, (i, a.dtype, b.dtype)
+    if a.dtype == FLOAT0:
+      continue
+    floats += 1
+    itemsize = _field_itemsize(w, i)
+    tol = 5e-2 if itemsize == 1 else (TOL if dtype == jnp.float32 else 1e-2)
+    assert rel_err(a, b) < tol, (i, a.dtype)
+  assert floats == 2  # the block scales and the global scales
