@@ -17,6 +17,7 @@ Implementation names:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import importlib.metadata
 import logging
@@ -246,9 +247,7 @@ def matmul(x: jax.Array, w: Any, *, implementation: str | None = None) -> jax.Ar
   ``implementation="xla"`` there.
   """
   if not autodiff.inside_kernel_call() and _runs_a_kernel(x, w, implementation):
-    return autodiff.kernel_call(
-        lambda x_, w_: matmul(x_, w_, implementation=implementation),
-        lambda x_, w_: matmul(x_, w_, implementation="xla"), x, w)
+    return _kernel_matmul(x, w, implementation=implementation)
   sharded = sharded_weight_class()
   if isinstance(w, sharded):
     return w.matmul(x, implementation=implementation)
@@ -260,6 +259,17 @@ def matmul(x: jax.Array, w: Any, *, implementation: str | None = None) -> jax.Ar
   lead = x.shape[:-1]
   y = fn(x.reshape(-1, x.shape[-1]), w)
   return y.reshape(*lead, w.shape[1])
+
+
+@functools.partial(jax.jit, static_argnames=("implementation",))
+def _kernel_matmul(x: jax.Array, w: Any, *, implementation: str | None) -> jax.Array:
+  """``matmul`` through a kernel, its backward pass the XLA path's. Under ``jax.jit`` so
+  that dead-code elimination drops the whole call when its output is unused (flax's
+  ``nn.scan`` checks its loop-invariant part that way; tests/test_kernel_dead_code.py),
+  which it does not for a bare ``custom_vjp`` call."""
+  return autodiff.kernel_call(
+      lambda x_, w_: matmul(x_, w_, implementation=implementation),
+      lambda x_, w_: matmul(x_, w_, implementation="xla"), x, w)
 
 
 def _runs_a_kernel(x: Any, w: Any, implementation: str | None) -> bool:

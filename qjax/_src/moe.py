@@ -25,6 +25,7 @@ pairs for decode sizes, without sorting; from the sort above).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -434,9 +435,7 @@ def moe_matmul(x: jax.Array, w: Any, expert_ids: jax.Array, *,
   :func:`qjax.matmul` (a kernel's backward pass is the XLA path's).
   """
   if not autodiff.inside_kernel_call() and _runs_a_kernel(x, w, expert_ids, implementation):
-    return autodiff.kernel_call(
-        lambda x_, w_, ids: moe_matmul(x_, w_, ids, implementation=implementation),
-        lambda x_, w_, ids: moe_matmul(x_, w_, ids, implementation="xla"), x, w, expert_ids)
+    return _kernel_moe_matmul(x, w, expert_ids, implementation=implementation)
   sharded = dispatch.sharded_weight_class()
   if isinstance(w, sharded):
     return w.moe_matmul(x, expert_ids, implementation=implementation)
@@ -450,6 +449,16 @@ def moe_matmul(x: jax.Array, w: Any, expert_ids: jax.Array, *,
   rows = x if x.ndim == 2 else x.reshape(t * top_k, -1)
   y = fn(rows, w, _pair_rows(t, top_k, shared_row=x.ndim == 2), pair_experts)
   return y.reshape(t, top_k, w.shape[1])
+
+
+@functools.partial(jax.jit, static_argnames=("implementation",))
+def _kernel_moe_matmul(x: jax.Array, w: Any, expert_ids: jax.Array, *,
+                       implementation: str | None) -> jax.Array:
+  """``moe_matmul`` through a kernel, its backward pass the XLA path's; under ``jax.jit``
+  so that an unused call is dead code (as ``dispatch._kernel_matmul``)."""
+  return autodiff.kernel_call(
+      lambda x_, w_, ids: moe_matmul(x_, w_, ids, implementation=implementation),
+      lambda x_, w_, ids: moe_matmul(x_, w_, ids, implementation="xla"), x, w, expert_ids)
 
 
 def _runs_a_kernel(x: Any, w: Any, expert_ids: Any, implementation: str | None) -> bool:
