@@ -117,7 +117,8 @@ class WgmmaConfig:
     m_minor: walk output tiles with M fastest (each W^T tile read once from memory, x
       tiles from L2) instead of N fastest.
     consumers: compute warpgroups per CTA, each owning tile_n rows of W^T: 2 (3 and 4
-      compiled but hung on the H100).
+      compiled but hung on the H100; 4 compute warpgroups run with a register count
+      that fits, but were slower: BENCHMARKS.md session 28).
     snake_width: 0, or walk the tiles along a snake of this many rows (columns with
       m_minor) for locality in L2 (``plgpu.planar_snake``).
     chain_tiles: run a CTA's tiles as one chained pipeline (Pallas' ``pipeline_state``
@@ -153,7 +154,10 @@ class WgmmaConfig:
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"WgmmaConfig.{name}={getattr(self, name)!r} must be a bool")
     if self.consumers != 2:
-      # 3 and 4 lowered but hung on the H100 (session 16): the pipeline is only run with 2.
+      # 3 and 4 lowered but hung on the H100 (session 16). With 4, Pallas' pipeline asks
+      # setmaxnreg for 112 registers per compute thread, more than a block of 640 threads
+      # holds (96 each): a count that fits runs them, correct and 3-25 % slower than 2
+      # (session 28, BENCHMARKS.md). The pipeline is only run with 2.
       raise ValueError(f"WgmmaConfig.consumers={self.consumers!r} must be 2")
     for name in ("tile_n", "tile_m", "tile_k", "stages", "epi_m", "split_k"):
       v = getattr(self, name)

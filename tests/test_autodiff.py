@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 
 import qjax
 from conftest import needs_gpu, on_gpu, rel_err, seed_from
+from qjax._src import autodiff
 from qjax._src import check
 from qjax._src import dispatch
 
@@ -192,6 +193,24 @@ def test_forward_mode_names_its_limit_and_xla_takes_it():
     jax.jvp(lambda a: qjax.matmul(a, w, implementation="interpret"), (x,), (x,))
   y, t = jax.jvp(lambda a: qjax.matmul(a, w, implementation="xla"), (x,), (x,))
   _assert_same(y, t, "the tangent of a map linear in x")
+
+
+def test_picks_a_kernel():
+  """The wrap decision: a kernel's name wraps, "xla" does not, and a choice that raises
+  one of the dispatcher's errors counts as XLA; anything else propagates."""
+  assert autodiff.picks_a_kernel(lambda: "pallas_triton")
+  assert not autodiff.picks_a_kernel(lambda: "xla")
+  for error in (NotImplementedError, ValueError, TypeError):
+    def raising(error=error):
+      raise error("no kernel here")
+    assert not autodiff.picks_a_kernel(raising)
+  with pytest.raises(KeyError):
+    autodiff.picks_a_kernel(lambda: {}["x"])
+  w = qjax.quantize(jnp.ones((128, 32), jnp.float32))
+  x = jnp.ones((2, 128), jnp.bfloat16)
+  assert dispatch._runs_a_kernel(x, w, "interpret")
+  assert not dispatch._runs_a_kernel(x, w, "xla")
+  assert not dispatch._runs_a_kernel(x, jnp.ones((128, 32)), "interpret")  # a float W
 
 
 def test_layer_of_under_scan():

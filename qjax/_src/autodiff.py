@@ -44,6 +44,16 @@ def inside_kernel_call() -> bool:
   return getattr(_state, "depth", 0) > 0
 
 
+def picks_a_kernel(implementation_name: Callable[[], str]) -> bool:
+  """Whether ``implementation_name()`` (the dispatcher's choice for a call) names a kernel
+  rather than "xla". A call it cannot judge (NotImplementedError, ValueError, TypeError)
+  counts as XLA, so that the call itself, unwrapped, raises its own error."""
+  try:
+    return implementation_name() != "xla"
+  except (NotImplementedError, ValueError, TypeError):
+    return False
+
+
 @contextlib.contextmanager
 def _inside() -> Iterator[None]:
   _state.depth = getattr(_state, "depth", 0) + 1

@@ -281,12 +281,8 @@ def _runs_a_kernel(x: Any, w: Any, implementation: str | None) -> bool:
   base = resolvable_weight(w)
   if not isinstance(base, formats.QuantizedWeight):
     return False
-  try:
-    name = implementation_name(w, implementation, m=math.prod(jnp.shape(x)[:-1]),
-                               dtype=jnp.result_type(x))
-  except (NotImplementedError, ValueError, TypeError):
-    return False
-  return name != "xla"
+  return autodiff.picks_a_kernel(lambda: implementation_name(
+      w, implementation, m=math.prod(jnp.shape(x)[:-1]), dtype=jnp.result_type(x)))
 
 
 def resolvable_weight(w: Any) -> Any:

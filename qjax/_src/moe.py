@@ -468,11 +468,8 @@ def _runs_a_kernel(x: Any, w: Any, expert_ids: Any, implementation: str | None) 
     return False
   if not isinstance(dispatch.resolvable_weight(w), MOE_FORMATS):
     return False
-  try:
-    name = moe_implementation_name(w, implementation, int(np.prod(jnp.shape(expert_ids))))
-  except (NotImplementedError, ValueError, TypeError):
-    return False
-  return name != "xla"
+  return autodiff.picks_a_kernel(lambda: moe_implementation_name(
+      w, implementation, int(np.prod(jnp.shape(expert_ids)))))
 
 
 def moe_implementation_name(w: Any, implementation: str | None = None,
