@@ -38,6 +38,7 @@ class CodebookOptions:
   offload_pass2: bool = False
 
   def quantize(self, w: Array, name: str = "kernel") -> qjax.CodebookWeight:
+    """``w`` (float ``[K, N]``) quantized with these options; ``name`` labels errors."""
     return qjax.quantize_codebook(w, group=self.group, passes=self.passes,
                                   codebook=self.codebook, rotation=self.rotation,
                                   seed=self.seed, offload_pass2=self.offload_pass2, name=name)

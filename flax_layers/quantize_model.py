@@ -105,6 +105,7 @@ class QuantRule:
 
   @property
   def regex(self) -> re.Pattern:
+    """``pattern`` compiled (a ValueError naming it if it is not a valid regex)."""
     return _compile(self.pattern, "QuantRule.pattern")
 
 

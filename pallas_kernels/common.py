@@ -81,14 +81,17 @@ class LayerRef:
 
   @property
   def shape(self) -> tuple[int, ...]:
+    """One layer's shape: the stacked ref's without its leading axis."""
     return tuple(self._ref.shape[1:])
 
   @property
   def ndim(self) -> int:
+    """One layer's rank."""
     return len(self.shape)
 
   @property
   def dtype(self):
+    """The stacked ref's dtype."""
     return self._ref.dtype
 
   def _index(self, idx) -> tuple:
@@ -101,6 +104,7 @@ class LayerRef:
 
   @property
   def at(self):
+    """``.at[idx]``: the stacked ref at ``(layer, *idx)``."""
     return _LayerAt(self)
 
   def __getitem__(self, idx):

@@ -209,10 +209,12 @@ class Plan:
 
   @property
   def block_slabs(self) -> int:
+    """Slabs of ``_SLAB`` K rows in one scale block."""
     return self.block_size // _SLAB
 
   @property
   def blocks_per_tile(self) -> int:
+    """Scale blocks in one K tile of ``_TILE_K``."""
     return _TILE_K // self.block_size
 
 

@@ -1,5 +1,6 @@
 """The command line: --help texts, the demo and the CPU bench smoke test."""
 
+import argparse
 import json
 import os
 import pathlib
@@ -18,6 +19,21 @@ def test_help_lists_commands(capsys):
   out = capsys.readouterr().out
   for command in ("demo", "bench", "generate", "inspect", "check", "fuzz-readers"):
     assert command in out
+
+
+def test_every_option_has_help():
+  """Every command's every option (and the COMMAND positional) says what it does in
+  ``--help``: an option without help shows only its name."""
+  parser = cli.build_parser()
+  subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+  assert subparsers and subparsers[0].help
+  missing = []
+  for name, sub in subparsers[0].choices.items():
+    assert sub.description, f"qjax {name} has no description"
+    for action in sub._actions:
+      if not action.help and not isinstance(action, argparse._HelpAction):
+        missing.append(f"qjax {name} {'/'.join(action.option_strings) or action.dest}")
+  assert not missing, f"options without help: {missing}"
 
 
 def test_demo_reports_backend_and_error(capsys):

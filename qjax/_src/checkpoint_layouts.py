@@ -233,6 +233,7 @@ class GPTQWeight(formats.QuantizedWeight):
 
   @property
   def num_groups(self) -> int:
+    """Quantization groups along K: ``K // group_size``."""
     return self.shape[0] // self.group_size
 
   def _group_of_row(self) -> jax.Array:
@@ -496,6 +497,7 @@ class CompressedTensorsWeight(_ContiguousGroups, formats.QuantizedWeight):
 
   @property
   def symmetric(self) -> bool:
+    """Whether the checkpoint has no zero points (codes are signed around 0)."""
     return self.weight_zero_point is None
 
   @property

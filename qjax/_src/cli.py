@@ -4,6 +4,10 @@
   qjax bench      device time per implementation against bf16 (``qjax bench --help``)
   qjax generate   text from a GGUF Llama model (default SmolLM2-135M)
   qjax inspect    the tensors of a GGUF file
+  qjax check      every format x implementation against float64 on many shapes
+  qjax fuzz-readers  mutated GGUF / safetensors files through every reader
+
+``qjax COMMAND --help`` explains each.
 """
 
 from __future__ import annotations
@@ -53,7 +57,8 @@ def _add_demo(sub) -> None:
   p.add_argument("--m", type=int, default=8, help="rows of x, i.e. tokens (default 8)")
   p.add_argument("--group-size", type=int, default=128, help="rows of K per scale (default 128)")
   p.add_argument("--asymmetric", action="store_true", help="unsigned int4 with zero points")
-  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--seed", type=int, default=0,
+                 help="PRNG seed of the random weight and x (default 0)")
   p.set_defaults(func=_demo)
 
 
@@ -210,7 +215,8 @@ def _add_check(sub) -> None:
                  "table's first column)")
   p.add_argument("--impl", help="comma-separated implementations (default: xla,interpret "
                  "and pallas where it compiles)")
-  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--seed", type=int, default=0,
+                 help="seed of the random weights and inputs of every case (default 0)")
   p.add_argument("--json", metavar="FILE", help="also write every case and the table to "
                  "this JSON file")
   p.add_argument("--shard", metavar="I/N", help="run every N-th format from the I-th "
@@ -234,7 +240,8 @@ def _add_fuzz_readers(sub) -> None:
       "any other exception, or a case over --timeout seconds, is a failure (its bytes are "
       "kept under --keep-failures). Exit code 1 on any failure. The documented long run: "
       "qjax fuzz-readers --cases 10000.")
-  p.add_argument("--reader", choices=("gguf", "safetensors", "all"), default="all")
+  p.add_argument("--reader", choices=("gguf", "safetensors", "all"), default="all",
+                 help="which file format's readers to fuzz (default all)")
   p.add_argument("--cases", type=int, default=1000, help="files per reader (default 1000)")
   p.add_argument("--seed", type=int, default=0, help="case i uses default_rng([seed, i])")
   p.add_argument("--timeout", type=float, default=10.0, help="seconds per case before it "
@@ -268,7 +275,8 @@ def _add_fuzz_readers(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="qjax", description="4-bit weights in JAX: quantize, run, benchmark.")
-  sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+  sub = parser.add_subparsers(dest="command", metavar="COMMAND",
+                              help="one of the commands below; COMMAND --help for its options")
   _add_demo(sub)
   _add_bench(sub)
   _add_generate(sub)

@@ -99,10 +99,12 @@ class CodebookWeight(formats.QuantizedWeight):
 
   @property
   def passes(self) -> int:
+    """1, or 2 with the residual pass (``codes2``)."""
     return 1 if self.codes2 is None else 2
 
   @property
   def num_groups(self) -> int:
+    """Rotated groups along K: ``K // group_size``."""
     return self.shape[0] // self.group_size
 
   def first_pass(self) -> "CodebookWeight":

@@ -82,14 +82,17 @@ class QuantizedWeight:
 
   @property
   def k(self) -> int:
+    """K: the rows of the logical ``[K, N]`` weight (``y = x @ W``)."""
     return self.shape[0]
 
   @property
   def n(self) -> int:
+    """N: the columns of the logical ``[K, N]`` weight (the output width)."""
     return self.shape[1]
 
   @property
   def ndim(self) -> int:
+    """2: the logical weight is ``[K, N]`` whatever the storage layout."""
     return 2
 
   @property
@@ -99,6 +102,8 @@ class QuantizedWeight:
                for a in jax.tree_util.tree_leaves(self))
 
   def dequantize(self) -> jax.Array:  # pragma: no cover - abstract
+    """The float ``[K, N]`` weight the stored values stand for (each format documents
+    its dtype and rounding); the XLA path multiplies by it."""
     raise NotImplementedError
 
   def _leaves_concrete_2d(self) -> bool:
@@ -176,4 +181,6 @@ def dense_dot(x: jax.Array, wd: jax.Array) -> jax.Array:
 
 
 def is_quantized(x: Any) -> bool:
+  """Whether ``x`` is a quantized weight (any :class:`QuantizedWeight` format), e.g. as
+  the ``is_leaf`` of a ``jax.tree.map`` over a model's params."""
   return isinstance(x, QuantizedWeight)

@@ -133,6 +133,7 @@ class _FP4Weight(formats.QuantizedWeight):
 
   @property
   def num_blocks(self) -> int:
+    """Scale blocks along K: ``K // block_size``."""
     return self.shape[0] // self.block_size
 
   def unpacked_codes(self) -> jax.Array:

@@ -123,6 +123,7 @@ class _FP4NKWeight(formats.QuantizedWeight):
 
   @property
   def num_blocks(self) -> int:
+    """Scale blocks along K: ``K // block_size``."""
     return self.shape[0] // self.block_size
 
   def codes_nk(self) -> jax.Array:

@@ -104,6 +104,8 @@ class GGUFBlockWeight(formats.QuantizedWeight):
 
   @classmethod
   def row_bytes(cls, k: int) -> int:
+    """Bytes of one stored row of ``k`` elements: ``k // block_size`` blocks of
+    ``type_size`` bytes."""
     return k // cls.block_size * cls.type_size
 
   @classmethod
@@ -603,6 +605,7 @@ class GGUFDense(formats.QuantizedWeight):
 
   @property
   def ggml_type(self) -> str:
+    """The GGUF type name of ``data``'s dtype: "F32", "F16" or "BF16"."""
     return {jnp.dtype(v): k for k, v in _DENSE_TYPES.items()}[jnp.dtype(self.data.dtype)]
 
   @classmethod
@@ -618,6 +621,7 @@ class GGUFDense(formats.QuantizedWeight):
     return cls(data=jnp.asarray(a.reshape(n, k)), shape=(k, n))
 
   def to_bytes(self) -> np.ndarray:
+    """``[*leading, N, K * itemsize]`` uint8: the tensor's bytes as GGUF stores them."""
     return np.asarray(self.data).view(np.uint8)
 
   @staticmethod

@@ -57,6 +57,7 @@ class GGUFFile:
 
   @property
   def architecture(self) -> str | None:
+    """The file's ``general.architecture`` (e.g. "llama"), or None if absent."""
     return self.metadata.get("general.architecture")
 
   @property

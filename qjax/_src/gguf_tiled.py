@@ -166,6 +166,7 @@ class GGUFTiledWeight(formats.QuantizedWeight):
 
   @property
   def padded_k(self) -> int:
+    """K rounded up to whole ``TILE_K`` tiles: the rows the planes hold."""
     return packing.padded_rows(self.shape[0], TILE_K)
 
   def _expected(self) -> dict[str, tuple[tuple[int, int], Any] | None]:

@@ -76,10 +76,12 @@ class Int4Weight(formats.QuantizedWeight):
 
   @property
   def symmetric(self) -> bool:
+    """Whether the codes are signed around 0: no ``zeros`` and no ``biases``."""
     return self.zeros is None and self.biases is None
 
   @property
   def num_groups(self) -> int:
+    """Scale groups along K: ``K // group_size``."""
     return self.shape[0] // self.group_size
 
   def unpacked_codes(self) -> jax.Array:

@@ -88,6 +88,7 @@ class Int4NKWeight(formats.QuantizedWeight):
 
   @property
   def num_groups(self) -> int:
+    """Scale groups along K: ``K // group_size``."""
     return self.shape[0] // self.group_size
 
   def signed_codes(self) -> jax.Array:

@@ -169,10 +169,12 @@ class MarlinWeight(cl._ContiguousGroups, formats.QuantizedWeight):
 
   @property
   def per_channel(self) -> bool:
+    """Whether one scale covers a whole column (``group_size == K``)."""
     return self.group_size == self.shape[0]
 
   @property
   def symmetric(self) -> bool:
+    """Whether there are no zero points (``qzeros`` is None)."""
     return self.qzeros is None
 
   def unpack(self):

@@ -130,6 +130,7 @@ class PackedPass2:
 
   @property
   def nbytes(self) -> int:
+    """Bytes of the packed words."""
     return self.words.nbytes
 
 
@@ -197,20 +198,24 @@ class LayerStack:
 
   @property
   def carried(self) -> int:
+    """Layers whose pass 2 the scan carries on the device at the start (``C``)."""
     return len(self.second_head)
 
   @property
   def scanned_groups(self) -> int:
+    """Groups of ``group`` layers the scan runs (0 without a scanned body)."""
     return 0 if self.first_body is None else self.first_body.codes.shape[0]
 
   @property
   def num_layers(self) -> int:
+    """Layers in the stack: the scanned groups' and the tail's."""
     return self.scanned_groups * self.group + len(self.first_tail)
 
   def _seconds(self) -> list[PackedPass2]:
     return [*self.second_head, *self.second_next, *self.second_rest, *self.second_tail]
 
   def pass2_bytes(self) -> int:
+    """Bytes of every layer's pass 2, wherever it lives (host or device)."""
     return sum(w.nbytes for w in self._seconds())
 
   def prefetch_buffer_bytes(self) -> int:

@@ -166,6 +166,7 @@ class ShardedWeight:
 
   @property
   def global_shape(self) -> tuple[int, int]:
+    """The whole weight's logical ``(K, N)``, on every device and outside shard_map."""
     return dict(self.static)["shape"]
 
   @property

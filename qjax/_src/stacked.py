@@ -52,6 +52,7 @@ class LayerOf:
 
   @property
   def num_layers(self) -> int:
+    """Layers in the stack: the leading axis of its arrays."""
     return jax.tree.leaves(self.stack)[0].shape[0]
 
   @property

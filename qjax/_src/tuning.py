@@ -62,6 +62,7 @@ class KernelConfig:
 
   @classmethod
   def from_json(cls, d: dict[str, Any]) -> "KernelConfig":
+    """The config :meth:`to_json` wrote (``ptx_scales`` False where absent)."""
     return cls(**{k: (bool(v) if k == "ptx_scales" else int(v)) for k, v in d.items()})
 
 
