@@ -239,6 +239,29 @@ def test_pallas_gpu_ptx_scales_decode_all_256_bytes(fmt, block_n, num_warps):
   _same_floats(np.asarray(out), data.view(_SCALE_DTYPES[fmt]).astype(np.float32))
 
 
+@pytest.mark.parametrize("fmt", ["e8m0", "e4m3"])
+def test_scale_decoders_decode_all_256_bytes(fmt):
+  """The jnp scale decoders of the kernels' interpret and non-PTX paths, on every byte:
+  E8M0 as ``2 ** (e - 127)`` and float8_e4m3fn times ``2 ** -8``, against ml_dtypes bit
+  for bit (NaN for E8M0 255 and e4m3 0x7F / 0xFF), and ``scale_decoder``'s factor makes
+  the same scale from either decoder."""
+  from pallas_kernels import fp4_codec  # pylint: disable=g-import-not-at-top
+  data = np.arange(256, dtype=np.uint8)
+  want = data.view(_SCALE_DTYPES[fmt]).astype(np.float32)
+  if fmt == "e8m0":
+    got = fp4_codec.e8m0_to_f32(jnp.asarray(data))
+  else:
+    got = fp4_codec.e4m3_to_f32_times_2_pow_minus_8(jnp.asarray(data))
+    want = want * np.float32(2.0 ** -8)
+  _same_floats(np.asarray(got), want)
+  decode, factor = fp4_codec.scale_decoder(fmt)
+  scale = np.asarray(decode(jnp.asarray(data))) * np.float32(factor)
+  _same_floats(scale, data.view(_SCALE_DTYPES[fmt]).astype(np.float32)
+               * np.float32(fp4_codec.E2M1_TO_F16_SCALE))
+  with pytest.raises(ValueError, match="e8m0"):
+    fp4_codec.scale_decoder("e5m2")
+
+
 def test_e8m0_ptx_emulated_decodes_all_256_bytes():
   """On the CPU: the E8M0 decoder's PTX, run by the emulator on all 256 bytes (four per
   word, as Triton packs them), gives ml_dtypes' float8_e8m0fnu values bit for bit."""
