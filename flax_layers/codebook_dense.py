@@ -29,7 +29,8 @@ Array = jax.Array
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CodebookOptions:
-  """How a float kernel is quantized (arguments of ``qjax.quantize_codebook``)."""
+  """How a float kernel is quantized: these arguments of ``qjax.quantize_codebook``
+  (its ``norm_dtype`` keeps the default, bfloat16)."""
   group: int = 128
   passes: int = 1
   codebook: str = "lloyd"

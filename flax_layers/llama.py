@@ -183,6 +183,17 @@ def _pretrained(rng, *args):
   return None
 
 
+def _loaded_param(module: nn.Module, name: str):
+  """``module``'s param ``name``; a ValueError naming both where it was not loaded (these
+  modules have no random init: ``Module.init`` leaves every param None)."""
+  value = module.param(name, _pretrained)
+  if value is None:
+    raise ValueError(f"{module.name or type(module).__name__}: param {name!r} must come "
+                     "from params_from_gguf (or a checkpoint loader); these modules have "
+                     "no random init")
+  return value
+
+
 class QuantizedDense(nn.Module):
   """``y = x @ W`` with ``W`` (param "kernel") any quantized pytree of shape ``[K, features]``.
 
@@ -196,9 +207,7 @@ class QuantizedDense(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     """x: ``[..., K]`` -> ``[..., features]`` in x's dtype."""
-    w = self.param("kernel", _pretrained)
-    if w is None:
-      raise ValueError(f"{self.name}: the kernel must come from params_from_gguf")
+    w = _loaded_param(self, "kernel")
     if w.shape[1] != self.features:
       raise ValueError(f"{self.name}: kernel of shape {w.shape} has N={w.shape[1]}, "
                        f"want features={self.features}")
@@ -211,7 +220,7 @@ class RMSNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    scale = self.param("scale", _pretrained)
+    scale = _loaded_param(self, "scale")
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
     return (y * scale.astype(jnp.float32)).astype(x.dtype)
@@ -336,7 +345,7 @@ class Llama(nn.Module):
       (logits ``[batch, seq, vocab]`` float32, the updated cache).
     """
     c = self.cfg
-    embed = self.param("embed", _pretrained)
+    embed = _loaded_param(self, "embed")
     x = embedding_rows(embed, tokens).astype(c.dtype)
     max_len = cache["k"].shape[2]
     mask = jnp.arange(max_len)[None, None, :] <= positions[:, :, None]
