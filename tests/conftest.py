@@ -22,6 +22,17 @@ def seed_from(name: str) -> int:
   return int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "little")
 
 
+@pytest.fixture(autouse=True)
+def _fresh_kernel_call_traces():
+  """Every test traces qjax's jitted kernel calls afresh: a test that patches the
+  registries or a kernel module's constants (monkeypatch) would otherwise see, or leave
+  behind, traces made under other values (qjax/_src/autodiff.py: generation)."""
+  from qjax._src import autodiff  # pylint: disable=g-import-not-at-top
+  autodiff.registry_changed()
+  yield
+  autodiff.registry_changed()
+
+
 @pytest.fixture
 def rng(request):
   return np.random.default_rng(seed_from(request.node.nodeid))

@@ -36,6 +36,21 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 _state = threading.local()
+_generation = 0
+
+
+def registry_changed() -> None:
+  """Called by every ``register_*`` of the dispatcher, MoE and sharding registries:
+  kernel calls traced before it are traced again (see :func:`generation`)."""
+  global _generation
+  _generation += 1
+
+
+def generation() -> int:
+  """The registries' generation: a static argument of the jitted kernel calls
+  (``dispatch._kernel_matmul``, ``moe._kernel_moe_matmul``), so that a call traced
+  before a registration does not keep running what was registered then."""
+  return _generation
 
 
 def inside_kernel_call() -> bool:

@@ -89,13 +89,24 @@ _plugins_lock = threading.Lock()
 def register_xla(format_cls: type, fn: Callable[[jax.Array, Any], jax.Array]) -> None:
   """Registers the reference implementation ``fn(x2d [M, K], w) -> [M, N]``."""
   _XLA[format_cls] = fn
+  autodiff.registry_changed()
 
 
 def register_kernel(format_cls: type, backend: Backend) -> None:
-  """Registers a kernel implementation; later registrations of one name replace it."""
-  backends = [b for b in _KERNELS.get(format_cls, []) if b.name != backend.name]
-  backends.append(backend)
-  _KERNELS[format_cls] = backends
+  """Registers a kernel implementation. The first registered is the default of
+  "pallas" / "interpret"; a later registration of a name replaces that backend in its
+  place."""
+  _KERNELS[format_cls] = replaced_in_place(_KERNELS.get(format_cls, []), backend)
+  autodiff.registry_changed()
+
+
+def replaced_in_place(backends: list[Backend], backend: Backend) -> list[Backend]:
+  """``backends`` with the one named ``backend.name`` replaced where it stands, or with
+  ``backend`` appended."""
+  names = [b.name for b in backends]
+  if backend.name in names:
+    return [backend if b.name == backend.name else b for b in backends]
+  return [*backends, backend]
 
 
 def register_repack(format_cls: type, target_cls: type,
@@ -109,6 +120,7 @@ def register_repack(format_cls: type, target_cls: type,
   Kernels registered directly for ``format_cls`` take precedence.
   """
   _REPACKS[format_cls] = (target_cls, repack)
+  autodiff.registry_changed()
 
 
 def _via_repack(backend: Backend, repack: Callable[..., tuple[jax.Array, Any]]) -> Backend:
@@ -247,7 +259,8 @@ def matmul(x: jax.Array, w: Any, *, implementation: str | None = None) -> jax.Ar
   ``implementation="xla"`` there.
   """
   if not autodiff.inside_kernel_call() and _runs_a_kernel(x, w, implementation):
-    return _kernel_matmul(x, w, implementation=implementation)
+    return _kernel_matmul(x, w, implementation=implementation,
+                          generation=autodiff.generation())
   sharded = sharded_weight_class()
   if isinstance(w, sharded):
     return w.matmul(x, implementation=implementation)
@@ -261,12 +274,16 @@ def matmul(x: jax.Array, w: Any, *, implementation: str | None = None) -> jax.Ar
   return y.reshape(*lead, w.shape[1])
 
 
-@functools.partial(jax.jit, static_argnames=("implementation",))
-def _kernel_matmul(x: jax.Array, w: Any, *, implementation: str | None) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("implementation", "generation"))
+def _kernel_matmul(x: jax.Array, w: Any, *, implementation: str | None,
+                   generation: int) -> jax.Array:
   """``matmul`` through a kernel, its backward pass the XLA path's. Under ``jax.jit`` so
   that dead-code elimination drops the whole call when its output is unused (flax's
   ``nn.scan`` checks its loop-invariant part that way; tests/test_kernel_dead_code.py),
-  which it does not for a bare ``custom_vjp`` call."""
+  which it does not for a bare ``custom_vjp`` call. ``generation``
+  (:func:`autodiff.generation`) retraces it after a registration: jit keeps the trace,
+  and with it the implementation the registries named when it was made."""
+  del generation
   return autodiff.kernel_call(
       lambda x_, w_: matmul(x_, w_, implementation=implementation),
       lambda x_, w_: matmul(x_, w_, implementation="xla"), x, w)

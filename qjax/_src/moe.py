@@ -52,12 +52,14 @@ def register_moe_xla(format_cls: type, fn: Callable[..., jax.Array]) -> None:
   """Registers the reference ``fn(rows [R, K], w, pair_rows [P], pair_experts [P]) ->
   [P, N]`` of a format."""
   _MOE_XLA[format_cls] = fn
+  autodiff.registry_changed()
 
 
 def register_moe_kernel(format_cls: type, backend: dispatch.Backend, *,
                         auto_when: Callable[[int, Any], bool] | None = None) -> None:
   """Registers a kernel whose ``backend.fn(rows, w, pair_rows, pair_experts, *, interpret,
-  config=None)`` follows the canonical form; later registrations of one name replace it.
+  config=None)`` follows the canonical form. The first registered is the default; a later
+  registration of a name replaces that backend in its place.
 
   ``auto_when(num_pairs, w)``: for a kernel that is the fast path only for some calls
   (e.g. decode, a few (token, expert) pairs): None / "pallas" / "interpret" pick it, ahead
@@ -65,12 +67,13 @@ def register_moe_kernel(format_cls: type, backend: dispatch.Backend, *,
   always returns False leaves the kernel to be asked for by name
   (``implementation="pallas:NAME"`` or ``"interpret:NAME"``), e.g. while it is measured.
   """
-  backends = [b for b in _MOE_KERNELS.get(format_cls, []) if b.name != backend.name]
-  _MOE_KERNELS[format_cls] = backends + [backend]
+  _MOE_KERNELS[format_cls] = dispatch.replaced_in_place(_MOE_KERNELS.get(format_cls, []),
+                                                         backend)
   key = (format_cls, backend.name)
   _AUTO_WHEN.pop(key, None)
   if auto_when is not None:
     _AUTO_WHEN[key] = auto_when
+  autodiff.registry_changed()
 
 
 def moe_kernels_for_format(format_cls: type) -> list[dispatch.Backend]:
@@ -303,16 +306,28 @@ def moe_matmul_xla(rows: jax.Array, w: Any, pair_rows: jax.Array, pair_experts: 
 # -------------------------------------------------------------------------- the front
 
 
+def takes_format(w: Any) -> bool:
+  """Whether ``moe_matmul`` takes weights of ``w``'s class: the built-in
+  :data:`MOE_FORMATS` and any format with a registered MoE path (:func:`register_moe_xla`
+  or :func:`register_moe_kernel`)."""
+  return isinstance(w, MOE_FORMATS) or type(w) in _MOE_XLA or type(w) in _MOE_KERNELS
+
+
 def _check(x: jax.Array, w: Any, expert_ids: jax.Array) -> None:
-  if not isinstance(w, MOE_FORMATS):
+  if not takes_format(w):
     raise NotImplementedError(
         f"moe_matmul takes an MXFP4Weight, MXFP4NKWeight or NVFP4NKWeight with a leading "
-        f"expert axis, got {type(w).__name__}; convert GPT-OSS checkpoints with .to_mxfp4()")
-  if w.codes.ndim != 3:
+        f"expert axis, or a format with a registered MoE path, got {type(w).__name__}; "
+        "convert GPT-OSS checkpoints with .to_mxfp4()")
+  if isinstance(w, MOE_FORMATS) and w.codes.ndim != 3:
     raise ValueError(
         f"w.codes has shape {tuple(w.codes.shape)}: moe_matmul needs exactly one leading "
         "expert axis ([E, Kp // 8, N], or [E, N, K // 8] for the NK formats); stack the "
         "experts' weights")
+  experts = {int(a.shape[0]) if a.ndim else None for a in jax.tree.leaves(w)}
+  if len(experts) != 1 or None in experts:
+    raise ValueError(f"the arrays of {type(w).__name__} must share one leading expert axis; "
+                     f"their leading sizes are {sorted(map(str, experts))}")
   if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in dispatch.ACTIVATION_DTYPES]:
     raise ValueError(f"x.dtype={jnp.dtype(x.dtype).name} must be bfloat16, float16 or float32")
   if expert_ids.ndim != 2 or not jnp.issubdtype(expert_ids.dtype, jnp.integer):
@@ -329,7 +344,7 @@ def _check(x: jax.Array, w: Any, expert_ids: jax.Array) -> None:
         f"{(t, top_k, k)} for expert_ids of shape {(t, top_k)} and weights of K={k}")
   if not isinstance(expert_ids, jax.core.Tracer):
     ids = np.asarray(expert_ids)
-    e = w.codes.shape[0]
+    (e,) = experts
     if ids.size and (ids.min() < 0 or ids.max() >= e):
       raise ValueError(f"expert_ids range over [{ids.min()}, {ids.max()}]; they must lie in "
                        f"[0, {e}) for weights of {e} experts")
@@ -435,7 +450,8 @@ def moe_matmul(x: jax.Array, w: Any, expert_ids: jax.Array, *,
   :func:`qjax.matmul` (a kernel's backward pass is the XLA path's).
   """
   if not autodiff.inside_kernel_call() and _runs_a_kernel(x, w, expert_ids, implementation):
-    return _kernel_moe_matmul(x, w, expert_ids, implementation=implementation)
+    return _kernel_moe_matmul(x, w, expert_ids, implementation=implementation,
+                              generation=autodiff.generation())
   sharded = dispatch.sharded_weight_class()
   if isinstance(w, sharded):
     return w.moe_matmul(x, expert_ids, implementation=implementation)
@@ -451,11 +467,13 @@ def moe_matmul(x: jax.Array, w: Any, expert_ids: jax.Array, *,
   return y.reshape(t, top_k, w.shape[1])
 
 
-@functools.partial(jax.jit, static_argnames=("implementation",))
+@functools.partial(jax.jit, static_argnames=("implementation", "generation"))
 def _kernel_moe_matmul(x: jax.Array, w: Any, expert_ids: jax.Array, *,
-                       implementation: str | None) -> jax.Array:
+                       implementation: str | None, generation: int) -> jax.Array:
   """``moe_matmul`` through a kernel, its backward pass the XLA path's; under ``jax.jit``
-  so that an unused call is dead code (as ``dispatch._kernel_matmul``)."""
+  so that an unused call is dead code, retraced after a registration (as
+  ``dispatch._kernel_matmul``)."""
+  del generation
   return autodiff.kernel_call(
       lambda x_, w_, ids: moe_matmul(x_, w_, ids, implementation=implementation),
       lambda x_, w_, ids: moe_matmul(x_, w_, ids, implementation="xla"), x, w, expert_ids)
@@ -466,7 +484,7 @@ def _runs_a_kernel(x: Any, w: Any, expert_ids: Any, implementation: str | None) 
   judge count as XLA (the call itself then raises its error)."""
   if implementation == "xla" or jnp.ndim(expert_ids) != 2:
     return False
-  if not isinstance(dispatch.resolvable_weight(w), MOE_FORMATS):
+  if not takes_format(dispatch.resolvable_weight(w)):
     return False
   return autodiff.picks_a_kernel(lambda: moe_implementation_name(
       w, implementation, int(np.prod(jnp.shape(expert_ids)))))

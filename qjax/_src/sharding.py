@@ -29,6 +29,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from qjax._src import autodiff
 from qjax._src import dispatch
 from qjax._src import formats
 from qjax._src import moe
@@ -322,11 +323,15 @@ def sharded_matmul(x: jax.Array, w: Any, mesh: jax.sharding.Mesh, axis: Any,
   sw = w if isinstance(w, ShardedWeight) else ShardedWeight.of(w, mesh, axis, mode)
   if sw.mode == "expert":
     raise ValueError("expert-parallel weights multiply through qjax.sharded_moe_matmul")
-  return _sharded_matmul(x, sw, mesh=mesh, implementation=implementation)
+  return _sharded_matmul(x, sw, mesh=mesh, implementation=implementation,
+                         generation=autodiff.generation())
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "implementation"))
-def _sharded_matmul(x, sw, *, mesh, implementation):
+# ``generation`` (autodiff.generation): retraced after a registration, which the jit's
+# trace would otherwise outlive.
+@functools.partial(jax.jit, static_argnames=("mesh", "implementation", "generation"))
+def _sharded_matmul(x, sw, *, mesh, implementation, generation):
+  del generation
   if sw.mode == "column":
     x_spec, y_spec = P(), _lead_spec(x.ndim, sw.axis)
   else:
@@ -354,11 +359,13 @@ def sharded_moe_matmul(x: jax.Array, w: Any, expert_ids: jax.Array,
     ``[T, top_k, N]`` in x's dtype (column-wise split along N; otherwise replicated).
   """
   sw = w if isinstance(w, ShardedWeight) else ShardedWeight.of(w, mesh, axis, mode)
-  return _sharded_moe_matmul(x, sw, expert_ids, mesh=mesh, implementation=implementation)
+  return _sharded_moe_matmul(x, sw, expert_ids, mesh=mesh, implementation=implementation,
+                             generation=autodiff.generation())
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "implementation"))
-def _sharded_moe_matmul(x, sw, expert_ids, *, mesh, implementation):
+@functools.partial(jax.jit, static_argnames=("mesh", "implementation", "generation"))
+def _sharded_moe_matmul(x, sw, expert_ids, *, mesh, implementation, generation):
+  del generation
   x_spec, y_spec = P(), P()
   if sw.mode == "column":
     y_spec = P(None, None, sw.axis)

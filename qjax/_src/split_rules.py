@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 from jax.sharding import PartitionSpec as P
 
+from qjax._src import autodiff
 from qjax._src import codebook
 from qjax._src import fp4
 from qjax._src import formats
@@ -84,6 +85,7 @@ def register_split_rule(cls: type, rule: Callable[[dict[str, Any]], SplitRule]) 
   """Registers ``rule(static) -> SplitRule`` for a format class; ``static`` holds the
   weight's static fields (``shape``, ``group_size``, ...)."""
   _RULES[cls] = rule
+  autodiff.registry_changed()
 
 
 def rule_for(cls: type, static: dict[str, Any]) -> SplitRule:
