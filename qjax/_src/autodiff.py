@@ -48,8 +48,9 @@ def registry_changed() -> None:
 
 def generation() -> int:
   """The registries' generation: a static argument of the jitted kernel calls
-  (``dispatch._kernel_matmul``, ``moe._kernel_moe_matmul``), so that a call traced
-  before a registration does not keep running what was registered then."""
+  (``dispatch._kernel_matmul``, ``moe._kernel_moe_matmul``, the sharded calls of
+  ``sharding``), so that a call traced before a registration does not keep running what
+  was registered then."""
   return _generation
 
 
