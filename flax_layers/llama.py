@@ -121,8 +121,11 @@ class LlamaConfig:
 
     Reads hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
     head_dim, intermediate_size, rope_theta (or rope_parameters.rope_theta),
-    rms_norm_eps, vocab_size and max_position_embeddings. RoPE rotates the whole head
-    (HF Llama has no partial rotary). Raises ValueError, naming the key, for what the
+    rms_norm_eps, vocab_size and max_position_embeddings. Where absent (or null):
+    num_key_value_heads = num_attention_heads, head_dim = hidden_size //
+    num_attention_heads, rope_theta 10000, rms_norm_eps 1e-6, max_position_embeddings
+    2048; the others are required. RoPE rotates the whole head (HF Llama has no partial
+    rotary). Raises ValueError, naming the key, for what the
     model cannot run: another model_type, rope scaling, attention or MLP biases, an
     activation other than SiLU, a sliding window.
     """
@@ -141,8 +144,9 @@ class LlamaConfig:
     scaling = config.get("rope_scaling") or {}
     rope_type = scaling.get("rope_type", scaling.get("type")) or rope.get("rope_type")
     if rope_type not in (None, "default"):
-      raise ValueError(f"config.json rope scaling {rope_type!r} is not supported (only "
-                       "unscaled RoPE)")
+      key = "rope_scaling" if scaling else "rope_parameters"
+      raise ValueError(f"config.json {key} of rope_type {rope_type!r} is not supported "
+                       "(only unscaled RoPE)")
     for key in ("attention_bias", "mlp_bias"):
       if config.get(key):
         raise ValueError(f"config.json {key}=true is not supported (projections without "

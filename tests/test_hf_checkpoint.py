@@ -455,7 +455,8 @@ def test_group_size_not_dividing_k(tmp_path, rng):
 def test_unsupported_configs(tmp_path, rng):
   qdir, _, _ = _write_case(tmp_path, rng, "gptq_v1_sym")
   cfg = json.loads((qdir / sio.CONFIG_FILE).read_text())
-  bad = [({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope scaling 'llama3'"),
+  bad = [({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+          "rope_scaling of rope_type 'llama3'"),
          ({"model_type": "gpt2"}, "model_type='gpt2'"),
          ({"quantization_config": {**cfg["quantization_config"], "bits": 3}}, "bits=3"),
          ({"quantization_config": {**cfg["quantization_config"],

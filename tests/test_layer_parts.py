@@ -218,7 +218,10 @@ def test_from_hf_config_names_a_missing_key(key):
 
 @pytest.mark.parametrize("extra,match", [
     ({"model_type": "qwen2"}, "model_type='qwen2'"),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope scaling 'llama3'"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+     "rope_scaling of rope_type 'llama3'"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}},
+     "rope_parameters of rope_type 'yarn'"),
     ({"attention_bias": True}, "attention_bias=true"), ({"mlp_bias": True}, "mlp_bias=true"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"sliding_window": 4096}, "sliding_window=4096")])
