@@ -26,7 +26,8 @@ def seed_from(name: str) -> int:
 def _fresh_kernel_call_traces():
   """Every test traces qjax's jitted kernel calls afresh: a test that patches the
   registries or a kernel module's constants (monkeypatch) would otherwise see, or leave
-  behind, traces made under other values (qjax/_src/autodiff.py: generation)."""
+  behind, traces made under other values (qjax/_src/autodiff.py:
+  retraced_on_registration)."""
   from qjax._src import autodiff  # pylint: disable=g-import-not-at-top
   autodiff.registry_changed()
   yield

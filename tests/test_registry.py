@@ -206,7 +206,7 @@ def test_replacement_reaches_an_already_traced_call(rng):
     close(qjax.matmul(x, w, implementation="interpret"), x, w, jnp.bfloat16)
     close(jax.jit(lambda a, b: qjax.matmul(a, b, implementation="interpret"))(x, w),
           x, w, jnp.bfloat16)
-  # Each kernel traced once: within a generation the eager call's trace serves the jit.
+  # Each kernel traced once: between registrations the eager call's trace serves the jit.
   assert [tag for tag, _, _ in log] == ["first", "second"]
 
 

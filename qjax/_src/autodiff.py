@@ -36,22 +36,23 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 _state = threading.local()
-_generation = 0
+_RETRACED: list[Any] = []
+
+
+def retraced_on_registration(jitted: Any) -> Any:
+  """Decorator for a module-level ``jax.jit`` function whose trace runs the dispatcher
+  (``dispatch._kernel_matmul``, ``moe._kernel_moe_matmul``, the sharded calls): jit keeps
+  a trace, and with it the implementation the registries named when it was made, so
+  :func:`registry_changed` drops its cache."""
+  _RETRACED.append(jitted)
+  return jitted
 
 
 def registry_changed() -> None:
-  """Called by every ``register_*`` of the dispatcher, MoE and sharding registries:
-  kernel calls traced before it are traced again (see :func:`generation`)."""
-  global _generation
-  _generation += 1
-
-
-def generation() -> int:
-  """The registries' generation: a static argument of the jitted kernel calls
-  (``dispatch._kernel_matmul``, ``moe._kernel_moe_matmul``, the sharded calls of
-  ``sharding``), so that a call traced before a registration does not keep running what
-  was registered then."""
-  return _generation
+  """Called by every ``register_*`` of the dispatcher, MoE and sharding registries: the
+  :func:`retraced_on_registration` functions trace again on their next call."""
+  for jitted in _RETRACED:
+    jitted.clear_cache()
 
 
 def inside_kernel_call() -> bool:

@@ -259,8 +259,7 @@ def matmul(x: jax.Array, w: Any, *, implementation: str | None = None) -> jax.Ar
   ``implementation="xla"`` there.
   """
   if not autodiff.inside_kernel_call() and _runs_a_kernel(x, w, implementation):
-    return _kernel_matmul(x, w, implementation=implementation,
-                          generation=autodiff.generation())
+    return _kernel_matmul(x, w, implementation=implementation)
   sharded = sharded_weight_class()
   if isinstance(w, sharded):
     return w.matmul(x, implementation=implementation)
@@ -274,16 +273,14 @@ def matmul(x: jax.Array, w: Any, *, implementation: str | None = None) -> jax.Ar
   return y.reshape(*lead, w.shape[1])
 
 
-@functools.partial(jax.jit, static_argnames=("implementation", "generation"))
-def _kernel_matmul(x: jax.Array, w: Any, *, implementation: str | None,
-                   generation: int) -> jax.Array:
+@autodiff.retraced_on_registration
+@functools.partial(jax.jit, static_argnames=("implementation",))
+def _kernel_matmul(x: jax.Array, w: Any, *, implementation: str | None) -> jax.Array:
   """``matmul`` through a kernel, its backward pass the XLA path's. Under ``jax.jit`` so
   that dead-code elimination drops the whole call when its output is unused (flax's
   ``nn.scan`` checks its loop-invariant part that way; tests/test_kernel_dead_code.py),
-  which it does not for a bare ``custom_vjp`` call. ``generation``
-  (:func:`autodiff.generation`) retraces it after a registration: jit keeps the trace,
-  and with it the implementation the registries named when it was made."""
-  del generation
+  which it does not for a bare ``custom_vjp`` call. Traced again after a registration
+  (:func:`autodiff.retraced_on_registration`)."""
   return autodiff.kernel_call(
       lambda x_, w_: matmul(x_, w_, implementation=implementation),
       lambda x_, w_: matmul(x_, w_, implementation="xla"), x, w)

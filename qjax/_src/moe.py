@@ -450,8 +450,7 @@ def moe_matmul(x: jax.Array, w: Any, expert_ids: jax.Array, *,
   :func:`qjax.matmul` (a kernel's backward pass is the XLA path's).
   """
   if not autodiff.inside_kernel_call() and _runs_a_kernel(x, w, expert_ids, implementation):
-    return _kernel_moe_matmul(x, w, expert_ids, implementation=implementation,
-                              generation=autodiff.generation())
+    return _kernel_moe_matmul(x, w, expert_ids, implementation=implementation)
   sharded = dispatch.sharded_weight_class()
   if isinstance(w, sharded):
     return w.moe_matmul(x, expert_ids, implementation=implementation)
@@ -467,13 +466,13 @@ def moe_matmul(x: jax.Array, w: Any, expert_ids: jax.Array, *,
   return y.reshape(t, top_k, w.shape[1])
 
 
-@functools.partial(jax.jit, static_argnames=("implementation", "generation"))
+@autodiff.retraced_on_registration
+@functools.partial(jax.jit, static_argnames=("implementation",))
 def _kernel_moe_matmul(x: jax.Array, w: Any, expert_ids: jax.Array, *,
-                       implementation: str | None, generation: int) -> jax.Array:
+                       implementation: str | None) -> jax.Array:
   """``moe_matmul`` through a kernel, its backward pass the XLA path's; under ``jax.jit``
   so that an unused call is dead code, retraced after a registration (as
   ``dispatch._kernel_matmul``)."""
-  del generation
   return autodiff.kernel_call(
       lambda x_, w_, ids: moe_matmul(x_, w_, ids, implementation=implementation),
       lambda x_, w_, ids: moe_matmul(x_, w_, ids, implementation="xla"), x, w, expert_ids)

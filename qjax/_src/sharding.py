@@ -323,15 +323,12 @@ def sharded_matmul(x: jax.Array, w: Any, mesh: jax.sharding.Mesh, axis: Any,
   sw = w if isinstance(w, ShardedWeight) else ShardedWeight.of(w, mesh, axis, mode)
   if sw.mode == "expert":
     raise ValueError("expert-parallel weights multiply through qjax.sharded_moe_matmul")
-  return _sharded_matmul(x, sw, mesh=mesh, implementation=implementation,
-                         generation=autodiff.generation())
+  return _sharded_matmul(x, sw, mesh=mesh, implementation=implementation)
 
 
-# ``generation`` (autodiff.generation): retraced after a registration, which the jit's
-# trace would otherwise outlive.
-@functools.partial(jax.jit, static_argnames=("mesh", "implementation", "generation"))
-def _sharded_matmul(x, sw, *, mesh, implementation, generation):
-  del generation
+@autodiff.retraced_on_registration
+@functools.partial(jax.jit, static_argnames=("mesh", "implementation"))
+def _sharded_matmul(x, sw, *, mesh, implementation):
   if sw.mode == "column":
     x_spec, y_spec = P(), _lead_spec(x.ndim, sw.axis)
   else:
@@ -359,13 +356,12 @@ def sharded_moe_matmul(x: jax.Array, w: Any, expert_ids: jax.Array,
     ``[T, top_k, N]`` in x's dtype (column-wise split along N; otherwise replicated).
   """
   sw = w if isinstance(w, ShardedWeight) else ShardedWeight.of(w, mesh, axis, mode)
-  return _sharded_moe_matmul(x, sw, expert_ids, mesh=mesh, implementation=implementation,
-                             generation=autodiff.generation())
+  return _sharded_moe_matmul(x, sw, expert_ids, mesh=mesh, implementation=implementation)
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "implementation", "generation"))
-def _sharded_moe_matmul(x, sw, expert_ids, *, mesh, implementation, generation):
-  del generation
+@autodiff.retraced_on_registration
+@functools.partial(jax.jit, static_argnames=("mesh", "implementation"))
+def _sharded_moe_matmul(x, sw, expert_ids, *, mesh, implementation):
   x_spec, y_spec = P(), P()
   if sw.mode == "column":
     y_spec = P(None, None, sw.axis)
