@@ -385,6 +385,7 @@ def init_cache(cfg: LlamaConfig, batch: int, max_len: int) -> dict[str, jax.Arra
   return {"k": jnp.zeros(shape, cfg.dtype), "v": jnp.zeros(shape, cfg.dtype)}
 
 
+@qjax.retraced_on_registration
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
 def prefill(params, tokens, cache, *, cfg: LlamaConfig):
   """Runs a prompt from position 0.
@@ -404,6 +405,7 @@ def prefill(params, tokens, cache, *, cfg: LlamaConfig):
   return Llama(cfg).apply(params, tokens.astype(jnp.int32), positions, cache)
 
 
+@qjax.retraced_on_registration
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
 def decode_step(params, token, pos, cache, *, cfg: LlamaConfig):
   """One token per sequence.
@@ -441,6 +443,7 @@ def next_token_step(decode, token, pos, cache, key, *, temperature: float = 0.0,
   return sample(logits, sub, temperature=temperature, top_p=top_p), pos + 1, cache, key
 
 
+@qjax.retraced_on_registration
 @functools.partial(jax.jit, static_argnames=("cfg", "temperature", "top_p"),
                    donate_argnames=("cache",))
 def decode_and_sample(params, token, pos, cache, key, *, cfg: LlamaConfig,

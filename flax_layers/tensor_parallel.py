@@ -150,6 +150,7 @@ def _apply(params, tokens, positions, cache, cfg, mesh, axis):
   return fn(params, tokens, positions, cache)
 
 
+@qjax.retraced_on_registration
 @functools.partial(jax.jit, static_argnames=("cfg", "mesh", "axis"),
                    donate_argnames=("cache",))
 def tp_prefill(params, tokens, cache, *, cfg: llama.LlamaConfig, mesh: jax.sharding.Mesh,
@@ -169,6 +170,7 @@ def tp_prefill(params, tokens, cache, *, cfg: llama.LlamaConfig, mesh: jax.shard
   return _apply(params, tokens.astype(jnp.int32), positions, cache, cfg, mesh, axis)
 
 
+@qjax.retraced_on_registration
 @functools.partial(jax.jit, static_argnames=("cfg", "mesh", "axis"),
                    donate_argnames=("cache",))
 def tp_decode_step(params, token, pos, cache, *, cfg: llama.LlamaConfig,

@@ -13,6 +13,9 @@ from qjax._src.dispatch import register_repack as register_repack
 from qjax._src.dispatch import register_xla as register_xla
 from qjax._src.formats import QuantizedWeight as QuantizedWeight
 from qjax._src.formats import is_quantized as is_quantized
+from qjax._src.formats import register_format as register_format
+from qjax._src.formats import static_field as static_field
+from qjax._src.autodiff import retraced_on_registration as retraced_on_registration
 from qjax._src.int4 import Int4Weight as Int4Weight
 from qjax._src.int4 import dequantize as dequantize
 from qjax._src.int4 import quantize as quantize

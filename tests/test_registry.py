@@ -5,7 +5,9 @@ path and kernels (``register_xla``, ``register_kernel`` with ``Backend``), which
 ``qjax.matmul`` must run by implementation name and by its auto rules; a transposed
 variant reaches the toy kernel through ``register_repack``; an MXFP4Weight subclass
 registers MoE paths (``register_moe_xla``, ``register_moe_kernel``); the toy format a
-sharding rule (``register_split_rule``). Products are checked against float64 numpy
+sharding rule (``register_split_rule``); a subclass inherits no registration; jitted
+programs marked ``retraced_on_registration`` (a user's, flax_layers.llama's) see a later
+registration. Products are checked against float64 numpy
 ``x @ W`` on fresh random inputs, counters record which registered function ran. The
 registries are global: a fixture restores them (and drops jit traces) after every test.
 """
@@ -31,7 +33,7 @@ class RegistryToyWeight(formats.QuantizedWeight):
   format_name = "test_registry.toy"
   codes: jax.Array   # [..., K, N] uint8 in [0, 15]
   scales: jax.Array  # [..., N] float32
-  shape: tuple[int, int] = formats.static_field()
+  shape: tuple[int, int] = qjax.static_field()
 
   def dequantize(self, dtype=jnp.float32):
     return ((self.codes.astype(jnp.float32) - 8) * self.scales[..., None, :]).astype(dtype)
@@ -58,7 +60,13 @@ class RegistryMoEWeight(fp4.MXFP4Weight):
   format_name = "test_registry.mxfp4_experts"
 
 
-_TOYS = (RegistryToyWeight, RegistryToyNKWeight, RegistryMoEWeight)
+@dataclasses.dataclass(frozen=True)
+class RegistryToySubWeight(RegistryToyWeight):
+  """A subclass of the toy format: it inherits no registration."""
+  format_name = "test_registry.toy_sub"
+
+
+_TOYS = (RegistryToyWeight, RegistryToyNKWeight, RegistryMoEWeight, RegistryToySubWeight)
 _REGISTRIES = (dispatch._XLA, dispatch._KERNELS, dispatch._REPACKS, moe._MOE_XLA,
                moe._MOE_KERNELS, moe._AUTO_WHEN, split_rules._RULES)
 
@@ -67,7 +75,7 @@ _REGISTRIES = (dispatch._XLA, dispatch._KERNELS, dispatch._REPACKS, moe._MOE_XLA
 def toy_formats():
   """register_format for this module's tests only: its name registry is global."""
   for cls in _TOYS:
-    formats.register_format(cls)
+    qjax.register_format(cls)
   yield
   for cls in _TOYS:
     formats._FORMATS.pop(cls.format_name)
@@ -257,7 +265,9 @@ def test_moe_registration(rng):
   x = normal(rng, 5, jnp.float32)
   ids = jnp.asarray(rng.integers(0, 4, (5, 2)), jnp.int32)
   want = np.einsum("tk,tjkn->tjn", np.asarray(x, np.float64), wd[np.asarray(ids)])
-  with pytest.raises(NotImplementedError, match="no XLA MoE implementation"):
+  with pytest.raises(NotImplementedError, match="no XLA MoE implementation is registered for "
+                     r"RegistryMoEWeight \(MXFP4Weight, a base class, has one, but "
+                     r".*qjax.register_moe_xla\(RegistryMoEWeight, ...\)"):
     qjax.moe_matmul(x, w, ids, implementation="xla")
   xla_log, k_log = [], []
 
@@ -328,3 +338,96 @@ def test_split_rule_is_used(rng):
     close(qjax.sharded_matmul(x, w, mesh, "tp", mode, implementation="xla"), x, w,
           jnp.float32)
     assert local == [shape], mode
+
+
+def test_subclass_inherits_no_registration(rng):
+  """Registrations are per class (a subclass may store another layout): a subclass of a
+  registered format gets no path, and the error names the base that has one and the call
+  that registers the subclass."""
+  base = toy(rng)
+  w = RegistryToySubWeight(base.codes, base.scales, base.shape)
+  x = normal(rng, 3, jnp.float32)
+  qjax.register_xla(RegistryToyWeight, xla_path([]))
+  qjax.register_kernel(RegistryToyWeight, qjax.Backend("toy", kernel([]), gpu_only))
+  with pytest.raises(NotImplementedError, match=r"no XLA implementation is registered for "
+                     r"RegistryToySubWeight \(RegistryToyWeight, a base class, has one.*"
+                     r"qjax.register_xla\(RegistryToySubWeight, ...\)"):
+    qjax.matmul(x, w, implementation="xla")
+  with pytest.raises(NotImplementedError, match=r"no Pallas kernel is registered for "
+                     r"RegistryToySubWeight \(RegistryToyWeight, .*"
+                     r"qjax.register_kernel\(RegistryToySubWeight, ...\)"):
+    qjax.matmul(x, w, implementation="interpret")
+  with pytest.raises(NotImplementedError, match=r"registered for RegistryToyNKWeight$"):
+    qjax.matmul(x, RegistryToyNKWeight(base.codes.T, base.scales, base.shape),
+                implementation="xla")  # no base with a registration: no note
+  log = []
+  qjax.register_xla(RegistryToySubWeight, xla_path(log))
+  close(qjax.matmul(x, w, implementation="xla"), x, w, jnp.float32)
+  assert log == [3]
+
+
+def test_user_program_marked_retraced(rng):
+  """qjax.retraced_on_registration on a program of the user's: a registration after its
+  first call reaches its next call; unmarked, the old trace keeps the old XLA path."""
+  w, x = toy(rng), normal(rng, 4, jnp.float32)
+  first, second = [], []
+  qjax.register_xla(RegistryToyWeight, xla_path(first))
+  marked = qjax.retraced_on_registration(jax.jit(lambda a, b: 2 * qjax.matmul(a, b)))
+  plain = jax.jit(lambda a, b: 2 * qjax.matmul(a, b))
+  for fn in (marked, plain):
+    close(fn(x, w) / 2, x, w, jnp.float32)
+  assert first == [4, 4]
+  qjax.register_xla(RegistryToyWeight, xla_path(second))
+  for fn in (marked, plain):
+    close(fn(x, w) / 2, x, w, jnp.float32)
+  assert first == [4, 4] and second == [4]  # only the marked program traced again
+  with pytest.raises(TypeError, match="takes a jax.jit function .* got function"):
+    qjax.retraced_on_registration(lambda a: a)
+
+
+def tiny_llama(rng):
+  """A one-layer Llama of INT4 weights (groups of 32), its params and ``[2, 5]`` tokens."""
+  from flax_layers import llama  # pylint: disable=g-import-not-at-top
+  cfg = llama.LlamaConfig(vocab_size=96, hidden_size=128, num_layers=1, num_heads=8,
+                          num_kv_heads=4, head_dim=16, ffn_size=256, scan_layers=False)
+
+  def q(k, n):
+    return qjax.quantize(jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.float32),
+                         group_size=32)
+
+  def norm():
+    return jnp.asarray(1 + 0.1 * rng.standard_normal(128), jnp.float32)
+
+  layer = {"attn_norm": {"scale": norm()},
+           "attn": {"q": {"kernel": q(128, 128)}, "k": {"kernel": q(128, 64)},
+                    "v": {"kernel": q(128, 64)}, "o": {"kernel": q(128, 128)}},
+           "ffn_norm": {"scale": norm()},
+           "mlp": {"gate": {"kernel": q(128, 256)}, "up": {"kernel": q(128, 256)},
+                   "down": {"kernel": q(256, 128)}}}
+  params = {"params": {"embed": q(128, 96), "layers_0": layer,
+                       "final_norm": {"scale": norm()}}}
+  return cfg, params, jnp.asarray(rng.integers(0, 96, (2, 5)), jnp.int32)
+
+
+def test_llama_programs_see_a_later_registration(rng):
+  """flax_layers.llama's prefill / decode_step / decode_and_sample are module-level jits
+  (config static): a registration after their first call retraces them, so their next
+  call runs the XLA path registered last, with the same outputs."""
+  from flax_layers import llama  # pylint: disable=g-import-not-at-top
+  cfg, params, tokens = tiny_llama(rng)
+  token, pos, key = tokens[:, 0], jnp.array([5, 5], jnp.int32), jax.random.key(0)
+  programs = {
+      "prefill": lambda c: llama.prefill(params, tokens, c, cfg=cfg)[0],
+      "decode_step": lambda c: llama.decode_step(params, token, pos, c, cfg=cfg)[0],
+      "decode_and_sample": lambda c: llama.decode_and_sample(
+          params, token, pos, c, key, cfg=cfg)[0],
+  }
+  original = dispatch._XLA[qjax.Int4Weight]
+  for name, program in programs.items():
+    before = np.asarray(program(llama.init_cache(cfg, 2, 16)))
+    log = []
+    qjax.register_xla(qjax.Int4Weight, lambda x2, w, log=log: log.append(1) or original(x2, w))
+    after = np.asarray(program(llama.init_cache(cfg, 2, 16)))
+    assert log, f"{name} kept its trace of the XLA path registered before"
+    np.testing.assert_array_equal(after, before, err_msg=name)
+    qjax.register_xla(qjax.Int4Weight, original)

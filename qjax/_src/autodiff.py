@@ -40,10 +40,29 @@ _RETRACED: list[Any] = []
 
 
 def retraced_on_registration(jitted: Any) -> Any:
-  """Decorator for a module-level ``jax.jit`` function whose trace runs the dispatcher
-  (``dispatch._kernel_matmul``, ``moe._kernel_moe_matmul``, the sharded calls): jit keeps
-  a trace, and with it the implementation the registries named when it was made, so
-  :func:`registry_changed` drops its cache."""
+  """Decorator for a module-level ``jax.jit`` function whose trace runs the dispatcher.
+
+  jit keeps a trace, and with it the implementation the registries named when it was
+  made: a ``qjax.register_*`` call after the first call would not reach it. Every
+  registration (:func:`registry_changed`) clears the cache of each function marked here,
+  so its next call traces again. qjax marks its own (``dispatch._kernel_matmul``,
+  ``moe._kernel_moe_matmul``, the sharded calls, ``flax_layers``' ``prefill`` /
+  ``decode_step`` / ``decode_and_sample`` and their tensor-parallel ``tp_prefill`` /
+  ``tp_decode_step``); mark a program of yours the same way::
+
+    @qjax.retraced_on_registration
+    @jax.jit
+    def step(params, x): ...
+
+  Args:
+    jitted: the result of ``jax.jit`` (anything with ``clear_cache()``).
+
+  Returns:
+    ``jitted`` itself.
+  """
+  if not callable(getattr(jitted, "clear_cache", None)):
+    raise TypeError(f"retraced_on_registration takes a jax.jit function (with clear_cache), "
+                    f"got {type(jitted).__name__}; put it above @jax.jit")
   _RETRACED.append(jitted)
   return jitted
 

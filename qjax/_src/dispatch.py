@@ -149,6 +149,17 @@ def load_plugins() -> None:
     _plugins_loaded = True
 
 
+def not_inherited(fmt: type, registry: Any, register: str) -> str:
+  """The end of a "nothing registered for ``fmt``" message: when a base class of ``fmt``
+  has an entry in ``registry``, a note that registrations are per class (a subclass may
+  change the layout its base's kernels read) and which call registers ``fmt`` itself."""
+  base = next((c for c in fmt.__mro__[1:] if c in registry), None)
+  if base is None:
+    return ""
+  return (f" ({base.__name__}, a base class, has one, but registrations are per class "
+          f"and are not inherited: call qjax.{register}({fmt.__name__}, ...) for it)")
+
+
 def kernels_for_format(format_cls: type) -> list[Backend]:
   """The kernels registered for a format class (plugins loaded first)."""
   load_plugins()
@@ -191,7 +202,8 @@ def resolve(w: Any, implementation: str | None) -> tuple[str, Callable[..., jax.
     backends = kernels_for(w)
     if not backends:
       raise NotImplementedError(
-          f"no Pallas kernel is registered for {fmt.__name__}; use implementation='xla' "
+          f"no Pallas kernel is registered for {fmt.__name__}"
+          f"{not_inherited(fmt, _KERNELS, 'register_kernel')}; use implementation='xla' "
           "(is the pallas_kernels package installed?)")
     backend = backends[0]
     interpret = implementation == "interpret"
@@ -225,7 +237,8 @@ def _xla_fn(fmt: type) -> Callable[[jax.Array, Any], jax.Array]:
   try:
     fn = _XLA[fmt]
   except KeyError:
-    raise NotImplementedError(f"no XLA implementation is registered for {fmt.__name__}") from None
+    raise NotImplementedError(f"no XLA implementation is registered for {fmt.__name__}"
+                              f"{not_inherited(fmt, _XLA, 'register_xla')}") from None
   return autodiff.weight_derivative_from_dequantize(fn)
 
 

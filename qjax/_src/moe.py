@@ -315,9 +315,11 @@ def takes_format(w: Any) -> bool:
 
 def _check(x: jax.Array, w: Any, expert_ids: jax.Array) -> None:
   if not takes_format(w):
+    registered = {**_MOE_XLA, **_MOE_KERNELS}
     raise NotImplementedError(
         f"moe_matmul takes an MXFP4Weight, MXFP4NKWeight or NVFP4NKWeight with a leading "
-        f"expert axis, or a format with a registered MoE path, got {type(w).__name__}; "
+        f"expert axis, or a format with a registered MoE path, got {type(w).__name__}"
+        f"{dispatch.not_inherited(type(w), registered, 'register_moe_xla')}; "
         "convert GPT-OSS checkpoints with .to_mxfp4()")
   if isinstance(w, MOE_FORMATS) and w.codes.ndim != 3:
     raise ValueError(
@@ -393,7 +395,9 @@ def resolve_moe(w: Any, implementation: str | None, num_pairs: int | None = None
   if mode in ("pallas", "interpret"):
     if not kernels:
       raise NotImplementedError(
-          f"no Pallas MoE kernel is registered for {fmt.__name__}; use implementation='xla' "
+          f"no Pallas MoE kernel is registered for {fmt.__name__}"
+          f"{dispatch.not_inherited(fmt, _MOE_KERNELS, 'register_moe_kernel')}; use "
+          "implementation='xla' "
           "(is the pallas_kernels package installed?)")
     backend = kernels[0]
     interpret = mode == "interpret"
@@ -408,7 +412,8 @@ def resolve_moe(w: Any, implementation: str | None, num_pairs: int | None = None
       if backend.supported_on(dispatch.default_device()):
         return backend.name, lambda *a, b=backend: b.fn(*a, interpret=False)
   if xla is None:
-    raise NotImplementedError(f"no XLA MoE implementation is registered for {fmt.__name__}")
+    raise NotImplementedError(f"no XLA MoE implementation is registered for {fmt.__name__}"
+                              f"{dispatch.not_inherited(fmt, _MOE_XLA, 'register_moe_xla')}")
   return "xla", xla
 
 
