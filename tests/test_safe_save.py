@@ -2,7 +2,9 @@
 
 ``qjax.save`` writes a temporary file ``.NAME.<random>.tmp`` in the same folder, fsyncs
 it and renames it over ``NAME``; a SIGKILL before the rename leaves ``NAME`` as it was
-(the temporary file stays behind, named so it cannot be mistaken for the file).
+(the temporary file stays behind, named so it cannot be mistaken for the file). Names
+that would overwrite each other in the file, and what is not a flat mapping of names to
+weights or arrays, are refused before anything is written.
 """
 
 from __future__ import annotations
@@ -146,3 +148,38 @@ def test_no_reader_unpickles():
         if banned.search(line):
           offenders.append(f"{py.relative_to(ROOT)}:{i}: {line.strip()}")
   assert not offenders, offenders
+
+
+def test_names_that_collide_are_refused(tmp_path):
+  """A quantized weight ``w`` stores ``w.codes``, ``w.scales``, ...: a plain array under
+  one of those names (either order) would overwrite it; save names both and writes
+  nothing. Distinct names round-trip bit for bit."""
+  rng = np.random.default_rng(0)
+  w = qjax.quantize(rng.standard_normal((256, 128)).astype(np.float32), group_size=64)
+  other = rng.standard_normal((4, 128)).astype(np.float32)
+  path = tmp_path / "c.safetensors"
+  for tensors in ({"w": w, "w.scales": other}, {"w.scales": other, "w": w}):
+    with pytest.raises(ValueError, match=r"'w(\.scales)?' and 'w(\.scales)?' would both be "
+                       r"stored as the tensor 'w\.scales'"):
+      qjax.save(path, tensors)
+    assert not path.exists()
+  with pytest.raises(ValueError, match="'__metadata__' is the safetensors header's own key"):
+    qjax.save(path, {"__metadata__": other})
+  qjax.save(path, {"w": w, "w_scales": other})
+  back = qjax.load(path)
+  np.testing.assert_array_equal(back["w_scales"], other)
+  for field in ("codes", "scales"):
+    np.testing.assert_array_equal(np.asarray(getattr(back["w"], field)),
+                                  np.asarray(getattr(w, field)))
+
+
+@pytest.mark.parametrize("tensors, error, match", [
+    ({"n": {"w": np.ones(2)}}, TypeError, r"'n' is a dict; save takes a flat mapping"),
+    ({"a": None}, TypeError, r"'a' is a NoneType"),
+    ({1: np.ones(2)}, TypeError, r"tensor names must be strings, got 1 \(int\)"),
+    ([np.ones(2)], TypeError, r"save takes a flat mapping .*, got list"),
+])
+def test_what_is_not_a_flat_mapping_is_refused(tmp_path, tensors, error, match):
+  with pytest.raises(error, match=match):
+    qjax.save(tmp_path / "x.safetensors", tensors)
+  assert not (tmp_path / "x.safetensors").exists()

@@ -20,7 +20,8 @@ import json
 import os
 import pathlib
 import tempfile
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -70,14 +71,44 @@ def _jsonable(v: Any) -> Any:
 def save(path: str | os.PathLike, tensors: Mapping[str, Any]) -> None:
   """Saves a flat mapping of names to quantized weights or plain arrays, atomically.
 
+  A quantized weight ``name`` is stored as one tensor per array field, ``name.FIELD``
+  (e.g. ``w.codes``, ``w.scales``), in the file's one namespace of tensor names.
+
   Args:
     path: the ``.safetensors`` file to write (replaced atomically if it exists).
-    tensors: ``{name: QuantizedWeight | array}``.
+    tensors: ``{name: QuantizedWeight | array}``, names are strings.
+
+  Raises:
+    TypeError: ``tensors`` is not a flat mapping of strings to weights or arrays.
+    ValueError: two entries would be stored under one tensor name (a plain array named
+      ``w.scales`` beside a quantized weight ``w``).
   """
   from safetensors.numpy import save as st_save  # pylint: disable=g-import-not-at-top
+  if not isinstance(tensors, Mapping):
+    raise TypeError(f"save takes a flat mapping {{name: QuantizedWeight | array}}, got "
+                    f"{type(tensors).__name__}")
   arrays: dict[str, np.ndarray] = {}
+  owner: dict[str, str] = {}  # tensor name -> the entry it belongs to
   desc: dict[str, Any] = {}
+
+  def put(key: str, a: Any, name: str) -> None:
+    if key == "__metadata__":
+      raise ValueError("save: '__metadata__' is the safetensors header's own key; rename it")
+    if key in owner:
+      raise ValueError(
+          f"save: {name!r} and {owner[key]!r} would both be stored as the tensor {key!r} "
+          "(a quantized weight 'w' stores 'w.codes', 'w.scales', ...); rename one")
+    owner[key] = name
+    arrays[key] = _to_numpy(a)
+
   for name, value in tensors.items():
+    if not isinstance(name, str):
+      raise TypeError(f"save: tensor names must be strings, got {name!r} "
+                      f"({type(name).__name__})")
+    if not isinstance(value, formats.QuantizedWeight) and _to_numpy(value).dtype == object:
+      raise TypeError(
+          f"save: {name!r} is a {type(value).__name__}; save takes a flat mapping "
+          "{name: QuantizedWeight | array} (flatten nested dicts into dotted names)")
     if isinstance(value, formats.QuantizedWeight):
       cls = type(value)
       entry = {"format": cls.format_name, "arrays": {}, "static": {}}
@@ -86,12 +117,12 @@ def save(path: str | os.PathLike, tensors: Mapping[str, Any]) -> None:
         if a is None:
           continue
         key = f"{name}.{field}"
-        arrays[key] = _to_numpy(a)
+        put(key, a, name)
         entry["arrays"][field] = key
       for field in formats.static_field_names(cls):
         entry["static"][field] = _jsonable(getattr(value, field))
     else:
-      arrays[name] = _to_numpy(value)
+      put(name, value, name)
       entry = {"format": "array", "arrays": {"value": name}}
     desc[name] = entry
   stored, views = {}, {}
