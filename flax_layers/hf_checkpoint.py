@@ -36,6 +36,7 @@ from flax_layers.llama import LlamaConfig
 from qjax._src import checkpoint_layouts as layouts
 from qjax._src import formats
 from qjax._src import gguf_formats
+from qjax._src import int4
 from qjax._src import safetensors_io as sio
 
 # HF module under model.layers.{i} -> path of its kernel in the block params.
@@ -237,6 +238,19 @@ def _is_dense(w: Any) -> bool:
   return isinstance(w, gguf_formats.GGUFDense) or not formats.is_quantized(w)
 
 
+def _exportable(w: Any, name: str) -> Any:
+  """``w`` as a weight the export writes: dense, Int4Weight or a GPTQ / AWQ /
+  compressed-tensors layout. Others go through their lossless ``to_int4()`` (GGUF Q4_0,
+  Q4_1); a format without one raises the ValueError naming ``name``."""
+  if _is_dense(w) or isinstance(w, (int4.Int4Weight, layouts.GPTQWeight, layouts.AWQWeight,
+                                    layouts.CompressedTensorsWeight)):
+    return w
+  if hasattr(w, "to_int4"):
+    return w.to_int4()
+  sio.Int4Parts.of(w, name)  # raises: no INT4 form
+  raise AssertionError(f"{name}: {type(w).__name__} has no INT4 form")  # not reached
+
+
 def _symmetric(w: Any) -> bool:
   if isinstance(w, layouts.AWQWeight):
     return False
@@ -310,6 +324,7 @@ def save_hf_llama(path: str | os.PathLike[str], params: dict, cfg: LlamaConfig, 
   if "lm_head" in p:
     linears["lm_head"] = (p["lm_head"], None)
 
+  linears = {n: (_exportable(w, n), heads) for n, (w, heads) in linears.items()}
   quantized = {n: w for n, (w, _) in linears.items() if not _is_dense(w)}
   if not quantized:
     raise ValueError("no quantized projection in params; nothing to export as INT4")

@@ -483,3 +483,39 @@ def test_export_errors(tmp_path, rng):
   with pytest.raises(ValueError, match=r"model.layers.0.self_attn.v_proj: zero points in "
                      r"\[0, 0\] do not fit GPTQ checkpoint_format gptq"):
     hf.save_hf_llama(tmp_path / "y", params, cfg, layout="gptq", zero_point_version=1)
+
+
+def test_export_gguf_q4_params(tmp_path, rng):
+  """GGUF Q4_0 projections (as params_from_gguf holds them) are written through their
+  lossless to_int4(): the checkpoint loads back to the same weights bit for bit. Q4_1's
+  float biases have no INT4 zero point: the documented ValueError names the projection."""
+  qdir, _, _ = _write_case(tmp_path, rng, "ct_sym")
+  cfg, params = hf.load_hf_llama(qdir, progress=False, scan_layers=False,
+                                 convert=lambda n, w: w.to_int4())
+
+  def q4_0(w):  # a random Q4_0 weight of w's shape (all 16 codes, f16 block scales)
+    k, n = w.shape
+    d = (rng.uniform(0.5, 1.5, (n, k // 32)) / 64).astype(np.float16)
+    qs = rng.integers(0, 256, (n, k // 32, 16), dtype=np.uint8)
+    return gguf_formats.GGUFQ4_0(d=jnp.asarray(d), qs=jnp.asarray(qs), shape=(k, n))
+
+  is_int4 = lambda a: isinstance(a, int4.Int4Weight)  # noqa: E731
+  gparams = jax.tree.map(lambda a: q4_0(a) if is_int4(a) else a, params, is_leaf=is_int4)
+  hf.save_hf_llama(tmp_path / "out", gparams, cfg)
+  _, back = hf.load_hf_llama(tmp_path / "out", progress=False, scan_layers=False)
+  pairs = [(gparams["params"]["lm_head"], back["params"]["lm_head"])]
+  for i in range(LAYERS):
+    for a, b in [("attn", "q"), ("attn", "k"), ("attn", "v"), ("attn", "o"),
+                 ("mlp", "gate"), ("mlp", "up"), ("mlp", "down")]:
+      pairs.append((gparams["params"][f"layers_{i}"][a][b]["kernel"],
+                    back["params"][f"layers_{i}"][a][b]["kernel"]))
+  for w0, w1 in pairs:
+    assert isinstance(w0, gguf_formats.GGUFQ4_0)
+    np.testing.assert_array_equal(np.asarray(w1.dequantize(), np.float32),
+                                  np.asarray(w0.dequantize(), np.float32))
+  v = gparams["params"]["layers_0"]["attn"]["v"]["kernel"]
+  gparams["params"]["layers_0"]["attn"]["v"]["kernel"] = gguf_formats.GGUFQ4_1(
+      d=v.d, m=v.d, qs=v.qs, shape=v.shape)
+  with pytest.raises(ValueError, match=r"model.layers.0.self_attn.v_proj: Int4Weight with "
+                     r"float biases"):
+    hf.save_hf_llama(tmp_path / "out2", gparams, cfg)
