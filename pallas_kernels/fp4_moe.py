@@ -130,7 +130,8 @@ def mxfp4_moe_matmul(rows: jax.Array, w: MXFP4Weight, pair_rows: jax.Array,
   Args:
     rows: ``[R, K]`` bf16 / f16 / f32 activations.
     w: MXFP4 experts: codes ``[E, Kp // 8, N]``, scales ``[E, K // 32, N]``.
-    pair_rows, pair_experts: ``[P]`` int32; experts in ``[0, E)``.
+    pair_rows, pair_experts: ``[P]`` int32; experts in ``[0, E)`` (a pair out of range
+      gives a NaN row, :func:`qjax._src.moe.checked_experts`).
     config: tiling (``block_m`` rows per tile); None: :func:`heuristic_config`.
     poison: for tests: the output buffer starts as NaN (aliased into the kernel), so a
       row the kernel fails to write shows up as NaN.
@@ -148,6 +149,7 @@ def mxfp4_moe_matmul(rows: jax.Array, w: MXFP4Weight, pair_rows: jax.Array,
   config = int4_matmul.legalize(config, k, w.tile_k)
   block_m, split_k = config.block_m, config.split_k
   steps = w.codes.shape[1] * 8 // config.block_k
+  pair_experts, valid = moe.checked_experts(pair_experts, num_experts)
   groups = moe.group_by_expert(pair_experts, num_experts, block_m)
   # Rows in expert order, plus block_m zero rows so every tile's block stays in bounds.
   x = jnp.pad(rows[pair_rows[groups.order]], ((0, block_m), (0, 0)))
@@ -162,4 +164,4 @@ def mxfp4_moe_matmul(rows: jax.Array, w: MXFP4Weight, pair_rows: jax.Array,
   out = common.launch(kernel, args, m=padded, n=n, dtype=rows.dtype, config=config,
                       interpret=interpret, poison=poison, name="qjax_mxfp4_moe_matmul",
                       grid_m=groups.tile_experts.shape[0])
-  return out[moe.inverse_permutation(groups.order)]
+  return moe.nan_rows(out[moe.inverse_permutation(groups.order)], valid)

@@ -25,8 +25,8 @@ tiles dominate (91 us on an H100 against a 6 us floor). Here nothing is sorted o
 Out-of-range ids: the contract is ``pair_experts`` in ``[0, E)`` and ``pair_rows`` in
 ``[0, R)`` (``qjax.moe_matmul`` checks concrete ids; traced ids are not checkable). Here an
 id outside its range never causes an out-of-bounds read: it is clamped for addressing and
-the pair's whole output row is NaN, so the misuse shows. (The grouped kernel gives
-unspecified rows instead.)
+the pair's whole output row is NaN, so the misuse shows, as in every built-in MoE
+implementation (``qjax._src.moe.checked_experts``).
 
 Variants: ``"ptx"`` and ``"plain"``, as in :mod:`pallas_kernels.fp4_gemv`; interpret mode
 (CPU tests) runs the plain math.

@@ -775,7 +775,9 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
   0``, the others are skipped. (A row offset read from memory, to take the tiles' rows
   from one ``[R, K]`` array, failed Mosaic GPU's layout inference.)
   Returns ``[split_k, T, tile_m, N]``, garbage in the skipped tiles. Or ``(experts [T],
-  x_rows [T])``: every tile is active and one row: x ``[R, 1, K]``, tile ``t`` multiplies
+  x_rows [T])``, experts straight from the caller (one out of ``[0, E)`` is clamped for
+  addressing and its tile's output is NaN): every tile is active and one row: x
+  ``[R, 1, K]``, tile ``t`` multiplies
   row ``x_rows[t]`` (TMA fills the tile's other rows with zeros; an index on the leading
   axis, unlike a row offset, lowers) and the result is ``[split_k, T, 1, N]`` (the store
   drops the other rows). Or ``(experts [T],)``: the same with x ``[1, 1, K]``, every tile
@@ -786,6 +788,7 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
   """
   grouped = tile_table is not None
   row_per_tile = grouped and len(tile_table) in (1, 2)
+  num_experts = wt.shape[-3] if grouped else None
   if grouped:
     num_row_tiles, k = tile_table[0].shape[0], x.shape[-1]
     m = num_row_tiles * cfg.tile_m
@@ -871,8 +874,14 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
         k0 = si * k_per_split
         x_tile, w_tile, s_tile, g_tile = x_gmem, w_gmem, s_gmem, g_gmem
         out_tile = out_gmem.at[si]
+        row_factor = None
         if grouped:
           expert = experts_gmem.at[mi][...]
+          if row_per_tile:  # the caller's ids: clamped for the TMA, NaN rows if out of range
+            row_factor = jnp.where((expert < 0) | (expert > num_experts - 1),
+                                   jnp.float32(jnp.nan), jnp.float32(1))
+            expert = jnp.where(expert < 0, 0, jnp.where(expert > num_experts - 1,
+                                                        num_experts - 1, expert))
           x_tile, out_tile, m0 = x_gmem.at[mi], out_tile.at[mi], 0
           if row_per_tile:  # x [R, 1, K]: the tile's row, the rest zero-filled by TMA
             x_tile = x_gmem.at[x_rows_gmem[0].at[mi][...] if x_rows_gmem else 0]
@@ -883,6 +892,8 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
         def epilogue(acc):
           if g_tile is not None:  # NVFP4's tensor scale, and the bias power left out
             acc = acc * (g_tile[...] * float(2 ** _FOLDED_BIAS_SHIFT[fp4]))
+          if row_factor is not None:  # 1, or NaN for an expert id out of range
+            acc = acc * row_factor
           acc = plgpu.layout_cast(acc.astype(out_dtype), plgpu.Layout.WGMMA_TRANSPOSED)
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           for e in range(tm // cfg.epi_m):
@@ -1122,7 +1133,8 @@ def fp4_nk_moe_matmul(rows: jax.Array, w: fp4_nk.MXFP4NKWeight | fp4_nk.NVFP4NKW
     w: :class:`qjax.MXFP4NKWeight` / :class:`qjax.NVFP4NKWeight` of E experts: codes
       ``[E, N, K // 8]``, scales ``[E, K // B, N]`` (and NVFP4's tensor scales ``[E]``);
       N a multiple of 16, at least 128.
-    pair_rows, pair_experts: ``[P]`` int32; experts in ``[0, E)``.
+    pair_rows, pair_experts: ``[P]`` int32; experts in ``[0, E)`` (a pair out of range
+      gives a NaN row, :func:`qjax._src.moe.checked_experts`).
     interpret: must be False (no CPU interpret mode; NotImplementedError).
     config: tiles; default :func:`moe_config_for`.
     num_sms: CTAs of the persistent grid; default the device's SM count.
@@ -1158,13 +1170,14 @@ def _grouped(rows: jax.Array, w: Any, pair_rows: jax.Array, pair_experts: jax.Ar
   pair's row of the result by one gather of whole rows (H100, T = 64: 12.7 us less than
   gathering by tile and row, then by pair)."""
   k, tm = w.shape[0], cfg.tile_m
+  pair_experts, valid = moe.checked_experts(pair_experts, w.codes.shape[0])
   slots = moe.tile_slots(pair_experts, w.codes.shape[0], tm)
   p = pair_rows.shape[0]
   filled = (slots.source < p)[:, None]  # slots without a pair multiply a zero row
   x_tiles = jnp.where(filled, rows[pair_rows[jnp.minimum(slots.source, p - 1)]], 0)
   table = (slots.tile_experts, slots.tile_rows, slots.active)
   y = _run_kernel(x_tiles.reshape(-1, tm, k), w, cfg, num_sms, table)  # [T, tm, N]
-  return y.reshape(-1, w.shape[1])[slots.slot]
+  return moe.nan_rows(y.reshape(-1, w.shape[1])[slots.slot], valid)
 
 
 def _per_pair(rows: jax.Array, w: Any, pair_rows: jax.Array, pair_experts: jax.Array,

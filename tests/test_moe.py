@@ -411,3 +411,32 @@ def test_bench_moe_floor_counts_selected_experts_only(tmp_path):
   per_expert = 128 * 64 // 2 + 128 // 32 * 64  # packed codes + E8M0 scales
   io_bytes = 3 * 128 * 2 + 3 * 2 * 64 * 2     # x and the [T, top_k, N] output, bf16
   assert row["floor_bytes"] == pytest.approx(row["selected_experts"] * per_expert + io_bytes)
+
+
+@pytest.mark.parametrize("implementation", [
+    "xla", "interpret", "interpret:pallas_triton", "interpret:pallas_triton_gemv",
+    pytest.param("pallas:pallas_triton", marks=needs_gpu),
+    pytest.param("pallas:pallas_triton_gemv", marks=needs_gpu)])
+@pytest.mark.parametrize("tokens,experts", [(3, 4), (2, 16)])  # pairs >= E and < E (XLA)
+def test_traced_ids_out_of_range_give_nan_rows_only(rng, implementation, tokens, experts):
+  """Under jit the ids cannot be checked: a pair whose id is outside [0, E) (-1, -2, E,
+  E + 5) gets a NaN row, on every implementation, and every other pair still gets its own
+  expert's product (before session 29 the grouped paths' sort let one bad id move valid
+  pairs to other experts)."""
+  k, n, top_k = 64, 32, 3
+  w = make_experts(rng, experts, k, n, scale=0.1)
+  x = jnp.asarray(rng.standard_normal((tokens, k)), jnp.float32)
+  ids = random_ids(rng, tokens, experts, top_k)
+  bad = [(0, 1, -1), (tokens - 1, 0, experts), (tokens - 1, 2, -2)]
+  if tokens > 2:
+    bad.append((1, 2, experts + 5))
+  for t, j, e in bad:
+    ids[t, j] = e
+  fn = jax.jit(lambda a, b, c: qjax.moe_matmul(a, b, c, implementation=implementation))
+  y = np.asarray(fn(x, w, jnp.asarray(ids)), np.float64)
+  invalid = (ids < 0) | (ids >= experts)
+  assert np.isnan(y[invalid]).all()
+  good = np.where(invalid, 0, ids)
+  ref = np_moe_matmul(x, w, good)
+  assert np.isfinite(y[~invalid]).all()
+  assert rel_err(y[~invalid], ref[~invalid]) < 1e-5

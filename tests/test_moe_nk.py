@@ -357,3 +357,49 @@ def test_decode_configs_example_lowers_each_config():
                           env={**os.environ, "PYTHONPATH": str(path.parent.parent)},
                           timeout=120)
     assert proc.returncode == 2 and "Hopper" in proc.stderr, proc.stderr
+
+
+def _ids_out_of_range(ids, experts):
+  """ids with three pairs out of ``[0, E)`` (-1, E, E + 3), and the mask of those."""
+  ids = np.array(ids)
+  ids[0, -1], ids[-1, 0], ids[len(ids) // 2, 0] = -1, experts, experts + 3
+  return jnp.asarray(ids), (ids < 0) | (ids >= experts)
+
+
+def _assert_nan_rows_only(y, x, w, ids, invalid, exact_weights=True):
+  """NaN rows exactly at the invalid pairs, every other pair its own expert's product
+  (within the output's rounding; 1e-2 where the route rounds weights to bf16)."""
+  y = np.asarray(jnp.asarray(y).astype(jnp.float32), np.float64)
+  assert np.isnan(y[invalid]).all() and np.isfinite(y[~invalid]).all()
+  ref = moe_reference(x, w, np.where(invalid, 0, np.asarray(ids)))
+  if exact_weights:
+    assert_each_output_close(y[~invalid], ref[~invalid])
+  else:
+    assert rel_err(y[~invalid], ref[~invalid]) < 1e-2
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_xla_route_ids_out_of_range(request, fmt):
+  """Traced ids out of range: NaN rows for those pairs only (moe.checked_experts)."""
+  x, w, wn, ids = make_moe(request.node.nodeid, 5, 6, 256, 40, 3, fmt)
+  ids, invalid = _ids_out_of_range(ids, 6)
+  y = jax.jit(lambda a, b, c: qjax.moe_matmul(a, b, c, implementation="xla"))(x, wn, ids)
+  # As test_xla_route_matches_float64: NVFP4's tensor scale makes bf16 weights inexact.
+  _assert_nan_rows_only(y, x, w, ids, invalid, exact_weights=fmt == "mxfp4")
+
+
+@needs_gpu
+@needs_hopper
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("fmt", FMTS)
+def test_wgmma_moe_ids_out_of_range(request, monkeypatch, route, fmt):
+  """Every wgmma route: a traced id out of range reads no memory outside the stack (the
+  per-pair kernel clamps it, the grouped routes group the clamped id) and gives that pair
+  a NaN row; the other pairs are unaffected."""
+  _force_route(monkeypatch, route)
+  for tokens, experts, top_k in [(1, 8, 4), (3, 4, 2), (12, 6, 3)]:
+    x, w, wn, ids = make_moe(f"{request.node.nodeid}/{tokens}", tokens, experts, 1024, 384,
+                             top_k, fmt)
+    ids, invalid = _ids_out_of_range(ids, experts)
+    y = jax.jit(lambda a, b, c: qjax.moe_matmul(a, b, c, implementation=WGMMA))(x, wn, ids)
+    _assert_nan_rows_only(y, x, w, ids, invalid)

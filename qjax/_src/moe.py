@@ -112,6 +112,25 @@ class ExpertGroups:
   tile_ends: jax.Array
 
 
+def checked_experts(pair_experts: jax.Array, num_experts: int
+                    ) -> tuple[jax.Array, jax.Array]:
+  """``(experts [P] int32, valid [P] bool)``: ``pair_experts`` clamped into ``[0, E)``,
+  and whether each id was in range.
+
+  What every built-in implementation does with an id outside ``[0, E)``, which
+  :func:`moe_matmul` can refuse only when the ids are concrete: it addresses the clamped
+  expert, so no read leaves the stack and no other pair's grouping changes, and writes
+  NaN over that pair's output row (:func:`nan_rows`), so the misuse shows.
+  """
+  e = pair_experts.astype(jnp.int32)
+  return jnp.clip(e, 0, num_experts - 1), (e >= 0) & (e < num_experts)
+
+
+def nan_rows(y: jax.Array, valid: jax.Array) -> jax.Array:
+  """``y [P, N]`` with NaN in the rows where ``valid [P]`` is False."""
+  return jnp.where(valid[:, None], y, jnp.asarray(jnp.nan, y.dtype))
+
+
 def max_row_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
   """Row tiles a grouped GEMM needs at most: ``sum_e ceil(g_e / block_m)`` over groups
   ``g_e`` summing to P, at most ``min(E, P)`` of them non-empty."""
@@ -285,6 +304,7 @@ def moe_matmul_xla(rows: jax.Array, w: Any, pair_rows: jax.Array, pair_experts: 
   sorted by expert, go through ``jax.lax.ragged_dot``. Both compute the same products.
   """
   num_experts = w.codes.shape[0]
+  pair_experts, valid = checked_experts(pair_experts, num_experts)
   x = rows[pair_rows]                                           # [P, K]
   precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
   if pair_experts.shape[0] < num_experts:
@@ -295,12 +315,12 @@ def moe_matmul_xla(rows: jax.Array, w: Any, pair_rows: jax.Array, pair_experts: 
     wd = selected.dequantize(jnp.float32).astype(x.dtype)      # [P, K, N]
     y = jnp.einsum("pk,pkn->pn", x, wd, preferred_element_type=jnp.float32,
                    precision=precision)
-    return y.astype(x.dtype)
+    return nan_rows(y.astype(x.dtype), valid)
   groups = group_by_expert(pair_experts, num_experts, 1)
   wd = w.dequantize(x.dtype)                                    # [E, K, N]
   y = jax.lax.ragged_dot(x[groups.order], wd, groups.group_sizes, precision=precision,
                          preferred_element_type=jnp.float32)
-  return y[inverse_permutation(groups.order)].astype(x.dtype)
+  return nan_rows(y[inverse_permutation(groups.order)].astype(x.dtype), valid)
 
 
 # -------------------------------------------------------------------------- the front
@@ -429,7 +449,10 @@ def moe_matmul(x: jax.Array, w: Any, expert_ids: jax.Array, *,
       :class:`qjax.MXFP4NKWeight` / :class:`qjax.NVFP4NKWeight` of E experts (codes
       ``[E, N, K // 8]``; ``qjax.to_mxfp4_nk(w)`` converts an MXFP4Weight exactly).
     expert_ids: ``[T, top_k]`` integers in ``[0, E)``; an expert may appear for any
-      number of tokens, or none.
+      number of tokens, or none. Concrete ids out of range raise ValueError; traced ones
+      (under ``jax.jit``) cannot be checked, and each such pair's output row is NaN
+      instead, on every implementation, the other pairs unaffected
+      (:func:`qjax._src.moe.checked_experts`).
     implementation: None (best available), "xla", "pallas" or "interpret"; or
       "pallas:NAME" / "interpret:NAME" for the registered MoE kernel of that name
       ("pallas:pallas_triton", the grouped kernel; "pallas:pallas_triton_gemv", the

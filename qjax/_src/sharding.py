@@ -263,7 +263,11 @@ class ShardedWeight:
       y = moe.moe_matmul(x, w, jnp.where(mine, rel, 0).astype(expert_ids.dtype),
                          implementation=implementation)
       y = jnp.where(mine[..., None], y.astype(jnp.float32), 0.0)
-      return jax.lax.psum(y, self.axis).astype(x.dtype)
+      y = jax.lax.psum(y, self.axis).astype(x.dtype)
+      # An id outside every device's experts: a NaN row, as unsharded (moe.checked_experts).
+      total = e_local * jax.lax.psum(1, self.axis)
+      return moe.nan_rows(y.reshape(-1, y.shape[-1]), ((expert_ids >= 0) & (
+          expert_ids < total)).reshape(-1)).reshape(y.shape)
     y = moe.moe_matmul(x, w, expert_ids, implementation=implementation)
     if self.mode == "row":
       y = jax.lax.psum(y.astype(jnp.float32), self.axis).astype(x.dtype)
