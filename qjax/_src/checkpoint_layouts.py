@@ -252,10 +252,10 @@ class GPTQWeight(formats.QuantizedWeight):
       zeros = zeros + jnp.uint8(1)
     return codes, self.scales, zeros, self.g_idx
 
-  def dequantize(self) -> jax.Array:
-    """``[K, N]`` float32: ``(q - z[g_idx[k]]) * s[g_idx[k]]``."""
+  def dequantize(self, dtype=jnp.float32) -> jax.Array:
+    """``[K, N]`` in ``dtype`` (computed in float32): ``(q - z[g_idx[k]]) * s[g_idx[k]]``."""
     codes, scales, zeros, _ = self.unpack()
-    return _dequant(codes, scales, zeros, self._group_of_row())
+    return _dequant(codes, scales, zeros, self._group_of_row()).astype(dtype)
 
   def to_int4(self, tile_k: int = packing.NATIVE_TILE_K):
     """The lossless :class:`Int4Weight`, with a row permutation under act-order.
@@ -348,10 +348,11 @@ class _ContiguousGroups:
   """``dequantize`` and ``to_int4`` of layouts whose group of row k is ``k // G``
   (no act-order): ``unpack()`` gives codes, scales and zero points (None: z = 8)."""
 
-  def dequantize(self) -> jax.Array:
-    """``[K, N]`` float32: ``(q - z) * s``."""
+  def dequantize(self, dtype=jnp.float32) -> jax.Array:
+    """``[K, N]`` in ``dtype`` (computed in float32): ``(q - z) * s``."""
     codes, scales, zeros, _ = self.unpack()
-    return _dequant(codes, scales, zeros, _contiguous_groups(self.shape[0], self.group_size))
+    groups = _contiguous_groups(self.shape[0], self.group_size)
+    return _dequant(codes, scales, zeros, groups).astype(dtype)
 
   def to_int4(self, tile_k: int = packing.NATIVE_TILE_K) -> int4.Int4Weight:
     """Lossless :class:`Int4Weight` (bit-identical ``dequantize``; symmetric iff there is

@@ -111,8 +111,8 @@ class CodebookWeight(formats.QuantizedWeight):
     """Pass 1 alone (a one-pass weight)."""
     return dataclasses.replace(self, codes2=None, norms2=None, codebook2=None)
 
-  def dequantize(self) -> jax.Array:
-    """``[K, N]`` float32."""
+  def dequantize(self, dtype=jnp.float32) -> jax.Array:
+    """``[K, N]`` in ``dtype`` (computed in float32)."""
     if self.codes.ndim != 2:
       raise NotImplementedError(f"codes of shape {self.codes.shape}: dequantize one "
                                 "[K, N] weight at a time (vmap over leading axes)")
@@ -121,7 +121,7 @@ class CodebookWeight(formats.QuantizedWeight):
     if self.codes2 is not None:
       w = w + _dequantize_pass(self.codes2, self.norms2, self.codebook2, self.shape,
                                self.group_size, self.rotation, self.seed + 1)
-    return w
+    return w.astype(dtype)
 
   def bits_per_weight(self) -> float:
     """Stored bits per logical weight: packed codes (padding included), norms, the

@@ -101,9 +101,9 @@ class QuantizedWeight:
     return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
                for a in jax.tree_util.tree_leaves(self))
 
-  def dequantize(self) -> jax.Array:  # pragma: no cover - abstract
-    """The float ``[K, N]`` weight the stored values stand for (each format documents
-    its dtype and rounding); the XLA path multiplies by it."""
+  def dequantize(self, dtype=jnp.float32) -> jax.Array:  # pragma: no cover - abstract
+    """The ``[K, N]`` weight the stored values stand for, in ``dtype`` (float32 by
+    default; each format documents its rounding); the XLA path multiplies by it."""
     raise NotImplementedError
 
   def _leaves_concrete_2d(self) -> bool:

@@ -171,12 +171,12 @@ class GGUFBlockWeight(formats.QuantizedWeight):
   def _fields(self) -> dict[str, jax.Array]:
     return {f.name: getattr(self, f.name) for f in self.block_fields}
 
-  def dequantize(self) -> jax.Array:
-    """``[*leading, K, N]`` float32, bit-identical to ``gguf.quants.dequantize(...)`` with
-    its last two axes swapped."""
+  def dequantize(self, dtype=jnp.float32) -> jax.Array:
+    """``[*leading, K, N]`` in ``dtype``; in float32 (the default) bit-identical to
+    ``gguf.quants.dequantize(...)`` with its last two axes swapped."""
     rows = self._rows_f32(**self._fields())  # [*leading, N, nb, block_size]
     k, n = self.shape
-    return jnp.swapaxes(rows.reshape(*self.leading_axes, n, k), -1, -2)
+    return jnp.swapaxes(rows.reshape(*self.leading_axes, n, k), -1, -2).astype(dtype)
 
   def take_rows(self, ids: jax.Array) -> jax.Array:
     """Dequantized stored rows ``ids`` (columns of W): ``[*ids.shape, K]`` float32.
@@ -638,9 +638,9 @@ class GGUFDense(formats.QuantizedWeight):
       data = jnp.take(data, ids, axis=0)
     return data.astype(jnp.float32)
 
-  def dequantize(self) -> jax.Array:
-    """``[K, N]`` float32."""
-    return self._rows_f32(self.data).T
+  def dequantize(self, dtype=jnp.float32) -> jax.Array:
+    """``[K, N]`` in ``dtype`` (float32 by default)."""
+    return self._rows_f32(self.data).T.astype(dtype)
 
   def take_rows(self, ids: jax.Array) -> jax.Array:
     """Stored rows ``ids`` (columns of W): ``[*ids.shape, K]`` float32."""

@@ -235,8 +235,9 @@ class GGUFTiledWeight(formats.QuantizedWeight):
     b = -(jnp.repeat(self.dmin.astype(jnp.float32), per, axis=0) * self.mn.astype(jnp.float32))
     return s, b
 
-  def dequantize(self) -> jax.Array:
-    """``[K, N]`` float32, bit-identical to the GGUF weight's ``dequantize()``."""
+  def dequantize(self, dtype=jnp.float32) -> jax.Array:
+    """``[K, N]`` in ``dtype``; in float32 (the default) bit-identical to the GGUF
+    weight's ``dequantize()``."""
     s, b = self.group_affine()
     g = self.group_size
     k, n = self.shape
@@ -250,7 +251,7 @@ class GGUFTiledWeight(formats.QuantizedWeight):
       w = s * (q - 32.0)
     else:
       w = s * q + b[:, None, :]
-    return w.reshape(k, n)
+    return w.reshape(k, n).astype(dtype)
 
   def take_rows(self, ids: jax.Array) -> jax.Array:
     """Columns ``ids`` of W as rows: ``[*ids.shape, K]`` float32 (embedding lookup).

@@ -88,9 +88,9 @@ class Int4Weight(formats.QuantizedWeight):
     """``[K, N]`` uint8 codes in ``[0, 15]``."""
     return packing.unpack_codes(self.codes, self.shape[0], self.tile_k)
 
-  def dequantize(self) -> jax.Array:
-    """``[K, N]`` float32: ``(q - z) * s``."""
-    return dequantize_int4(self)
+  def dequantize(self, dtype=jnp.float32) -> jax.Array:
+    """``[K, N]`` in ``dtype`` (computed in float32): ``(q - z) * s``."""
+    return dequantize_int4(self, dtype)
 
   def repack(self, tile_k: int) -> "Int4Weight":
     """The same weight with codes in another tile order (lossless, jittable)."""
