@@ -211,8 +211,11 @@ def test_accumulate_k_tile_matches_float64(rng, fmt, dtype):
   words = jnp.asarray(_pack_native(codes))
   decode, factor = fp4_codec.scale_decoder(fmt, None if g is None else jnp.full((1, 1), g))
   acc0 = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+  # float32 dots at HIGHEST: a GPU's default is one TF32 product (about 1e-4 off).
+  precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
   kw = dict(load_x=lambda k0: xq[:, k0:k0 + 16], tile_k=128, block_size=_BLOCK[fmt],
-            dtype=dtype, decode=decode, load_scale=lambda b: jnp.asarray(scales[b:b + 1]))
+            dtype=dtype, decode=decode, load_scale=lambda b: jnp.asarray(scales[b:b + 1]),
+            precision=precision)
   with_f, without = acc0, jnp.zeros((m, n), jnp.float32)
   for t in (0, 1):
     tile = words[16 * t:16 * (t + 1)]

@@ -11,7 +11,7 @@ import pytest
 
 import qjax
 from qjax._src import moe
-from conftest import needs_gpu, rel_err, seed_from
+from conftest import needs_gpu, on_gpu, rel_err, seed_from
 from test_fp4 import np_dequantize
 
 # ------------------------------------------------------------------ numpy references
@@ -439,4 +439,6 @@ def test_traced_ids_out_of_range_give_nan_rows_only(rng, implementation, tokens,
   good = np.where(invalid, 0, ids)
   ref = np_moe_matmul(x, w, good)
   assert np.isfinite(y[~invalid]).all()
-  assert rel_err(y[~invalid], ref[~invalid]) < 1e-5
+  # float32 x: the grouped Triton kernel's dots are one TF32 product on a GPU (README).
+  tf32 = on_gpu() and implementation.endswith("pallas_triton")
+  assert rel_err(y[~invalid], ref[~invalid]) < (2e-3 if tf32 else 1e-5)
