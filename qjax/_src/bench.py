@@ -19,6 +19,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -235,6 +236,21 @@ def format_table(rows: Sequence[Row], impls: Sequence[str]) -> str:
     s += f" {r.default_impl or '-':>8}"
     lines.append(s)
   return "\n".join(lines)
+
+
+def nan_notes(rows: Sequence[Row], impls: Sequence[str]) -> list[str]:
+  """Why cells of the table are nan, once per (implementation, reason): "nan: <impl>
+  <formats>: <reason>", from the rows' notes (else only in the --json output)."""
+  fmts: dict[tuple[str, str], list[str]] = {}
+  split = re.compile("; (?=(?:%s): )" % "|".join(map(re.escape, impls)))
+  for r in rows:
+    for note in split.split(r.notes) if r.notes else []:
+      impl, _, reason = note.partition(": ")
+      reason = " ".join(reason.split())  # one line
+      seen = fmts.setdefault((impl, reason), [])
+      if r.fmt not in seen:
+        seen.append(r.fmt)
+  return [f"nan: {impl} {','.join(f)}: {reason}" for (impl, reason), f in fmts.items()]
 
 
 def plot(rows: Sequence[Row], impls: Sequence[str], path: str, title: str) -> None:
@@ -734,6 +750,8 @@ def run(args) -> int:
         print(format_table(rows[-1:], impls).splitlines()[-1], flush=True)
   print()
   print(format_table(rows, impls))
+  for note in nan_notes(rows, impls):
+    print(note)
   result = {"environment": env, "bandwidth_bytes_per_s": bandwidth,
             "rows": [dataclasses.asdict(r) for r in rows]}
   if args.model:

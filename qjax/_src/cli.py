@@ -13,7 +13,100 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+# The K that each bench format's random weight holds (bench.random_weight): group 128 for
+# int4 and codebook, the FP4 block (32, or NVFP4's 16) and the 32-row runs of the
+# [N, K / 8] layouts. --moe times MXFP4 experts.
+_BENCH_K_MULTIPLE = {"int4": 128, "int4nk": 128, "codebook": 128, "codebook2": 128,
+                     "mxfp4": 32, "mxfp4nk": 32, "nvfp4": 16, "nvfp4nk": 32}
+
+
+# ---------------------------------------------------------------- argument types
+# Each raises argparse.ArgumentTypeError naming the bad value and what is allowed, so a
+# bad argument is one line "qjax COMMAND: error: argument --X: ..." with exit code 2. The
+# comma-separated ones return the text as given: bench.py and offload_bench.py parse it.
+
+
+def _int_or_none(text: str) -> int | None:
+  try:
+    return int(text)
+  except ValueError:
+    return None
+
+
+def _int_at_least(low: int):
+  def parse(text: str) -> int:
+    value = _int_or_none(text)
+    if value is None or value < low:
+      raise argparse.ArgumentTypeError(f"{text!r} is not an integer of at least {low}")
+    return value
+  return parse
+
+
+_positive_int = _int_at_least(1)
+_non_negative_int = _int_at_least(0)
+
+
+def _item(item: str, text: str) -> str:
+  """The bad item of a comma-separated value, and the whole value where they differ."""
+  return repr(item) if item == text else f"{item!r} in {text!r}"
+
+
+def _positive_ints(text: str) -> str:
+  """Comma-separated integers of at least 1 (``--m 1,16``)."""
+  for item in text.split(","):
+    value = _int_or_none(item)
+    if value is None or value < 1:
+      raise argparse.ArgumentTypeError(
+          f"{_item(item, text)} is not a positive integer; give comma-separated integers "
+          "of at least 1, e.g. 1,16")
+  return text
+
+
+def _shapes(text: str) -> str:
+  """Comma-separated KxN of positive integers (``--shapes 4096x4096,4096x14336``)."""
+  for item in text.split(","):
+    dims = [_int_or_none(v) for v in item.lower().split("x")]
+    if len(dims) != 2 or any(d is None or d < 1 for d in dims):
+      raise argparse.ArgumentTypeError(
+          f"{_item(item, text)} is not KxN; give comma-separated KxN of positive "
+          "integers, e.g. 4096x4096,4096x14336")
+  return text
+
+
+def _names(known, what: str):
+  """Comma-separated names out of ``known()`` (called when the option is given)."""
+  def parse(text: str) -> str:
+    allowed = list(known())
+    for item in text.split(","):
+      if item not in allowed:
+        raise argparse.ArgumentTypeError(
+            f"unknown {what} {_item(item, text)}; known {what}s: {','.join(allowed)}")
+    return text
+  return parse
+
+
+def _shard(text: str) -> str:
+  """``I/N`` with 0 <= I < N (``qjax check --shard 3/16``)."""
+  parts = [_int_or_none(v) for v in text.split("/")]
+  if len(parts) != 2 or None in parts or not 0 <= parts[0] < parts[1]:
+    raise argparse.ArgumentTypeError(f"{text!r} is not I/N with 0 <= I < N, e.g. 0/4")
+  return text
+
+
+def _on_gpu() -> bool:
+  """Whether this device runs the compiled kernels as qjax bench sees it (its defaults:
+  bench._timed_impls)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  return jax.devices()[0].platform == "gpu"
+
+
+def _device() -> str:
+  import jax  # pylint: disable=g-import-not-at-top
+  d = jax.devices()[0]
+  return f"{d.device_kind} ({d.platform})"
 
 
 def _demo(args) -> int:
@@ -52,14 +145,27 @@ def _add_demo(sub) -> None:
                      description="Quantizes a random [K, N] layer to int4, runs qjax.matmul "
                      "under jax.jit with the best implementation for this machine, and prints "
                      "the errors against float64 and which backend ran.")
-  p.add_argument("--k", type=int, default=4096, help="input features K (default 4096)")
-  p.add_argument("--n", type=int, default=4096, help="output features N (default 4096)")
-  p.add_argument("--m", type=int, default=8, help="rows of x, i.e. tokens (default 8)")
-  p.add_argument("--group-size", type=int, default=128, help="rows of K per scale (default 128)")
+  from qjax._src import int4  # pylint: disable=g-import-not-at-top
+  p.add_argument("--k", type=_positive_int, default=4096,
+                 help="input features K, a multiple of the group size (default 4096)")
+  p.add_argument("--n", type=_positive_int, default=4096,
+                 help="output features N (default 4096)")
+  p.add_argument("--m", type=_positive_int, default=8,
+                 help="rows of x, i.e. tokens (default 8)")
+  p.add_argument("--group-size", type=int, choices=int4.GROUP_SIZES, default=128,
+                 help="rows of K per scale (default 128)")
   p.add_argument("--asymmetric", action="store_true", help="unsigned int4 with zero points")
   p.add_argument("--seed", type=int, default=0,
                  help="PRNG seed of the random weight and x (default 0)")
-  p.set_defaults(func=_demo)
+
+  def run(args):
+    if args.k % args.group_size:
+      g = args.group_size
+      p.error(f"--k {args.k} must be a multiple of --group-size {g}, e.g. --k "
+              f"{-(-args.k // g) * g}")
+    return _demo(args)
+
+  p.set_defaults(func=run)
 
 
 def _add_bench(sub) -> None:
@@ -72,18 +178,26 @@ def _add_bench(sub) -> None:
       "last column, 'default', names the implementation qjax.matmul runs when none is "
       "named. On a CPU it runs small shapes with XLA and interpret mode, timed by wall "
       "clock, as a smoke test.")
-  p.add_argument("--m", help="comma-separated M values (default GPU: 1,16,64,256,2048; CPU: 1,16)")
-  p.add_argument("--shapes", help="comma-separated KxN, e.g. 4096x4096,4096x14336 "
-                 "(default GPU: the four Llama shapes; CPU: 512x512,1024x768)")
-  p.add_argument("--format", default="int4", help="comma-separated formats: int4 (group "
-                 "128, symmetric; the default), int4nk (the same in the [N, K / 8] layout of "
-                 "qjax.to_int4_nk, served by the Hopper wgmma kernel), mxfp4, nvfp4, mxfp4nk and "
-                 "nvfp4nk (the same in the [N, K / 8] layouts of qjax.to_mxfp4_nk / "
-                 "to_nvfp4_nk, for the wgmma kernel), codebook (group 128, Hadamard; "
+  from qjax._src import bench  # pylint: disable=g-import-not-at-top
+  from qjax._src import dispatch  # pylint: disable=g-import-not-at-top
+  p.add_argument("--m", type=_positive_ints,
+                 help="comma-separated M values (default GPU: 1,16,64,256,2048; CPU: 1,16)")
+  p.add_argument("--shapes", type=_shapes, help="comma-separated KxN, e.g. "
+                 "4096x4096,4096x14336 (default GPU: the four Llama shapes; CPU: "
+                 "512x512,1024x768)")
+  p.add_argument("--format", default="int4",
+                 type=_names(lambda: bench.BENCH_FORMATS, "format"),
+                 help="comma-separated formats: int4 (group 128, symmetric; the default), "
+                 "int4nk (the same in the [N, K / 8] layout of qjax.to_int4_nk, served by "
+                 "the Hopper wgmma kernel), mxfp4, nvfp4, mxfp4nk and nvfp4nk (the same in "
+                 "the [N, K / 8] layouts of qjax.to_mxfp4_nk / to_nvfp4_nk, for the wgmma "
+                 "kernel), codebook (group 128, Hadamard; "
                  "the floor adds its rotation matrices), codebook2 (two passes)")
-  p.add_argument("--impl", help="comma-separated implementations to time (default GPU: "
-                 "pallas,xla; CPU: xla,interpret)")
-  p.add_argument("--calls", type=int, default=40, help="timed calls per measurement")
+  p.add_argument("--impl", type=_names(lambda: dispatch.IMPLEMENTATIONS, "implementation"),
+                 help="comma-separated implementations to time (default GPU: pallas,xla; "
+                 "CPU: xla,interpret; pallas needs a GPU)")
+  p.add_argument("--calls", type=_positive_int, default=40,
+                 help="timed calls per measurement")
   p.add_argument("--json", help="also write the results to this JSON file")
   p.add_argument("--plot", help="also write a PNG plot of %% of floor against M")
   p.add_argument("--tune", action="store_true", help="sweep kernel configs first and write "
@@ -96,9 +210,10 @@ def _add_bench(sub) -> None:
                  "moe_matmul picks, the grouped and the per-pair GEMV kernels each, their "
                  "XLA reference, and dequantizing every expert first, against the bandwidth "
                  "floor of the selected experts' bytes")
-  p.add_argument("--moe-experts", type=int, help="experts for --moe (default GPU 128, CPU 8)")
-  p.add_argument("--moe-top-k", type=int, help="experts per token for --moe (default GPU 4, "
-                 "CPU 2)")
+  p.add_argument("--moe-experts", type=_positive_int,
+                 help="experts for --moe (default GPU 128, CPU 8)")
+  p.add_argument("--moe-top-k", type=_positive_int,
+                 help="experts per token for --moe (default GPU 4, CPU 2)")
   p.add_argument("--offload", action="store_true", help="instead: 32 layers of 4096x4096 "
                  "two-pass codebook weights, device time with pass 2 on the device and in "
                  "pinned host memory (prefetched ahead of the layers), the copy term and "
@@ -123,7 +238,30 @@ def _add_bench(sub) -> None:
         p.error(f"--offload-carried {args.offload_carried} must be between 1 and the "
                 f"group ({group}; --offload-group)")
       return offload_bench.run(args)
-    from qjax._src import bench  # pylint: disable=g-import-not-at-top
+    on_gpu = _on_gpu()
+    if args.moe:
+      moe = bench.GPU_MOE if on_gpu else bench.CPU_MOE
+      experts = args.moe_experts or moe["experts"]
+      top_k = args.moe_top_k or moe["top_k"]
+      if top_k > experts:
+        p.error(f"--moe-top-k {top_k}{'' if args.moe_top_k else ' (the default)'} must be "
+                f"at most the experts ({experts}; --moe-experts)")
+      need = {"MXFP4 experts": _BENCH_K_MULTIPLE["mxfp4"]}
+      shapes = args.shapes.split(",")[:1] if args.shapes else []
+    else:
+      if args.tune and not on_gpu:
+        p.error(f"--tune needs a GPU (it times the compiled kernels); this device is "
+                f"{_device()}")
+      if args.impl and "pallas" in args.impl.split(",") and not on_gpu:
+        p.error(f"--impl {args.impl}: pallas needs a GPU (the compiled kernels); this "
+                f"device is {_device()}, where bench times xla,interpret")
+      need = {f"--format {f}": _BENCH_K_MULTIPLE[f] for f in args.format.split(",")}
+      shapes = args.shapes.split(",") if args.shapes else []
+    for shape in shapes:
+      k = int(shape.lower().split("x")[0])
+      for what, multiple in need.items():
+        if k % multiple:
+          p.error(f"--shapes {shape}: K={k} must be a multiple of {multiple} for {what}")
     return bench.run(args)
 
   p.set_defaults(func=run)
@@ -209,22 +347,35 @@ def _add_check(sub) -> None:
       "error >= 1e-2, non-finite output, or an error other than a kernel declining a "
       "shape). The default is the reduced CPU form (a few minutes); --full runs every "
       "shape (for the GPU).")
+  from qjax._src import check  # pylint: disable=g-import-not-at-top
+  from qjax._src import dispatch  # pylint: disable=g-import-not-at-top
   p.add_argument("--full", action="store_true", help="every shape on xla and pallas "
-                 "(interpret mode always runs its 3 small shapes)")
-  p.add_argument("--formats", help="comma-separated format names (default: all; see the "
-                 "table's first column)")
-  p.add_argument("--impl", help="comma-separated implementations (default: xla,interpret "
-                 "and pallas where it compiles)")
-  p.add_argument("--seed", type=int, default=0,
+                 f"(interpret mode always runs its {len(check.INTERPRET_SHAPES)} small "
+                 "shapes)")
+  p.add_argument("--formats", type=_names(lambda: [c.name for c in check.format_cases()],
+                                          "format"),
+                 help="comma-separated format names (default: all; see the table's first "
+                 "column)")
+  p.add_argument("--impl", type=_names(lambda: dispatch.IMPLEMENTATIONS, "implementation"),
+                 help="comma-separated implementations (default: xla,interpret and pallas "
+                 "where it compiles)")
+  p.add_argument("--seed", type=_non_negative_int, default=0,
                  help="seed of the random weights and inputs of every case (default 0)")
   p.add_argument("--json", metavar="FILE", help="also write every case and the table to "
                  "this JSON file")
-  p.add_argument("--shard", metavar="I/N", help="run every N-th format from the I-th "
-                 "(0-based), to spread the sweep over N processes")
+  p.add_argument("--shard", metavar="I/N", type=_shard, help="run every N-th format from "
+                 "the I-th (0-based), to spread the sweep over N processes")
   p.add_argument("--quiet", action="store_true", help="no per-format progress on stderr")
 
   def run(args):
-    from qjax._src import check  # pylint: disable=g-import-not-at-top
+    wanted = args.impl.split(",") if args.impl else []
+    if set(wanted) - {"xla", "interpret"}:  # these run everywhere
+      here = check.implementations(args.full)
+      missing = [i for i in wanted if i not in here]
+      if missing:
+        p.error(f"--impl {args.impl}: {','.join(missing)} does not run on this device, "
+                f"{_device()} (pallas needs a GPU that the compiled kernels support); "
+                f"implementations here: {','.join(here)}")
     return check.main(args)
 
   p.set_defaults(func=run)
@@ -242,8 +393,10 @@ def _add_fuzz_readers(sub) -> None:
       "qjax fuzz-readers --cases 10000.")
   p.add_argument("--reader", choices=("gguf", "safetensors", "all"), default="all",
                  help="which file format's readers to fuzz (default all)")
-  p.add_argument("--cases", type=int, default=1000, help="files per reader (default 1000)")
-  p.add_argument("--seed", type=int, default=0, help="case i uses default_rng([seed, i])")
+  p.add_argument("--cases", type=_non_negative_int, default=1000,
+                 help="files per reader (default 1000)")
+  p.add_argument("--seed", type=_non_negative_int, default=0,
+                 help="case i uses default_rng([seed, i])")
   p.add_argument("--timeout", type=float, default=10.0, help="seconds per case before it "
                  "counts as a hang (default 10)")
   p.add_argument("--keep-failures", metavar="DIR", help="write failing files here")
@@ -287,12 +440,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = build_parser()
-  args = parser.parse_args(argv)
-  if not getattr(args, "func", None):
-    parser.print_help()
-    return 2
-  return int(args.func(args) or 0)
+  try:
+    try:
+      parser = build_parser()
+      args = parser.parse_args(argv)
+      if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+      return int(args.func(args) or 0)
+    finally:
+      sys.stdout.flush()  # here, so that a closed pipe raises below and not at exit
+  except BrokenPipeError:
+    # The reader closed stdout early (qjax inspect FILE | head): stop quietly. What is
+    # still buffered goes to /dev/null, so the flush at exit does not raise again, and
+    # the exit code is 141 = 128 + SIGPIPE, what a shell reports for a command that a
+    # closed pipe stopped (a pipeline without pipefail takes head's code).
+    try:
+      fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # a stdout without a file descriptor
+      return 141
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+    return 141
 
 
 if __name__ == "__main__":
