@@ -155,6 +155,8 @@ def test_killed_save_leaves_previous_file(tmp_path, rng):
      "group_size=128"),
     (dict(w=np.ones((128, 8), np.int32)), "floating point"),
     (dict(w=np.ones((128, 8), np.float32), group_size=48), "group_size=48"),
+    (dict(w=np.ones((128, 8), np.float32), group_size=64.0), r"group_size=64.0 .*an int"),
+    (dict(w=np.ones((128, 8), np.float32), group_size=True), "group_size=True"),
     (dict(w=np.ones((128, 8), np.float32), scale_dtype=jnp.int8), "scale_dtype"),
     (dict(w=np.ones((128,), np.float32)), r"\[K, N\] matrix"),
 ])

@@ -225,9 +225,11 @@ def quantize(
   k, n = w.shape
   if group_size is None:
     group_size = k
-  elif group_size not in GROUP_SIZES:
+  elif (isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer))
+        or group_size not in GROUP_SIZES):
     raise ValueError(
-        f"{group_size=} is not supported; use one of {GROUP_SIZES} or None (per-channel)")
+        f"{group_size=} is not supported; use one of {GROUP_SIZES} (an int) or None "
+        "(per-channel)")
   if k % group_size:
     raise ValueError(
         f"K={k} must be a multiple of group_size={group_size}; pad K or choose a group "
