@@ -290,7 +290,8 @@ def _add_generate(sub) -> None:
                  "when --temperature > 0 (default 0.9)")
   p.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling (default 0)")
   p.add_argument("--json", action="store_true", help="print only one JSON object "
-                 '{"prompt_ids", "generated_ids", "text"} on stdout, no streaming or progress')
+                 '{"prompt_ids", "generated_ids", "text"} on stdout, no streaming or progress '
+                 "(the timing line still goes to stderr)")
   p.add_argument("--stats", action="store_true", help="also print the device memory of the "
                  "loaded weights against the tensor bytes of the file")
   p.add_argument("--implementation", choices=("xla", "auto", "pallas", "interpret"),
