@@ -174,8 +174,9 @@ def test_names_that_collide_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("tensors, error, match", [
-    ({"n": {"w": np.ones(2)}}, TypeError, r"'n' is a dict; save takes a flat mapping"),
-    ({"a": None}, TypeError, r"'a' is a NoneType"),
+    ({"n": {"w": np.ones(2)}}, TypeError, r"'n' is a dict, not an array or a quantized weight; "
+     r"save takes a flat mapping"),
+    ({"a": None}, TypeError, r"'a' is a NoneType, not an array"),
     ({1: np.ones(2)}, TypeError, r"tensor names must be strings, got 1 \(int\)"),
     ([np.ones(2)], TypeError, r"save takes a flat mapping .*, got list"),
 ])

@@ -105,10 +105,14 @@ def save(path: str | os.PathLike, tensors: Mapping[str, Any]) -> None:
     if not isinstance(name, str):
       raise TypeError(f"save: tensor names must be strings, got {name!r} "
                       f"({type(name).__name__})")
-    if not isinstance(value, formats.QuantizedWeight) and _to_numpy(value).dtype == object:
-      raise TypeError(
-          f"save: {name!r} is a {type(value).__name__}; save takes a flat mapping "
-          "{name: QuantizedWeight | array} (flatten nested dicts into dotted names)")
+    if not isinstance(value, formats.QuantizedWeight):
+      kind = type(value).__name__
+      value = _to_numpy(value)  # once: a device array is fetched here, not again in put
+      if value.dtype == object:
+        raise TypeError(
+            f"save: {name!r} is a {kind}, not an array or a quantized weight; save takes a flat "
+            "mapping {name: QuantizedWeight | array} (flatten nested dicts into dotted "
+            "names)")
     if isinstance(value, formats.QuantizedWeight):
       cls = type(value)
       entry = {"format": cls.format_name, "arrays": {}, "static": {}}
