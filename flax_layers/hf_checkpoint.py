@@ -247,8 +247,8 @@ def _exportable(w: Any, name: str) -> Any:
     return w
   if hasattr(w, "to_int4"):
     return w.to_int4()
-  sio.Int4Parts.of(w, name)  # raises: no INT4 form
-  raise AssertionError(f"{name}: {type(w).__name__} has no INT4 form")  # not reached
+  sio.Int4Parts.of(w, name)  # raises the ValueError: no INT4 form
+  return w
 
 
 def _symmetric(w: Any) -> bool:
