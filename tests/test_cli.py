@@ -307,6 +307,11 @@ BAD_ARGUMENTS = [
     (["bench", "--moe", "--moe-experts", "0"], "argument --moe-experts: '0' is not"),
     (["bench", "--moe", "--moe-experts", "4", "--moe-top-k", "5"],
      "--moe-top-k 5 must be at most the experts (4; --moe-experts)"),
+    (["bench", "--moe", "--impl", "xla", "--plot", "p.png"],
+     "--moe does not use --impl, --plot; drop them"),
+    (["bench", "--moe", "--format", "mxfp4"], "--moe does not use --format; drop it"),
+    (["bench", "--offload", "--shapes", "512x512"], "--offload does not use --shapes; drop it"),
+    (["bench", "--moe-top-k", "2"], "--moe-experts and --moe-top-k are options of --moe"),
     (["check", "--formats", "foo"], "argument --formats: unknown format 'foo'; known "
      "formats: int4-sym-g32,"),
     (["check", "--impl", "bogus"], "argument --impl: unknown implementation 'bogus'"),

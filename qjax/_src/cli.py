@@ -225,7 +225,23 @@ def _add_bench(sub) -> None:
                  help="with --offload: layers per scan step whose pass 2 the previous step "
                       "prefetched (default G: all of them; see qjax.stack_layers)")
 
+  def refuse_unused(args, mode: str, names: tuple[str, ...]) -> None:
+    """--moe and --offload time other things: options they would ignore are errors."""
+    given = [f"--{n.replace('_', '-')}" for n in names if getattr(args, n)]
+    if args.format != "int4":
+      given.insert(0, "--format")
+    if given:
+      p.error(f"--{mode} does not use {', '.join(given)}; drop "
+              f"{'it' if len(given) == 1 else 'them'}")
+
   def run(args):
+    if args.offload:
+      refuse_unused(args, "offload", ("moe", "impl", "tune", "shapes", "json", "plot",
+                                      "model", "moe_experts", "moe_top_k"))
+    elif args.moe:
+      refuse_unused(args, "moe", ("impl", "tune", "plot", "model"))
+    elif args.moe_experts or args.moe_top_k:
+      p.error("--moe-experts and --moe-top-k are options of --moe; add --moe or drop them")
     if args.offload:
       from qjax._src import offload  # pylint: disable=g-import-not-at-top
       from qjax._src import offload_bench  # pylint: disable=g-import-not-at-top
