@@ -10,6 +10,7 @@ form).
 from __future__ import annotations
 
 import json
+import re
 import struct
 import time
 
@@ -280,6 +281,10 @@ def test_fuzzed_files_raise_only_value_error(kind, tmp_path):
   # Both outcomes occur, or the mutations are not reaching the readers' checks.
   assert report.rejected > FUZZ_CASES // 4, report.summary()
   assert report.rss_growth_mib < 256, report.summary()
+  # Times: the cases' own, with the setup (seed files, first reads) apart.
+  assert report.setup_seconds > 0 and 0 < report.slowest_case_s <= report.seconds
+  assert re.search(r"[\d.]+ s for the cases \(slowest [\d.]+ s; [\d.]+ s of setup\)",
+                   report.summary()), report.summary()
 
 
 def test_fuzz_mutations_are_reproducible():
