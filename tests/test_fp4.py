@@ -313,6 +313,19 @@ def test_gpt_oss_layout_round_trip_bit_exact(rng, tmp_path):
   assert rel_err(qjax.matmul(x, one), np.asarray(x, np.float64) @ ref[1]) < 1e-5
 
 
+@pytest.mark.parametrize("scales_shape", [(40, 18), (1, 40, 18), (2, 40, 18)])
+def test_read_gpt_oss_refuses_scales_of_other_experts(rng, tmp_path, scales_shape):
+  """Blocks of 3 experts with scales of none, one or two: refused by name (dequantize used
+  to broadcast one expert's scales over all of them)."""
+  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+  path = tmp_path / "x.safetensors"
+  save_file({"a_blocks": rng.integers(0, 256, (3, 40, 18, 16), dtype=np.uint8),
+             "a_scales": rng.integers(100, 140, scales_shape, dtype=np.uint8)}, str(path))
+  with pytest.raises(ValueError, match=r"blocks \(3, 40, 18, 16\) and scales .* must share "
+                     r"their leading expert axes, got \(3,\) and"):
+    qjax.read_gpt_oss_mxfp4(path, "a")
+
+
 def test_read_gpt_oss_names_missing_tensor(tmp_path):
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   path = tmp_path / "x.safetensors"

@@ -68,6 +68,12 @@ class GptOssMXFP4Weight(formats.QuantizedWeight):
         raise ValueError(
             f"GptOssMXFP4Weight.{field} must be {shape} uint8 (after any leading expert "
             f"axes), got {tuple(a.shape)} {jnp.dtype(a.dtype).name} (shape={self.shape})")
+    lead_blocks, lead_scales = tuple(self.blocks.shape[:-3]), tuple(self.scales.shape[:-2])
+    if lead_blocks != lead_scales:  # dequantize would broadcast one expert's scales
+      raise ValueError(
+          f"GptOssMXFP4Weight: blocks {tuple(self.blocks.shape)} and scales "
+          f"{tuple(self.scales.shape)} must share their leading expert axes, got "
+          f"{lead_blocks} and {lead_scales}")
 
   def unpacked_codes(self) -> jax.Array:
     """``[..., K, N]`` uint8 E2M1 codes."""
