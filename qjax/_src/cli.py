@@ -228,7 +228,7 @@ def _add_bench(sub) -> None:
   def refuse_unused(args, mode: str, names: tuple[str, ...]) -> None:
     """--moe and --offload time other things: options they would ignore are errors."""
     given = [f"--{n.replace('_', '-')}" for n in names if getattr(args, n)]
-    if args.format != "int4":
+    if args.format != p.get_default("format"):
       given.insert(0, "--format")
     if given:
       p.error(f"--{mode} does not use {', '.join(given)}; drop "
@@ -238,11 +238,6 @@ def _add_bench(sub) -> None:
     if args.offload:
       refuse_unused(args, "offload", ("moe", "impl", "tune", "shapes", "json", "plot",
                                       "model", "moe_experts", "moe_top_k"))
-    elif args.moe:
-      refuse_unused(args, "moe", ("impl", "tune", "plot", "model"))
-    elif args.moe_experts or args.moe_top_k:
-      p.error("--moe-experts and --moe-top-k are options of --moe; add --moe or drop them")
-    if args.offload:
       from qjax._src import offload  # pylint: disable=g-import-not-at-top
       from qjax._src import offload_bench  # pylint: disable=g-import-not-at-top
       if args.offload_group is None:
@@ -256,6 +251,7 @@ def _add_bench(sub) -> None:
       return offload_bench.run(args)
     on_gpu = _on_gpu()
     if args.moe:
+      refuse_unused(args, "moe", ("impl", "tune", "plot", "model"))
       moe = bench.GPU_MOE if on_gpu else bench.CPU_MOE
       experts = args.moe_experts or moe["experts"]
       top_k = args.moe_top_k or moe["top_k"]
@@ -265,6 +261,8 @@ def _add_bench(sub) -> None:
       need = {"MXFP4 experts": _BENCH_K_MULTIPLE["mxfp4"]}
       shapes = args.shapes.split(",")[:1] if args.shapes else []
     else:
+      if args.moe_experts or args.moe_top_k:
+        p.error("--moe-experts and --moe-top-k are options of --moe; add --moe or drop them")
       if args.tune and not on_gpu:
         p.error(f"--tune needs a GPU (it times the compiled kernels); this device is "
                 f"{_device()}")

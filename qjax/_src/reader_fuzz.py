@@ -263,7 +263,8 @@ class FuzzReport:
     return (f"{self.kind}: {self.cases} files, {self.accepted} read, {self.rejected} "
             f"rejected with ValueError, {len(self.failures) - self.hangs} crashes, "
             f"{self.hangs} hangs; {self.seconds:.1f} s for the cases (slowest "
-            f"{self.slowest_case_s:.2f} s; {self.setup_seconds:.1f} s of setup), peak RSS {self.peak_rss_mib:.0f} MiB "
+            f"{self.slowest_case_s:.2f} s; {self.setup_seconds:.1f} s of setup), "
+            f"peak RSS {self.peak_rss_mib:.0f} MiB "
             f"(+{self.rss_growth_mib:.0f} MiB over the baseline)")
 
 

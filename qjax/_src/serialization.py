@@ -105,14 +105,6 @@ def save(path: str | os.PathLike, tensors: Mapping[str, Any]) -> None:
     if not isinstance(name, str):
       raise TypeError(f"save: tensor names must be strings, got {name!r} "
                       f"({type(name).__name__})")
-    if not isinstance(value, formats.QuantizedWeight):
-      kind = type(value).__name__
-      value = _to_numpy(value)  # once: a device array is fetched here, not again in put
-      if value.dtype == object:
-        raise TypeError(
-            f"save: {name!r} is a {kind}, not an array or a quantized weight; save takes a flat "
-            "mapping {name: QuantizedWeight | array} (flatten nested dicts into dotted "
-            "names)")
     if isinstance(value, formats.QuantizedWeight):
       cls = type(value)
       entry = {"format": cls.format_name, "arrays": {}, "static": {}}
@@ -126,7 +118,13 @@ def save(path: str | os.PathLike, tensors: Mapping[str, Any]) -> None:
       for field in formats.static_field_names(cls):
         entry["static"][field] = _jsonable(getattr(value, field))
     else:
-      put(name, value, name)
+      a = _to_numpy(value)
+      if a.dtype == object:
+        raise TypeError(
+            f"save: {name!r} is a {type(value).__name__}, not an array or a quantized "
+            "weight; save takes a flat mapping {name: QuantizedWeight | array} (flatten "
+            "nested dicts into dotted names)")
+      put(name, a, name)
       entry = {"format": "array", "arrays": {"value": name}}
     desc[name] = entry
   stored, views = {}, {}

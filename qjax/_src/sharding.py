@@ -264,10 +264,10 @@ class ShardedWeight:
                          implementation=implementation)
       y = jnp.where(mine[..., None], y.astype(jnp.float32), 0.0)
       y = jax.lax.psum(y, self.axis).astype(x.dtype)
-      # An id outside every device's experts: a NaN row, as unsharded (moe.checked_experts).
-      total = e_local * jax.lax.psum(1, self.axis)
-      return moe.nan_rows(y.reshape(-1, y.shape[-1]), ((expert_ids >= 0) & (
-          expert_ids < total)).reshape(-1)).reshape(y.shape)
+      # An id outside every device's experts: a NaN row, as unsharded.
+      _, valid = moe.checked_experts(expert_ids.reshape(-1),
+                                     e_local * jax.lax.psum(1, self.axis))
+      return moe.nan_rows(y.reshape(-1, y.shape[-1]), valid).reshape(y.shape)
     y = moe.moe_matmul(x, w, expert_ids, implementation=implementation)
     if self.mode == "row":
       y = jax.lax.psum(y.astype(jnp.float32), self.axis).astype(x.dtype)
