@@ -385,36 +385,13 @@ def test_user_program_marked_retraced(rng):
     qjax.retraced_on_registration(lambda a: a)
 
 
-def tiny_llama(rng):
-  """A one-layer Llama of INT4 weights (groups of 32), its params and ``[2, 5]`` tokens."""
-  from flax_layers import llama  # pylint: disable=g-import-not-at-top
-  cfg = llama.LlamaConfig(vocab_size=96, hidden_size=128, num_layers=1, num_heads=8,
-                          num_kv_heads=4, head_dim=16, ffn_size=256, scan_layers=False)
-
-  def q(k, n):
-    return qjax.quantize(jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.float32),
-                         group_size=32)
-
-  def norm():
-    return jnp.asarray(1 + 0.1 * rng.standard_normal(128), jnp.float32)
-
-  layer = {"attn_norm": {"scale": norm()},
-           "attn": {"q": {"kernel": q(128, 128)}, "k": {"kernel": q(128, 64)},
-                    "v": {"kernel": q(128, 64)}, "o": {"kernel": q(128, 128)}},
-           "ffn_norm": {"scale": norm()},
-           "mlp": {"gate": {"kernel": q(128, 256)}, "up": {"kernel": q(128, 256)},
-                   "down": {"kernel": q(256, 128)}}}
-  params = {"params": {"embed": q(128, 96), "layers_0": layer,
-                       "final_norm": {"scale": norm()}}}
-  return cfg, params, jnp.asarray(rng.integers(0, 96, (2, 5)), jnp.int32)
-
-
-def test_llama_programs_see_a_later_registration(rng):
+def test_llama_programs_see_a_later_registration():
   """flax_layers.llama's prefill / decode_step / decode_and_sample are module-level jits
   (config static): a registration after their first call retraces them, so their next
   call runs the XLA path registered last, with the same outputs."""
   from flax_layers import llama  # pylint: disable=g-import-not-at-top
-  cfg, params, tokens = tiny_llama(rng)
+  from test_sharding import llama_case  # pylint: disable=g-import-not-at-top
+  cfg, params, tokens = llama_case(scan_layers=False)  # INT4 weights, two layers
   token, pos, key = tokens[:, 0], jnp.array([5, 5], jnp.int32), jax.random.key(0)
   programs = {
       "prefill": lambda c: llama.prefill(params, tokens, c, cfg=cfg)[0],
