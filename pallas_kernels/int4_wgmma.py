@@ -384,6 +384,45 @@ def _check_n(n: int, cfg: WgmmaConfig) -> None:
                               f"{cfg.consumers * cfg.tile_n}")
 
 
+
+# Rows of x at which :func:`declines` checks the default configurations: one or more per
+# rule of config_for (mma.sync, wide K steps, scales on the accumulator, K splits, tiles
+# of 128 and 256 rows).
+_DECLINES_CHECK_M = (1, 8, 16, 32, 64, 128, 256, 512, 2048)
+
+
+def _one_layer(w: Any) -> Any:
+  """``w`` with its leading (layer or expert) axes dropped, as abstract arrays."""
+  lead = w.codes.ndim - 2
+  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[lead:], a.dtype), w)
+
+
+def _declines_dtype(dtype: Any) -> str | None:
+  if jnp.dtype(dtype) != jnp.bfloat16:
+    return (f"x.dtype={jnp.dtype(dtype).name}: the wgmma kernel converts 4-bit codes to "
+            "bf16 and takes bf16 activations")
+  return None
+
+
+def declines(w: Any, dtype: Any) -> str | None:
+  """Why :func:`int4_nk_matmul` / :func:`fp4_nk_matmul` would raise NotImplementedError
+  for ``w`` (one weight, or a stack under ``qjax.layer_of``; arrays may be abstract) and
+  x of ``dtype`` at some M of its default configurations; None where it runs every M
+  (``qjax.Backend.declines``)."""
+  reason = _declines_dtype(dtype)
+  if reason is not None:
+    return reason
+  layer = _one_layer(w)
+  num_sms = _grid_sms(False, None)
+  for m in _DECLINES_CHECK_M:
+    try:
+      _check(jax.ShapeDtypeStruct((m, w.shape[0]), jnp.bfloat16), layer,
+             default_config(m, layer, num_sms))
+    except NotImplementedError as e:
+      return f"M={m}: {e}"
+  return None
+
+
 # bf16 136.0 in both halves: 0x4300 (128.0) with the code's nibble (two's complement,
 # bit 3 flipped, i.e. q + 8) in the low mantissa bits is 136 + q.
 _BF16X2_136 = 0x43084308
@@ -1161,6 +1200,33 @@ def fp4_nk_moe_matmul(rows: jax.Array, w: fp4_nk.MXFP4NKWeight | fp4_nk.NVFP4NKW
   if p <= _PER_PAIR_MAX_PAIRS:
     return _per_pair(rows, w, pair_rows, pair_experts, cfg, num_sms)
   return _grouped(rows, w, pair_rows, pair_experts, cfg, num_sms)
+
+
+# Pairs at which :func:`moe_declines` checks moe_config_for: per-pair and grouped routes.
+_MOE_DECLINES_CHECK_PAIRS = (1, 4, _PER_PAIR_MAX_PAIRS, _PER_PAIR_MAX_PAIRS + 1, 256, 8192)
+
+
+def moe_declines(w: Any, dtype: Any) -> str | None:
+  """Why :func:`fp4_nk_moe_matmul` would raise NotImplementedError for the expert stack
+  ``w`` (arrays may be abstract) and rows of ``dtype`` at some number of pairs; None where
+  it runs them all (``qjax.Backend.declines``)."""
+  reason = _declines_dtype(dtype)
+  if reason is not None:
+    return reason
+  fp4 = _fp4_name(w)
+  if fp4 is None or w.codes.ndim != 3:
+    return (f"{type(w).__name__} with codes of {w.codes.ndim} dims: the wgmma MoE kernel "
+            "takes an MXFP4NKWeight or NVFP4NKWeight with one leading expert axis")
+  k, n = w.shape
+  if n % 16 or n < 128:
+    return f"N={n}: the wgmma MoE kernel needs N >= 128, a multiple of 16"
+  num_sms = _grid_sms(False, None)
+  for p in _MOE_DECLINES_CHECK_PAIRS:
+    try:
+      _check_fp4_steps(k, moe_config_for(p, w.codes.shape[0], k, n, fp4, num_sms))
+    except NotImplementedError as e:
+      return f"{p} pairs: {e}"
+  return None
 
 
 def _grouped(rows: jax.Array, w: Any, pair_rows: jax.Array, pair_experts: jax.Array,

@@ -21,6 +21,10 @@ from qjax._src.int4 import dequantize as dequantize
 from qjax._src.int4 import quantize as quantize
 from qjax._src.int4_nk import Int4NKWeight as Int4NKWeight
 from qjax._src.int4_nk import to_int4_nk as to_int4_nk
+from qjax._src.kernel_layouts import LayoutChoice as LayoutChoice
+from qjax._src.kernel_layouts import LayoutConversion as LayoutConversion
+from qjax._src.kernel_layouts import kernel_layouts as kernel_layouts
+from qjax._src.kernel_layouts import register_layout_conversion as register_layout_conversion
 from qjax._src.fp4_nk import MXFP4NKWeight as MXFP4NKWeight
 from qjax._src.fp4_nk import NVFP4NKWeight as NVFP4NKWeight
 from qjax._src.fp4_nk import to_mxfp4_nk as to_mxfp4_nk

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from qjax._src import codebook_tables
 from qjax._src import devtime
 from qjax._src import dispatch
+from qjax._src import kernel_layouts
 from qjax._src import rotation as rotation_lib
 from qjax._src import stacked
 from qjax._src import tuning
@@ -320,7 +321,8 @@ def tune(shapes: Sequence[tuple[int, int]], ms: Sequence[int], fmt: str, *, call
 
 
 def llama_stack_tokens_per_s(*, layers: int, hidden: int, inter: int, kv: int, calls: int,
-                             fused: bool = False, scanned: bool = False) -> dict[str, float]:
+                             fused: bool = False, scanned: bool = False,
+                             layouts: bool = False) -> dict[str, float]:
   """Decode at batch 1 through a Llama-shaped stack of linear layers under one jit.
 
   Each layer: q, k, v, o projections and the SwiGLU MLP (gate, up, down), with a
@@ -329,8 +331,9 @@ def llama_stack_tokens_per_s(*, layers: int, hidden: int, inter: int, kv: int, c
   as serving engines store them (the same in both stacks). ``scanned``: each weight
   stacked over the layers and the layers run by ``lax.scan``, the int4 weights passed as
   ``qjax.layer_of(stack, i)`` and the bf16 ones sliced (else an unrolled loop over
-  per-layer arrays). Returns tokens/s of the int4
-  stack (auto implementation) and of the same stack in bf16, from wall time of repeated
+  per-layer arrays). ``layouts``: the int4 weights converted by
+  :func:`qjax.kernel_layouts` for this device (on Hopper, Int4NKWeight). Returns tokens/s
+  of the int4 stack (auto implementation) and of the same stack in bf16, from wall time of repeated
   jitted steps, and the device time per step.
   """
   if fused:
@@ -344,6 +347,8 @@ def llama_stack_tokens_per_s(*, layers: int, hidden: int, inter: int, kv: int, c
     lk = jax.random.fold_in(key, layer)
     qws.append([random_weight("int4", k, n, jax.random.fold_in(lk, i))
                 for i, (k, n) in enumerate(shapes)])
+  if layouts:
+    qws = kernel_layouts.kernel_layouts(qws)
   for layer in range(layers):
     lk = jax.random.fold_in(key, 1000 + layer)
     bws.append([(jax.random.normal(jax.random.fold_in(lk, i), (k, n), jnp.float32) / 64
@@ -502,6 +507,14 @@ def run_model(on_gpu: bool, result: dict[str, Any]) -> None:
         f"{stack['int4_tokens_per_s'] / unrolled:.2f}x the unrolled int4 stack   bf16 sliced "
         f"(copied per layer) {stack['bf16_tokens_per_s']:.1f} tok/s "
         f"({stack['bf16_device_ms']:.2f} ms)", flush=True)
+  # The separate stack, unrolled, with its weights in qjax.kernel_layouts' layouts (on
+  # Hopper the Int4NKWeight kernel at one row instead of Int4Weight's GEMV).
+  stack = llama_stack_tokens_per_s(**size, layouts=True)
+  result["llama_stack_kernel_layouts"] = stack
+  print(f"  {'separate, kernel_layouts':<23} {here:<10} int4 {stack['int4_tokens_per_s']:.1f} "
+        f"tok/s ({stack['int4_device_ms']:.2f} ms device/step) = "
+        f"{stack['int4_tokens_per_s'] / unrolled:.2f}x the unrolled int4 stack; "
+        f"{stack['speedup']:.2f}x bf16 in the same run", flush=True)
 
 
 # ---------------------------------------------------------------------------- --moe

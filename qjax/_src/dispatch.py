@@ -60,6 +60,11 @@ class Backend:
     auto_prefers_xla: with ``implementation=None``, ``(m, w) -> True`` for the other
       cases where the XLA path was measured faster than the kernel (x ``[m, K]``, ``w``
       the weight); None: none.
+    declines: ``(w, dtype) -> None`` where ``fn`` runs the weight ``w`` (whose arrays may
+      be abstract, e.g. ``jax.ShapeDtypeStruct``) for x of ``dtype`` at every M, else the
+      reason it would raise NotImplementedError for some M; None: every weight of the
+      format runs. Read by :func:`qjax.kernel_layouts`, which converts a weight to this
+      format only where the kernel runs it.
   """
   name: str
   fn: KernelFn
@@ -67,6 +72,7 @@ class Backend:
   candidate_configs: Callable[[int, int, int], list[Any]] | None = None
   auto_max_m: int | None = None
   auto_prefers_xla: Callable[[int, Any], bool] | None = None
+  declines: Callable[[Any, Any], str | None] | None = None
 
   def auto_runs_xla(self, m: int, w: Any, dtype) -> bool:
     """Whether ``implementation=None`` runs the XLA path instead of this kernel for ``m``
@@ -127,8 +133,9 @@ def _via_repack(backend: Backend, repack: Callable[..., tuple[jax.Array, Any]]) 
   def fn(x2, w, *, interpret, config=None):
     x2, w = repack(x2, w)
     return backend.fn(x2, w, interpret=interpret, config=config)
-  # auto_prefers_xla compares the kernel with the target format's XLA path, not this one's.
-  return dataclasses.replace(backend, fn=fn, auto_prefers_xla=None)
+  # auto_prefers_xla compares the kernel with the target format's XLA path, not this one's;
+  # declines reads the target format's weights, not this one's.
+  return dataclasses.replace(backend, fn=fn, auto_prefers_xla=None, declines=None)
 
 
 def load_plugins() -> None:
