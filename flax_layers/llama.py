@@ -70,6 +70,13 @@ class LlamaConfig:
   scan_layers: bool = True
 
   def __post_init__(self):
+    sizes = {k: getattr(self, k) for k in ("vocab_size", "hidden_size", "num_layers",
+                                           "num_heads", "num_kv_heads", "head_dim",
+                                           "ffn_size")}
+    bad = {k: v for k, v in sizes.items() if not (isinstance(v, (int, np.integer)) and v >= 1)}
+    if bad:
+      raise ValueError(f"{', '.join(f'{k}={v!r}' for k, v in bad.items())}: the model's "
+                       "shapes must be positive ints")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
                        f"num_kv_heads={self.num_kv_heads}")
@@ -96,14 +103,27 @@ class LlamaConfig:
     scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", None):
       raise ValueError(f"{arch}.rope.scaling.type={scaling!r} is not supported (only 'none')")
+    # llama.cpp scales the positions by 1 / factor whatever the type (0 means unset).
+    for key in ("rope.scaling.factor", "rope.scale_linear"):
+      factor = metadata.get(f"{arch}.{key}")
+      if factor is not None and float(factor) not in (0.0, 1.0):
+        raise ValueError(f"{arch}.{key}={factor} is not supported (only unscaled RoPE)")
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
+    if f"{arch}.attention.key_length" not in metadata and heads and hidden % heads:
+      raise ValueError(f"{arch}.embedding_length={hidden} is not a multiple of "
+                       f"{arch}.attention.head_count={heads}, and the metadata lacks "
+                       f"{arch}.attention.key_length to give the head size")
     vocab = metadata.get(f"{arch}.vocab_size")
     if vocab is None:
       vocab = len(metadata.get("tokenizer.ggml.tokens") or []) or None
     if vocab is None:
       raise ValueError(f"the GGUF metadata has neither {arch}.vocab_size nor tokenizer tokens")
-    head_dim = int(metadata.get(f"{arch}.attention.key_length", hidden // heads))
+    head_dim = int(metadata.get(f"{arch}.attention.key_length", hidden // max(heads, 1)))
+    value_dim = int(metadata.get(f"{arch}.attention.value_length", head_dim))
+    if value_dim != head_dim:
+      raise ValueError(f"{arch}.attention.value_length={value_dim} differs from the key "
+                       f"length {head_dim}; qjax runs equal key and value head sizes")
     return cls(
         vocab_size=int(vocab), hidden_size=hidden, num_layers=int(get("block_count")),
         num_heads=heads, num_kv_heads=int(get("attention.head_count_kv", heads)),
@@ -159,15 +179,23 @@ class LlamaConfig:
                        "supported (full attention only)")
     hidden = int(get("hidden_size"))
     heads = int(get("num_attention_heads"))
-    head_dim = int(config.get("head_dim") or hidden // heads)
-    theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
+    if not config.get("head_dim") and heads and hidden % heads:
+      raise ValueError(f"config.json hidden_size={hidden} is not a multiple of "
+                       f"num_attention_heads={heads}, and it lacks 'head_dim'")
+    head_dim = int(config.get("head_dim") or hidden // max(heads, 1))
+
+    def optional(key, default):  # absent or null: the default
+      v = config.get(key)
+      return default if v is None else v
+
+    theta = optional("rope_theta", rope.get("rope_theta") or 10000.0)
     return cls(
         vocab_size=int(get("vocab_size")), hidden_size=hidden,
         num_layers=int(get("num_hidden_layers")), num_heads=heads,
         num_kv_heads=int(config.get("num_key_value_heads") or heads), head_dim=head_dim,
         ffn_size=int(get("intermediate_size")), rope_base=float(theta), rope_dim=head_dim,
-        rms_eps=float(config.get("rms_norm_eps", 1e-6)),
-        context_length=int(config.get("max_position_embeddings", 2048)), **options)
+        rms_eps=float(optional("rms_norm_eps", 1e-6)),
+        context_length=int(optional("max_position_embeddings", 2048)), **options)
 
 
 def matmul(x: jax.Array, w: Any, implementation: str | None) -> jax.Array:
@@ -342,7 +370,9 @@ class Llama(nn.Module):
     Args:
       tokens: ``[batch, seq]`` int32.
       positions: ``[batch, seq]`` int32; query ``(b, t)`` attends to cache slots
-        ``<= positions[b, t]``.
+        ``<= positions[b, t]``. A position outside ``[0, max_len)`` has no slot: its
+        logits are NaN (and :func:`sample` gives -1 for them), not those of a cache that
+        wrapped or dropped the token.
       cache: {"k", "v"}: ``[layers, batch, max_len, kv_heads, head_dim]``.
 
     Returns:
@@ -350,8 +380,11 @@ class Llama(nn.Module):
     """
     c = self.cfg
     embed = _loaded_param(self, "embed")
-    x = embedding_rows(embed, tokens).astype(c.dtype)
     max_len = cache["k"].shape[2]
+    if tokens.shape[1] > max_len:
+      raise ValueError(f"{tokens.shape[1]} tokens do not fit a KV cache of max_len={max_len}; "
+                       "make the cache at least as long as the sequence (init_cache)")
+    x = embedding_rows(embed, tokens).astype(c.dtype)
     mask = jnp.arange(max_len)[None, None, :] <= positions[:, :, None]
     layout = "blocks" if c.scan_layers else "layers_0"
     if not self.has_variable("params", layout):
@@ -373,8 +406,10 @@ class Llama(nn.Module):
     head = embed
     if self.has_variable("params", "lm_head"):
       head = self.param("lm_head", _pretrained)
-    logits = matmul(x, head, c.implementation)
-    return logits.astype(jnp.float32), {"k": k, "v": v}
+    logits = matmul(x, head, c.implementation).astype(jnp.float32)
+    in_cache = (positions >= 0) & (positions < max_len)  # [batch, seq]
+    logits = jnp.where(in_cache[..., None], logits, jnp.nan)
+    return logits, {"k": k, "v": v}
 
 
 def init_cache(cfg: LlamaConfig, batch: int, max_len: int) -> dict[str, jax.Array]:
@@ -394,7 +429,7 @@ def prefill(params, tokens, cache, *, cfg: LlamaConfig):
     params: from :func:`params_from_gguf`.
     tokens: ``[batch, seq]`` int32, padded on the right to a bucket length (the padding's
       keys land in the cache past the prompt and are overwritten by decoding).
-    cache: from :func:`init_cache` (donated).
+    cache: from :func:`init_cache` (donated), ``max_len >= seq`` (else a ValueError).
     cfg: the config (static).
 
   Returns:
@@ -413,7 +448,8 @@ def decode_step(params, token, pos, cache, *, cfg: LlamaConfig):
   Args:
     params: from :func:`params_from_gguf`.
     token: ``[batch]`` int32.
-    pos: ``[batch]`` (or scalar) int32, the position of ``token``.
+    pos: ``[batch]`` (or scalar) int32, the position of ``token``, in ``[0, max_len)``
+      (a row past the cache gets NaN logits).
     cache: the KV cache (donated).
     cfg: the config (static).
 
@@ -492,18 +528,25 @@ def sample(logits: jax.Array, key: jax.Array | None = None, *, temperature: floa
            top_p: float = 1.0) -> jax.Array:
   """Next tokens ``[batch]`` int32 from ``logits [batch, vocab]``.
 
-  temperature 0 is greedy (argmax); otherwise nucleus sampling: the smallest set of most
-  likely tokens whose probability reaches ``top_p``, at ``temperature``, drawn with ``key``.
+  temperature 0 is greedy (argmax; ties go to the lowest id); otherwise nucleus sampling:
+  the smallest set of most likely tokens whose probability reaches ``top_p``, at
+  ``temperature``, drawn with ``key``. A row of logits holding a NaN (e.g. a position past
+  the KV cache, see :class:`Llama`) gives -1, which is no token, greedy or sampled.
   """
-  if temperature < 0:
-    raise ValueError(f"temperature={temperature} must be >= 0")
+  if not 0 <= temperature < np.inf:
+    raise ValueError(f"temperature={temperature} must be finite and >= 0")
   if not 0 < top_p <= 1:
     raise ValueError(f"top_p={top_p} must be in (0, 1]")
+  if jnp.ndim(logits) != 2:
+    raise ValueError(f"logits of shape {jnp.shape(logits)} must be [batch, vocab]; add a "
+                     "batch axis (logits[None])")
   if temperature == 0:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  if key is None:
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  elif key is None:
     raise ValueError("sampling with temperature > 0 needs a PRNG key")
-  return _sample_top_p(logits, key, jnp.float32(temperature), jnp.float32(top_p))
+  else:
+    tokens = _sample_top_p(logits, key, jnp.float32(temperature), jnp.float32(top_p))
+  return jnp.where(jnp.isnan(logits).any(axis=-1), -1, tokens).astype(jnp.int32)
 
 
 # GGUF tensor name (in block i) -> path in the block params.
@@ -546,6 +589,9 @@ def params_from_gguf(gguf_file: Any, *, convert=None, consume: bool = False,
   """
   tensors = gguf_file.tensors
   cfg = LlamaConfig.from_metadata(gguf_file.metadata)
+  if "rope_freqs.weight" in tensors:  # llama.cpp's llama3 RoPE scaling (Llama 3.1, 3.2)
+    raise ValueError(f"{gguf_file.path}: tensor 'rope_freqs.weight' (per-frequency RoPE "
+                     "factors, llama3 rope scaling) is not supported (only unscaled RoPE)")
   take = tensors.pop if consume else tensors.__getitem__
 
   def need(name):

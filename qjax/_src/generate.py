@@ -47,6 +47,20 @@ def _bucket(n: int) -> int:
   return b
 
 
+def prompt_token_ids(tok: Any, prompt: str, *, chat: bool) -> list[int]:
+  """The token ids of ``prompt``, wrapped as a user message in the file's chat template
+  when ``chat``. The file's BOS is added as ``tokenizer.ggml.add_bos_token`` says, but not
+  a second time where the rendered template already starts with it (Llama 3's does)."""
+  add_bos = None
+  if chat:
+    prompt = tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                     add_generation_prompt=True)
+    bos = tok.tokenizer.id_to_token(tok.bos_id) if tok.bos_id is not None else None
+    if bos and prompt.startswith(bos):
+      add_bos = False
+  return tok.encode(prompt, add_bos=add_bos)
+
+
 def _live_bytes() -> int:
   import jax  # pylint: disable=g-import-not-at-top
   gc.collect()
@@ -105,8 +119,8 @@ def _run_generate(args) -> int:
 
   if args.max_new_tokens < 0:
     raise UsageError(f"--max-new-tokens={args.max_new_tokens} must be >= 0")
-  if args.temperature < 0:
-    raise UsageError(f"--temperature={args.temperature} must be >= 0")
+  if not 0 <= args.temperature < float("inf"):
+    raise UsageError(f"--temperature={args.temperature} must be finite and >= 0")
   if not 0 < args.top_p <= 1:
     raise UsageError(f"--top-p={args.top_p} must be in (0, 1]")
   implementation = None if args.implementation == "auto" else args.implementation
@@ -147,30 +161,34 @@ def _run_generate(args) -> int:
   del gfile
   weight_bytes = _live_bytes()
 
-  text = args.prompt
-  if args.chat:
-    text = tok.apply_chat_template([{"role": "user", "content": text}],
-                                   add_generation_prompt=True)
-  prompt_ids = tok.encode(text)
+  prompt_ids = prompt_token_ids(tok, args.prompt, chat=args.chat)
   if not prompt_ids:
     raise UsageError("the prompt is empty; pass --prompt TEXT")
   n = len(prompt_ids)
-  bucket = _bucket(n)
   max_len = min(cfg.context_length,
-                -(-max(bucket, n + args.max_new_tokens) // CACHE_ROUND) * CACHE_ROUND)
+                -(-max(_bucket(n), n + args.max_new_tokens) // CACHE_ROUND) * CACHE_ROUND)
   if n + args.max_new_tokens > max_len:
     raise UsageError(f"prompt ({n} tokens) + --max-new-tokens={args.max_new_tokens} exceeds "
                      f"the context length {cfg.context_length}")
+  bucket = min(_bucket(n), max_len)  # a context that is not a power of two caps the bucket
 
   prefill, next_token, cache = _model_steps(args.devices, params, cfg, max_len)
   tokens = jnp.asarray([prompt_ids + [0] * (bucket - n)], jnp.int32)
   key = jax.random.key(args.seed)
   stop = {tok.eos_id} if tok.eos_id is not None else set()
 
+  def checked(token_id: int, position: int) -> int:
+    if token_id < 0:  # sample's answer to NaN logits
+      raise ValueError(f"the model's logits at position {position} are NaN; try --dtype "
+                       "float32, or check the file's weights")
+    return token_id
+
   def pick(logits):
     nonlocal key
     key, sub = jax.random.split(key)
-    return int(llama.sample(logits, sub, temperature=args.temperature, top_p=args.top_p)[0])
+    return checked(
+        int(llama.sample(logits, sub, temperature=args.temperature, top_p=args.top_p)[0]),
+        n - 1)
 
   generated: list[int] = []
   printed = ""
@@ -203,7 +221,7 @@ def _run_generate(args) -> int:
     t0 = time.perf_counter()
     token, pos, cache, key = next_token(token, pos, cache, key, temperature=args.temperature,
                                         top_p=args.top_p)
-    next_id = int(token[0])
+    next_id = checked(int(token[0]), n + len(generated) - 1)
     dt = time.perf_counter() - t0
     if decode_steps:  # the first step includes compilation
       t_decode += dt

