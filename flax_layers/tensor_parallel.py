@@ -114,6 +114,15 @@ def shard_llama_params(params: dict, mesh: jax.sharding.Mesh, cfg: llama.LlamaCo
   return _map_with_path(place, params)
 
 
+def _projections(tree: Mapping, path: tuple[str, ...] = ()):
+  """``(path, weight)`` of every projection kernel (q, k, v, o, gate, up, down)."""
+  for k, v in tree.items():
+    if isinstance(v, Mapping):
+      yield from _projections(v, (*path, k))
+    elif _mode((*path, k)) is not None:
+      yield (*path, k), v
+
+
 def param_specs(params: dict) -> dict:
   """PartitionSpecs of :func:`shard_llama_params`'s tree (shard_map in_specs)."""
   def spec(path, v):
@@ -140,6 +149,14 @@ def init_tp_cache(cfg: llama.LlamaConfig, batch: int, max_len: int,
 
 def _apply(params, tokens, positions, cache, cfg, mesh, axis):
   local = local_config(cfg, sharding_lib.mesh_axis_size(mesh, axis))
+  for path, w in _projections(params):
+    try:
+      if not isinstance(w, qjax.ShardedWeight):
+        raise ValueError(f"a {type(w).__name__}, not a qjax.ShardedWeight")
+      sharding_lib.check_mesh(w, mesh, axis)
+    except ValueError as e:
+      raise ValueError(f"{'/'.join(path)}: {e}; place the params with "
+                       "shard_llama_params(params, mesh, cfg, axis)") from None
   cspec = {"k": cache_spec(axis), "v": cache_spec(axis)}
 
   def body(params, tokens, positions, cache):

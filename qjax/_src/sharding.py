@@ -151,6 +151,8 @@ class ShardedWeight:
   def of(cls, w: Any, mesh: jax.sharding.Mesh, axis: Any, mode: str = "column"
          ) -> "ShardedWeight":
     """``w`` placed across ``mesh`` (:func:`shard_weight`) and wrapped for shard_map."""
+    if isinstance(w, ShardedWeight):
+      raise TypeError("the weight is already a ShardedWeight")
     return cls.wrap(shard_weight(w, mesh, axis, mode), axis, mode, mesh_axis_size(mesh, axis))
 
   # -- views --------------------------------------------------------------------------
@@ -300,6 +302,33 @@ def _lead_spec(ndim: int, last: Any) -> P:
   return P(*([None] * (ndim - 1)), last)
 
 
+def _axes(axis: Any) -> tuple[Any, ...]:
+  return axis if isinstance(axis, tuple) else (axis,)
+
+
+def check_mesh(sw: ShardedWeight, mesh: jax.sharding.Mesh, axis: Any) -> None:
+  """Raises ValueError unless ``sw`` was split along ``axis`` over as many devices as
+  ``mesh[axis]`` has (a weight wrapped for another mesh would fail deep in shard_map or
+  in the format's shape check, naming per-device sizes)."""
+  if _axes(axis) != _axes(sw.axis):
+    raise ValueError(f"the ShardedWeight is split along mesh axis {sw.axis!r}, not "
+                     f"{axis=}; pass axis={sw.axis!r} or wrap the weight along {axis!r}")
+  n = mesh_axis_size(mesh, sw.axis)
+  if n != sw.num_shards:
+    raise ValueError(
+        f"the ShardedWeight is split over {sw.num_shards} devices along {sw.axis!r}, but "
+        f"the mesh has {n} along it ({dict(mesh.shape)}); wrap the weight for this mesh "
+        "with qjax.ShardedWeight.of(w, mesh, axis, mode)")
+
+
+def _check_k(x: jax.Array, sw: ShardedWeight) -> None:
+  k = sw.global_shape[0]
+  if x.ndim < 1 or x.shape[-1] != k:
+    raise ValueError(f"x.shape={tuple(x.shape)}: the last dim must equal K={k} of the "
+                     f"weight of shape {sw.global_shape} (pass the whole x; a row-parallel "
+                     "product splits it along K itself)")
+
+
 def sharded_matmul(x: jax.Array, w: Any, mesh: jax.sharding.Mesh, axis: Any,
                    mode: str = "column", *, implementation: str | None = None) -> jax.Array:
   """``y = x @ W`` with W split over ``mesh[axis]``, one :func:`qjax.matmul` per device.
@@ -308,7 +337,8 @@ def sharded_matmul(x: jax.Array, w: Any, mesh: jax.sharding.Mesh, axis: Any,
     x: ``[..., K]`` (global; column-wise replicated on every device, row-wise split
       along K to match W's rows).
     w: a quantized weight ``[K, N]`` (placed here) or a :class:`ShardedWeight`.
-    mesh, axis: the devices and the mesh axis (or tuple of axes) to split over.
+    mesh, axis: the devices and the mesh axis (or tuple of axes) to split over; a
+      ShardedWeight must have been split along ``axis`` over as many devices.
     mode: "column" or "row" (ignored when ``w`` is a ShardedWeight).
     implementation: passed to each device's :func:`qjax.matmul` (None: the Pallas kernel
       on NVIDIA GPUs, XLA elsewhere).
@@ -316,6 +346,10 @@ def sharded_matmul(x: jax.Array, w: Any, mesh: jax.sharding.Mesh, axis: Any,
   Returns:
     ``[..., N]`` in x's dtype: column-wise split along N across the devices, row-wise the
     float32 sum of the partial products, replicated.
+
+  Raises:
+    ValueError: x's last dim is not K, W cannot split over ``mesh[axis]``, or a
+      ShardedWeight was split along another axis or over another number of devices.
 
   >>> import jax, jax.numpy as jnp, numpy as np, qjax
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
@@ -327,6 +361,8 @@ def sharded_matmul(x: jax.Array, w: Any, mesh: jax.sharding.Mesh, axis: Any,
   sw = w if isinstance(w, ShardedWeight) else ShardedWeight.of(w, mesh, axis, mode)
   if sw.mode == "expert":
     raise ValueError("expert-parallel weights multiply through qjax.sharded_moe_matmul")
+  check_mesh(sw, mesh, axis)
+  _check_k(x, sw)
   return _sharded_matmul(x, sw, mesh=mesh, implementation=implementation)
 
 
@@ -352,6 +388,7 @@ def sharded_moe_matmul(x: jax.Array, w: Any, expert_ids: jax.Array,
     w: an :class:`qjax.MXFP4Weight` of E experts (codes ``[E, Kp // 8, N]``) or a
       :class:`ShardedWeight` of one.
     expert_ids: ``[T, top_k]`` integers in ``[0, E)`` (replicated).
+    mesh, axis: as :func:`sharded_matmul`'s.
     mode: "expert" (E // n whole experts per device), "column" or "row" (ignored when
       ``w`` is a ShardedWeight).
     implementation: passed to each device's :func:`qjax.moe_matmul`.
@@ -360,6 +397,8 @@ def sharded_moe_matmul(x: jax.Array, w: Any, expert_ids: jax.Array,
     ``[T, top_k, N]`` in x's dtype (column-wise split along N; otherwise replicated).
   """
   sw = w if isinstance(w, ShardedWeight) else ShardedWeight.of(w, mesh, axis, mode)
+  check_mesh(sw, mesh, axis)
+  _check_k(x, sw)
   return _sharded_moe_matmul(x, sw, expert_ids, mesh=mesh, implementation=implementation)
 
 
