@@ -260,12 +260,18 @@ def stack_layers(layers: Sequence[CodebookWeight], *, offload_pass2: bool = True
       raise ValueError(f"layer {i} must be a two-pass CodebookWeight (quantize_codebook("
                        f"..., passes=2)), got {type(w).__name__}")
   static = lambda w: (w.shape, w.group_size, w.rotation, w.seed)
+  norm_dtypes = lambda w: (jnp.dtype(w.norms.dtype).name, jnp.dtype(w.norms2.dtype).name)
   for i, w in enumerate(layers):
     if static(w) != static(layers[0]):
       raise ValueError(
           f"layer {i} has (shape, group_size, rotation, seed)={static(w)} but layer 0 has "
           f"{static(layers[0])}: stacked layers share them (quantize every layer with the "
           f"same seed=...)")
+    if norm_dtypes(w) != norm_dtypes(layers[0]):
+      raise ValueError(
+          f"layer {i} has norms / norms2 of dtypes {norm_dtypes(w)} but layer 0 has "
+          f"{norm_dtypes(layers[0])}: stacked layers share them (quantize every layer "
+          "with the same norm_dtype=...)")
   kind = "pinned_host" if offload_pass2 else "device"
   _check_memory_kind(kind)
   put = lambda w: jax.tree.map(lambda a: _put(a, kind), w)
