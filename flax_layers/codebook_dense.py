@@ -121,6 +121,12 @@ class CodebookLinear(nnx.Module):
       kernel = options.quantize(kernel_init(rngs.params(), (in_features, out_features),
                                             param_dtype))
     elif offload_pass2:
+      if not isinstance(kernel, qjax.CodebookWeight) or kernel.codes2 is None:
+        got = (f"passes={kernel.passes}" if isinstance(kernel, qjax.CodebookWeight)
+               else type(kernel).__name__)
+        raise ValueError(f"offload_pass2=True needs a two-pass CodebookWeight kernel, got "
+                         f"{got} (no pass 2 to offload); quantize it with passes=2 or "
+                         "leave offload_pass2 False")
       kernel = qjax.place_pass2(kernel, "pinned_host")
     _set_linear_params(self, kernel, in_features, out_features, use_bias, bias_init,
                        param_dtype, rngs)
