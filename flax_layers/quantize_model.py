@@ -97,6 +97,9 @@ class QuantRule:
     if self.format not in FORMATS:
       raise ValueError(f"QuantRule.format={self.format!r} is not supported; use one of "
                        f"{FORMATS}")
+    if not isinstance(self.symmetric, bool):
+      raise ValueError(f"QuantRule.symmetric={self.symmetric!r} must be True (signed int4, "
+                       "no zero point) or False (a zero point per group)")
     if self.method not in METHODS:
       raise ValueError(f"QuantRule.method={self.method!r} must be one of {METHODS}")
     if self.group_size is not None and self.group_size not in GROUP_SIZES:
