@@ -461,3 +461,20 @@ def test_chat_prompt_gets_one_bos():
   assert generate.prompt_token_ids(tok, "Hi", chat=True) == want
   assert generate.prompt_token_ids(tok, "Hi", chat=False) == [0, *tok.encode("Hi",
                                                                               add_bos=False)]
+
+
+@needs_model
+def test_generate_stops_at_the_end_of_turn_token(monkeypatch):
+  """A file whose end-of-turn token (tokenizer.ggml.eot_token_id, Llama 3's <|eot_id|>) is
+  not its EOS: generation stops there too, as llama.cpp's does. Before: only at EOS, so
+  the model ran on into a next turn. Here the end-of-turn id is " Paris" (7042), the
+  first greedy token."""
+  args = ["generate", "--max-new-tokens", "6", "--json"]
+  rc, out, err = _cli(args)
+  assert rc == 0, err
+  assert json.loads(out)["generated_ids"][0] == 7042 and len(json.loads(out)[
+      "generated_ids"]) == 6
+  _patched_file(monkeypatch, metadata={"tokenizer.ggml.eot_token_id": 7042})
+  rc, out, err = _cli(args)
+  assert rc == 0, err
+  assert json.loads(out)["generated_ids"] == [7042]

@@ -175,7 +175,7 @@ def _run_generate(args) -> int:
   prefill, next_token, cache = _model_steps(args.devices, params, cfg, max_len)
   tokens = jnp.asarray([prompt_ids + [0] * (bucket - n)], jnp.int32)
   key = jax.random.key(args.seed)
-  stop = {tok.eos_id} if tok.eos_id is not None else set()
+  stop = tok.stop_ids
 
   def checked(token_id: int, position: int) -> int:
     if token_id < 0:  # sample's answer to NaN logits

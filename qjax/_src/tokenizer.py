@@ -56,14 +56,19 @@ class GGUFTokenizer:
     add_bos: whether the model expects BOS at the start (``tokenizer.ggml.add_bos_token``).
     chat_template: the jinja2 chat template, or None.
     special_ids: ids of the control tokens (skipped by ``decode(skip_special=True)``).
+    stop_ids: the ids that end a generation: EOS and, where the file names them,
+      end-of-turn and end-of-message (``tokenizer.ggml.eot_token_id`` /
+      ``eom_token_id``, e.g. Llama 3's ``<|eot_id|>``, which is not its EOS).
   """
 
   def __init__(self, tokenizer: Any, *, bos_id: int | None, eos_id: int | None,
                add_bos: bool, chat_template: str | None, special_ids: Sequence[int],
-               vocab_size: int):
+               vocab_size: int, stop_ids: Sequence[int] = ()):
     self.tokenizer = tokenizer
     self.bos_id = bos_id
     self.eos_id = eos_id
+    self.stop_ids = frozenset(int(i) for i in stop_ids) | (
+        frozenset() if eos_id is None else {eos_id})
     self.add_bos = add_bos
     self.chat_template = chat_template
     self.special_ids = frozenset(int(i) for i in special_ids)
@@ -181,4 +186,6 @@ def tokenizer_from_gguf(metadata: dict[str, Any]) -> GGUFTokenizer:
       eos_id=opt_id("tokenizer.ggml.eos_token_id"),
       add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
       chat_template=metadata.get("tokenizer.chat_template"), special_ids=special,
-      vocab_size=len(tokens))
+      vocab_size=len(tokens),
+      stop_ids=[i for i in map(opt_id, ("tokenizer.ggml.eot_token_id",
+                                        "tokenizer.ggml.eom_token_id")) if i is not None])
