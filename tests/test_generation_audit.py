@@ -108,6 +108,16 @@ def _reference_logits(cfg, f64, ids) -> np.ndarray:
   return norm(x, f64["final_norm"][0]) @ f64["embed"][0]
 
 
+@pytest.fixture(autouse=True)
+def _float32_matmuls():
+  """The float32 model is compared with float64 at 2e-5, so its dots (the attention's
+  einsums among them) run at float32 accuracy on the GPU too, whose default is one TF32
+  product: up to 1.8e-3 off on the H100 (session 30). The CPU multiplies float32 exactly
+  either way."""
+  with jax.default_matmul_precision("highest"):
+    yield
+
+
 def _close(got, want, rel=2e-5):
   got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
   np.testing.assert_allclose(got, want, rtol=0, atol=rel * np.abs(want).max())
