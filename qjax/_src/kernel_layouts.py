@@ -4,11 +4,11 @@ fastest kernels registered for a device read.
 A format may have a lossless conversion to another whose kernel is faster on some
 devices: on Hopper, a symmetric :class:`~qjax.Int4Weight` to :class:`~qjax.Int4NKWeight`
 (the wgmma kernel: at M = 1 / 16, 68-92 % of the bandwidth floor on three of the four
-Llama shapes where the Int4Weight GEMV / Triton kernels reach 65-81 %, and from M = 256
-0.82-1.03x bf16's time where Int4Weight takes the XLA path; BENCHMARKS.md), MXFP4 / NVFP4
-to their ``[N, K / 8]`` forms likewise; on any GPU with the Triton kernels, GGUF blocks to
-the layouts their kernels read (else converted on every call) and GPTQ / AWQ /
-compressed-tensors to Int4Weight (else repacked on every call).
+Llama shapes where the Int4Weight GEMV / Triton kernels reach 65-81 %; from M = 256,
+0.82-1.03x bf16's time, where Int4Weight's XLA path takes 1.2-2.2x; BENCHMARKS.md),
+MXFP4 / NVFP4 to their ``[N, K / 8]`` forms likewise; on any GPU with the Triton
+kernels, GGUF blocks to the layouts their kernels read (else converted on every call) and
+GPTQ / AWQ / compressed-tensors to Int4Weight (else repacked on every call).
 
 :func:`kernel_layouts` applies such a conversion to a weight only where the target
 format's kernel runs on the device and accepts the converted weight (its shape, group
@@ -205,8 +205,14 @@ def kernel_layouts(tree: Any, *, device: Any = None, dtype: Any = jnp.bfloat16,
   AWQ, compressed-tensors, Marlin -> Int4Weight. On a CPU nothing changes.
 
   Convert once after loading and before ``jax.jit``: each conversion is a pass over the
-  weight. Measured exception: at one row of x on 4096x4096 the Int4Weight GEMV kernel is
-  about 1 us faster than the Int4NKWeight kernel (BENCHMARKS.md, session 19).
+  weight. The target kernels take less device time; wall time at batch-1 decode is
+  another matter (H100, BENCHMARKS.md session 30): a Llama-3-8B-shaped stack of 32 layers
+  took 7 % less device time per token as Int4NKWeight, but the Mosaic GPU kernel's
+  launches stay outside XLA's command buffers, so an unrolled decode step ran 7 % slower
+  in wall time (436 against 469 tokens/s) and a ``lax.scan`` one 2 % faster (450 against
+  440). In prefill Int4NKWeight is 1.8-2.4x faster than Int4Weight's XLA path at M = 256
+  and about 1.15x at M = 2048 on the four Llama shapes (sessions 12, 19). At one row on
+  4096x4096 the Int4Weight GEMV kernel is about 1 us faster (session 19).
 
   Args:
     tree: any pytree (Flax params, a dict of weights); non-quantized leaves are kept.
