@@ -9,7 +9,6 @@ names the bad value. The CPU platform is split into 8 devices by tests/conftest.
 
 from __future__ import annotations
 
-import os
 
 import flax.linen as nn
 import jax
@@ -17,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import Mesh
 
 import flax_layers
 import qjax
@@ -25,15 +23,9 @@ from conftest import rel_err, seed_from
 from flax_layers import QuantRule, quantize_model, quantize_nnx_model
 from qjax._src import packing
 from qjax._src import rotation as rotation_lib
+from test_sharding import _mesh  # a mesh of n devices, or a skip where fewer exist
 
 TOL = 1e-5  # float32 activations, float32 accumulation
-
-
-def _mesh(n: int, name: str = "tp") -> Mesh:
-  if jax.device_count() < n:
-    pytest.skip(f"needs {n} devices, has {jax.device_count()} (XLA_FLAGS="
-                f"{os.environ.get('XLA_FLAGS')!r})")
-  return Mesh(np.array(jax.devices()[:n]), (name,))
 
 
 def _rng(request) -> np.random.Generator:
