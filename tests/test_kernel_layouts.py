@@ -236,3 +236,18 @@ def test_bench_stack_in_kernel_layouts_runs():
   converted = bench.llama_stack_tokens_per_s(**size, layouts=True)
   assert converted["int4_weight_gb"] == plain["int4_weight_gb"]
   assert 0 < converted["int4_tokens_per_s"] < float("inf")
+
+
+def test_gptq_with_the_trivial_g_idx_converts():
+  """A g_idx of ``k // G`` (no act-order) needs no permutation of x: it converts."""
+  rng = np.random.default_rng(6)
+  w4 = qjax.quantize(jnp.asarray(rng.standard_normal((256, 128)), jnp.float32),
+                     group_size=64, symmetric=False)
+  gptq = qjax.GPTQWeight.from_int4(w4, g_idx=jnp.arange(256, dtype=jnp.int32) // 64)
+  new, choice = one(gptq, device=HOPPER)
+  assert type(new).__name__ == "Int4Weight", str(choice)
+  assert_same_values(new, gptq)
+  shuffled = qjax.GPTQWeight.from_int4(
+      w4, g_idx=jnp.asarray(rng.permutation(np.arange(256) // 64), jnp.int32))
+  new, choice = one(shuffled, device=HOPPER)
+  assert new is shuffled and "act-order" in choice.reason

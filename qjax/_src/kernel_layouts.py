@@ -110,7 +110,7 @@ def _act_order_refuses(w: checkpoint_layouts.GPTQWeight) -> str | None:
   if w.g_idx is None:
     return None
   k, g = w.shape[0], w.group_size
-  if (isinstance(w.g_idx, jax.core.Tracer)
+  if (not checkpoint_layouts._is_concrete(w.g_idx)  # pylint: disable=protected-access
       or not np.array_equal(np.asarray(w.g_idx), np.arange(k) // g)):
     return ("act-order g_idx: its Int4Weight needs x's columns permuted, so it is repacked "
             "on each call instead")
@@ -159,15 +159,14 @@ def _converted(w: Any, device: Any, dtype: Any, expert_stack: bool) -> tuple[Any
     for conv in _CONVERSIONS.get(type(w), []):
       kernel = _kernel_on(moe.moe_kernels_for_format(conv.target) if expert_stack
                           else dispatch.kernels_for_format(conv.target), device)
-      new = None
       if kernel is None:
         why_not = f"no kernel for {conv.target.__name__} runs on {device.device_kind}"
       else:
         why_not = conv.refuses(w)
+        if why_not is None:
+          new = conv.convert(w)
+          why_not = kernel.declines(new, dtype) if kernel.declines else None
       if why_not is None:
-        new = conv.convert(w)
-        why_not = kernel.declines and kernel.declines(new, dtype)
-      if not why_not:
         notes.append(f"{conv.target.__name__}'s kernel runs it")
         w = new
         break
