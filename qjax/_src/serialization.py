@@ -39,13 +39,27 @@ _NATIVE = {np.dtype(t) for t in (np.bool_, np.uint8, np.int8, np.uint16, np.int1
 
 def _to_numpy(a: Any) -> np.ndarray:
   a = np.asarray(jax.device_get(a))
+  if not a.dtype.isnative:  # big-endian numpy data: the same values, in the file's order
+    a = a.astype(a.dtype.newbyteorder("="))
   return np.ascontiguousarray(a).reshape(a.shape)  # ascontiguousarray makes 0-d arrays 1-d
 
 
-def _storable(a: np.ndarray) -> tuple[np.ndarray, str | None]:
-  """``a`` or, for ml_dtypes types (bf16, fp8, ...), its bits as an unsigned view."""
+def _storable(key: str, a: np.ndarray) -> tuple[np.ndarray, str | None]:
+  """``a`` or, for ml_dtypes types (bf16, fp8, ...), its bits as an unsigned view.
+
+  Raises:
+    TypeError: ``a``'s dtype is neither safetensors' nor an ml_dtypes type (complex,
+      strings, datetimes, ...), which :func:`load` could not rebuild.
+  """
+  import ml_dtypes  # pylint: disable=g-import-not-at-top
   if a.dtype in _NATIVE:
     return a, None
+  ml_type = getattr(ml_dtypes, a.dtype.name, None)
+  if not isinstance(ml_type, type) or np.dtype(ml_type) != a.dtype:
+    raise TypeError(
+        f"save: {key!r} has dtype {a.dtype}, which a qjax file cannot hold; convert it to "
+        "bool, (u)int8-64, float16/32/64 or an ml_dtypes type (bfloat16, float8_*, int4, "
+        "...), e.g. split complex arrays into their real and imaginary parts")
   return a.view(np.dtype(f"uint{8 * a.dtype.itemsize}")), a.dtype.name
 
 
@@ -61,6 +75,8 @@ def _digest(arrays: Mapping[str, np.ndarray]) -> str:
 
 
 def _jsonable(v: Any) -> Any:
+  if isinstance(v, np.generic):  # a numpy scalar, np.int64(128): the Python 128
+    return v.item()
   if isinstance(v, tuple):
     return [_jsonable(e) for e in v]
   if isinstance(v, (np.dtype, type)) or hasattr(v, "dtype") and not hasattr(v, "shape"):
@@ -79,7 +95,9 @@ def save(path: str | os.PathLike, tensors: Mapping[str, Any]) -> None:
     tensors: ``{name: QuantizedWeight | array}``, names are strings.
 
   Raises:
-    TypeError: ``tensors`` is not a flat mapping of strings to weights or arrays.
+    TypeError: ``tensors`` is not a flat mapping of strings to weights or arrays, or an
+      array's dtype is neither safetensors' nor an ml_dtypes type (complex, strings, ...).
+      Big-endian arrays are stored (and load) in native byte order.
     ValueError: two entries would be stored under one tensor name (a plain array named
       ``w.scales`` beside a quantized weight ``w``).
   """
@@ -129,7 +147,7 @@ def save(path: str | os.PathLike, tensors: Mapping[str, Any]) -> None:
     desc[name] = entry
   stored, views = {}, {}
   for key, a in arrays.items():
-    stored[key], dtype_name = _storable(a)
+    stored[key], dtype_name = _storable(key, a)
     if dtype_name:
       views[key] = dtype_name
   header = {"version": VERSION, "sha256": _digest(arrays), "tensors": desc, "views": views}
@@ -195,7 +213,8 @@ def _description(path, raw: bytes) -> dict[str, Any]:
   if not isinstance(header, dict):
     raise _fail(path, f"a {type(header).__name__}, not an object")
   if header.get("version") != VERSION:
-    raise ValueError(f"{path}: qjax file version {header.get('version')!r} is not {VERSION}")
+    raise ValueError(f"{path}: qjax file version {header.get('version')!r}; this qjax reads "
+                     f"version {VERSION} only (a newer qjax wrote it? upgrade qjax to load it)")
   if not isinstance(header.get("sha256"), str):
     raise _fail(path, "no sha256 string")
   if not isinstance(header.get("tensors"), dict):
