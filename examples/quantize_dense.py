@@ -3,6 +3,8 @@
   python examples/quantize_dense.py
 """
 
+import argparse
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -20,7 +22,8 @@ class Mlp(nn.Module):
     return self.dense(256, name="out")(jax.nn.gelu(self.dense(1024, name="hidden")(x)))
 
 
-def main():
+def main(argv=None):
+  argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
   x = jax.random.normal(jax.random.key(0), (8, 512))
   params = Mlp().init(jax.random.key(1), x)["params"]
   qparams = {name: quantize_dense_params(p, group_size=128) for name, p in params.items()}

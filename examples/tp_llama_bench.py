@@ -45,7 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--head-dim", type=int, default=128)
   p.add_argument("--batch", default="1,16", help="comma-separated decode batch sizes")
   p.add_argument("--devices", default=None,
-                 help="comma-separated device counts (default: 1, 2, 4, ... up to all)")
+                 help="comma-separated device counts (default: 1, 2, 4, ... up to all); "
+                 "1, the baseline, always runs")
   p.add_argument("--format", default="int4", choices=("int4", "mxfp4", "nvfp4"))
   p.add_argument("--group-size", type=int, default=128)
   p.add_argument("--tile-k", type=int, default=qjax.NATIVE_TILE_K)
@@ -54,14 +55,13 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--steps", type=int, default=50, help="timed decode steps per point")
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--tiny", action="store_true",
-                 help="tiny shapes for a CPU check (2 layers, hidden 256, tile_k 8)")
+                 help="tiny shapes for a CPU check (2 layers, hidden 256, tile_k 8); the "
+                 "options given beside it still apply")
   p.add_argument("--json", default=None, help="write the results to this file")
-  args = p.parse_args(argv)
-  if args.tiny:
-    args.layers, args.hidden, args.ffn = 2, 256, 512
-    args.heads, args.kv_heads, args.head_dim = 8, 8, 32
-    args.group_size, args.tile_k, args.steps = 32, 8, min(args.steps, 10)
-  return args
+  if p.parse_args(argv).tiny:  # the tiny sizes as defaults, so that given options win
+    p.set_defaults(layers=2, hidden=256, ffn=512, heads=8, kv_heads=8, head_dim=32,
+                   group_size=32, tile_k=8, steps=10)
+  return p.parse_args(argv)
 
 
 def _quantize(fmt: str, w: jax.Array, group_size: int, tile_k: int):
@@ -143,9 +143,13 @@ def main(argv=None) -> list[dict]:
   devices = jax.devices()
   if args.devices:
     counts = [int(c) for c in args.devices.split(",")]
+    if not all(0 < c <= len(devices) for c in counts):
+      raise SystemExit(f"--devices {args.devices}: counts from 1 to the {len(devices)} "
+                       f"device(s) here (on a CPU, XLA_FLAGS="
+                       f"--xla_force_host_platform_device_count=N gives N)")
   else:
     counts = [c for c in (1, 2, 4, 8, 16) if c < len(devices)] + [len(devices)]
-  counts = sorted(set(c for c in counts if c <= len(devices)))
+  counts = sorted(set(counts) | {1})  # one device: the baseline of speed and output
   batches = [int(b) for b in args.batch.split(",")]
   dtype = jnp.float32 if devices[0].platform == "cpu" else jnp.bfloat16
   weights = build_weights(args)

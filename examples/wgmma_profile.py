@@ -90,9 +90,12 @@ def main():
   parser.add_argument("--events", type=int, default=256,
                       help="profiler events kept per warpgroup (default 256)")
   args = parser.parse_args()
-  k, n = (int(v) for v in args.shape.split("x"))
   if not int4_wgmma.supported(jax.devices()[0]):
     raise SystemExit("the wgmma kernel needs an NVIDIA Hopper GPU (sm_90)")
+  try:
+    k, n = (int(v) for v in args.shape.lower().split("x"))
+  except ValueError:
+    parser.error(f"--shape {args.shape!r} is not KxN")
   w = bench.random_weight("int4nk", k, n, jax.random.key(1))
   x = jax.random.normal(jax.random.key(2), (args.m, k), jnp.bfloat16)
   cfg = int4_wgmma.config_for(args.m, k, n, w.group_size, jax.devices()[0].core_count)

@@ -1,0 +1,118 @@
+"""examples/*.py as a user runs them: ``--help`` everywhere, the CPU runs with tiny
+arguments, one line and a non-zero exit where a GPU is needed, and every option heard."""
+
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import pytest
+
+ROOT = pathlib.Path(__file__).parent.parent
+EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.py"))
+GPU_ONLY = ("moe_decode_configs.py", "read_ceiling.py", "wgmma_breakdown.py",
+            "wgmma_profile.py")
+on_cpu = pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="checks a CPU run")
+
+
+def _run(name: str, *args: str, devices: int = 1) -> subprocess.CompletedProcess:
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
+         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+  return subprocess.run([sys.executable, str(ROOT / "examples" / name), *args], env=env,
+                        capture_output=True, text=True, timeout=240, cwd=ROOT)
+
+
+def _module(name: str):
+  spec = importlib.util.spec_from_file_location(name.removesuffix(".py"),
+                                                ROOT / "examples" / name)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def test_the_list_of_examples_is_complete():
+  assert set(GPU_ONLY) < set(EXAMPLES) and len(EXAMPLES) == 7, EXAMPLES
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_help_prints_usage_and_runs_nothing(name):
+  """Before: quantize_dense.py had no parser; --help ran the whole example."""
+  proc = _run(name, "--help")
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.startswith("usage: "), proc.stdout
+  assert "relative output error" not in proc.stdout and "Traceback" not in proc.stderr
+
+
+@on_cpu
+@pytest.mark.parametrize("name", GPU_ONLY)
+def test_gpu_examples_say_so_in_one_line(name):
+  proc = _run(name)
+  assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+  last = proc.stderr.strip().splitlines()[-1]
+  assert "GPU" in last and ("Hopper" in last or "H100" in last), last
+
+
+@on_cpu
+def test_wgmma_profile_refuses_the_cpu_before_reading_its_shape():
+  """Before: a --shape without an x was a traceback on a machine it could not run on."""
+  proc = _run("wgmma_profile.py", "--shape", "8192")
+  assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+  assert "Hopper" in proc.stderr
+
+
+def test_quantize_dense_runs_on_the_cpu():
+  proc = _run("quantize_dense.py")
+  assert proc.returncode == 0, proc.stderr
+  assert "relative output error of the int4 MLP" in proc.stdout
+
+
+def test_tp_llama_bench_tiny_keeps_the_options_given_beside_it():
+  """Before: --tiny overwrote --layers, --group-size, --steps, ... without a word."""
+  mod = _module("tp_llama_bench.py")
+  args = mod.parse_args(["--tiny", "--layers", "3", "--group-size", "64", "--steps", "2",
+                         "--hidden", "512"])
+  assert (args.layers, args.group_size, args.steps, args.hidden) == (3, 64, 2, 512)
+  assert (args.ffn, args.heads, args.tile_k) == (512, 8, 8)  # the tiny defaults
+  tiny = mod.parse_args(["--tiny"])
+  assert (tiny.layers, tiny.hidden, tiny.group_size, tiny.tile_k, tiny.steps) == (
+      2, 256, 32, 8, 10)
+  full = mod.parse_args([])
+  assert (full.layers, full.hidden, full.group_size, full.steps) == (16, 4096, 128, 50)
+
+
+def test_tp_llama_bench_refuses_more_devices_than_there_are():
+  """Before: --devices 3 on 2 devices printed an empty table and exited 0."""
+  proc = _run("tp_llama_bench.py", "--tiny", "--devices", "3", devices=2)
+  assert proc.returncode != 0, proc.stdout
+  assert "--devices 3" in proc.stderr and "2 device(s)" in proc.stderr, proc.stderr
+
+
+def test_tp_llama_bench_compares_with_one_device():
+  """Before: --devices 2 timed and compared 2 devices against themselves, the column
+  still headed 'vs 1'."""
+  proc = _run("tp_llama_bench.py", "--tiny", "--devices", "2", "--batch", "1", "--steps",
+              "1", "--warmup", "1", devices=2)
+  assert proc.returncode == 0, proc.stderr
+  rows = [line.split() for line in proc.stdout.splitlines()
+          if line and not line.startswith(("#", "devices"))]
+  assert [r[:2] for r in rows] == [["1", "1"], ["2", "1"]], proc.stdout
+  assert float(rows[1][-1]) < 1e-4  # the 2-device output matches one device's
+
+
+def test_xla_fallback_bench_runs_tiny_on_the_cpu():
+  proc = _run("xla_fallback_bench.py", "--tiny", "--shapes", "256x128", "--ms", "1",
+              "--calls", "1", "--variants", "materialize")
+  assert proc.returncode == 0, proc.stderr
+  assert "materialize" in proc.stdout.splitlines()[-1]
+
+
+@pytest.mark.parametrize("option", [["--shapes", "256"], ["--shapes", "100x64"],
+                                    ["--shapes", "256x0"], ["--ms", "0"], ["--ms", "1,a"]])
+def test_xla_fallback_bench_bad_shapes_and_ms_are_one_line(option):
+  """Before: each was a traceback (or a table of nan with --ms 0)."""
+  mod = _module("xla_fallback_bench.py")
+  with pytest.raises(SystemExit) as e:
+    mod.parse_args(["--tiny", *option])
+  assert e.value.code == 2
