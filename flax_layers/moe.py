@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 import qjax
+from qjax._src import moe
 
 Array = jax.Array
 GATINGS = ("topk_softmax", "softmax_topk")
@@ -135,6 +136,14 @@ class MXFP4MoE(nn.Module):
         raise ValueError(f"{name}: experts of logical shape {split.global_shape}; this "
                          f"layer needs {want}")
       return w
+    if not moe.takes_format(split):
+      hint = (" convert it once at load with .to_mxfp4()"
+              if isinstance(split, qjax.GptOssMXFP4Weight) else
+              " quantize float weights with qjax.quantize_mxfp4")
+      raise TypeError(f"{name}: params hold a {type(split).__name__}; MXFP4MoE takes "
+                      f"qjax.moe_matmul's expert stacks (MXFP4Weight, MXFP4NKWeight, "
+                      f"NVFP4NKWeight, or a format registered for it) of logical shape "
+                      f"{want[1:]} with {want[0]} experts;{hint}")
     # One layer of stacked experts (flax_layers.scan_layers): codes [layers, E, ...].
     experts = (w.stack.codes.shape[1] if isinstance(w, qjax.LayerOf) else
                w.codes.shape[0])
