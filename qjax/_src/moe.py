@@ -364,12 +364,26 @@ def _check(x: jax.Array, w: Any, expert_ids: jax.Array) -> None:
     raise ValueError(
         f"x.shape={tuple(x.shape)} must be [T, K] = {(t, k)} or [T, top_k, K] = "
         f"{(t, top_k, k)} for expert_ids of shape {(t, top_k)} and weights of K={k}")
-  if not isinstance(expert_ids, jax.core.Tracer):
-    ids = np.asarray(expert_ids)
-    (e,) = experts
-    if ids.size and (ids.min() < 0 or ids.max() >= e):
-      raise ValueError(f"expert_ids range over [{ids.min()}, {ids.max()}]; they must lie in "
-                       f"[0, {e}) for weights of {e} experts")
+  (e,) = experts
+  _check_ids_in_range(expert_ids, e)
+
+
+def _check_arrays(x: Any, expert_ids: Any) -> None:
+  """x and expert_ids must be arrays: a list or a Python int has no shape to check."""
+  for name, a in (("x", x), ("expert_ids", expert_ids)):
+    if not (hasattr(a, "shape") and hasattr(a, "dtype") and hasattr(a, "ndim")):
+      raise TypeError(f"moe_matmul's {name} must be a jax or numpy array, got "
+                      f"{type(a).__name__}; wrap it in jnp.asarray(...)")
+
+
+def _check_ids_in_range(expert_ids: Any, num_experts: int) -> None:
+  """Refuses concrete ids outside ``[0, E)`` (traced ones get NaN rows instead)."""
+  if isinstance(expert_ids, jax.core.Tracer):
+    return
+  ids = np.asarray(expert_ids)
+  if ids.size and (ids.min() < 0 or ids.max() >= num_experts):
+    raise ValueError(f"expert_ids range over [{ids.min()}, {ids.max()}]; they must lie in "
+                     f"[0, {num_experts}) for weights of {num_experts} experts")
 
 
 def _split_implementation(implementation: str | None) -> tuple[str | None, str | None]:
@@ -476,8 +490,18 @@ def moe_matmul(x: jax.Array, w: Any, expert_ids: jax.Array, *,
 
   Differentiable in reverse mode with respect to x and the experts' float arrays, as
   :func:`qjax.matmul` (a kernel's backward pass is the XLA path's).
+
+  ``jax.vmap`` over x or the ids fails inside ``jax.lax.ragged_dot`` ("vmap over any dim
+  but 0 - NYI") once the pairs are at least E: fold leading axes into T instead, as
+  ``flax_layers.MXFP4MoE`` does.
   """
+  _check_arrays(x, expert_ids)
   if not autodiff.inside_kernel_call() and _runs_a_kernel(x, w, expert_ids, implementation):
+    # The kernel call is jitted, its ids traced: concrete ids are checked here.
+    if takes_format(w):
+      _check(x, w, expert_ids)
+    elif isinstance(w, stacked.LayerOf) and takes_format(w.stack):
+      _check_ids_in_range(expert_ids, jax.tree.leaves(w.stack)[0].shape[1])
     return _kernel_moe_matmul(x, w, expert_ids, implementation=implementation)
   sharded = dispatch.sharded_weight_class()
   if isinstance(w, sharded):
