@@ -126,8 +126,9 @@ def dequantize_int4(w: Int4Weight, dtype=jnp.float32) -> jax.Array:
 
 
 def check_finite(w, name: str) -> None:
-  """Raises ValueError naming ``name`` if a concrete ``w`` holds NaN or Inf (no check
-  under jit: a tracer has no values)."""
+  """Raises ValueError naming ``name`` if a concrete ``w`` holds NaN or Inf, or (float64
+  input) finite values beyond float32's range, which the quantizers' float32 arithmetic
+  would turn into Inf. No check under jit: a tracer has no values."""
   if isinstance(w, jax.core.Tracer):
     return
   a = np.asarray(w)
@@ -137,6 +138,14 @@ def check_finite(w, name: str) -> None:
     raise ValueError(
         f"{name} has {int(bad.sum())} non-finite values (first at index {idx}: {a[idx]}); "
         "quantization needs finite weights")
+  if a.dtype.itemsize > 4:
+    with np.errstate(over="ignore"):
+      bad = np.isinf(a.astype(np.float32))
+    if bad.any():
+      idx = tuple(int(i) for i in np.argwhere(bad)[0])
+      raise ValueError(
+          f"{name} has {int(bad.sum())} values beyond float32's range (first at index "
+          f"{idx}: {a[idx]}); quantization computes in float32: rescale the weight")
 
 
 class ScaleRangeWarning(UserWarning):
@@ -192,8 +201,9 @@ def quantize(
     symmetric: signed int4 with ``scale = absmax / 7`` (True) or unsigned int4 with a
       zero point spanning ``[min(w, 0), max(w, 0)]`` (False).
     scale_dtype: bf16, f16 or f32.
-    method: "minmax" uses the full range; "mse" also tries 20 shrunken ranges per group
-      and keeps the one with the smallest squared reconstruction error.
+    method: "minmax" uses the full range; "mse" tries 20 ranges per group, from the
+      full one down to half of it, and keeps the one with the smallest squared
+      reconstruction error.
     tile_k: packing order of the codes (default: the kernel-native order).
     name: the weight's name, used in error and warning messages.
 
@@ -201,14 +211,17 @@ def quantize(
     An :class:`Int4Weight`.
 
   Raises:
-    ValueError: naming ``name``, when ``w`` holds NaN or Inf, or when a scale is not
-      finite even in float32 (a group spanning more than the float32 range).
+    ValueError: naming ``name``, when ``w`` is empty, holds NaN or Inf or (float64)
+      values beyond float32's range, or when a scale is not finite even in float32 (a
+      group spanning more than the float32 range).
 
   Guards: for a concrete ``w`` (not a tracer under ``jax.jit``, where values are
   unknown), non-finite weights raise, and when the min-max scales overflow
   ``scale_dtype``, round to zero in it, or lose over 1% (float16 subnormals), float32
   scales are used with a :class:`ScaleRangeWarning`. Under ``jit`` neither check runs:
-  check the weights before tracing. All-zero groups get zero scales and decode to zeros.
+  check the weights before tracing. All-zero groups get zero scales and decode to zeros,
+  as do groups whose scale is below float32's smallest normal (max ``|w|`` under about
+  8e-38 symmetric): XLA flushes subnormal floats to zero.
 
   >>> import jax, jax.numpy as jnp, qjax
   >>> w = jax.random.normal(jax.random.key(0), (256, 64))
@@ -223,6 +236,8 @@ def quantize(
   if not jnp.issubdtype(w.dtype, jnp.floating):
     raise ValueError(f"{name} must be floating point, got dtype {w.dtype}")
   k, n = w.shape
+  if k <= 0 or n <= 0:
+    raise ValueError(f"{name} has shape {tuple(w.shape)}; K and N must be positive")
   if group_size is None:
     group_size = k
   elif (isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer))
