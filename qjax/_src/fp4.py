@@ -36,6 +36,7 @@ E8M0_BIAS = 127
 E8M0_NAN = 255
 MXFP4_BLOCK = 32
 NVFP4_BLOCK = 16
+F32_TINY = float(np.finfo(np.float32).tiny)  # 2**-126, the smallest normal float32
 
 
 # ------------------------------------------------------------------------------ codecs
@@ -249,6 +250,8 @@ def _check_weight(w, block: int, name: str) -> tuple[int, int]:
   if not jnp.issubdtype(w.dtype, jnp.floating):
     raise ValueError(f"{name} must be floating point, got dtype {w.dtype}")
   k, n = w.shape[-2:]
+  if k <= 0 or n <= 0:
+    raise ValueError(f"{name} has shape {tuple(w.shape)}; K and N must be positive")
   if k % block:
     raise ValueError(
         f"K={k} of {name} must be a multiple of the block size {block}; pad K with zero rows")
@@ -298,7 +301,9 @@ def quantize_nvfp4(w: jax.Array, *, tile_k: int = packing.NATIVE_TILE_K,
                    name: str = "w") -> NVFP4Weight:
   """NVFP4 quantization of a ``[..., K, N]`` weight with the two-level scale.
 
-  ``global_scale = amax(w) / (6 * 448)`` per matrix (1 for an all-zero matrix); block
+  ``global_scale = amax(w) / (6 * 448)`` per matrix (1 for an all-zero matrix, at
+  least 2**-126, float32's smallest normal, so tensors below 3.2e-35 get block scales
+  under 448 instead of NaN); block
   scale ``s = e4m3(amax_block / (6 * global_scale))`` (round to nearest even); elements
   ``w / (f32(s) * global_scale)`` rounded to the nearest E2M1 value, ties to even,
   saturating at +-6 (blocks whose scale rounds to 0 get code 0).
@@ -316,7 +321,10 @@ def quantize_nvfp4(w: jax.Array, *, tile_k: int = packing.NATIVE_TILE_K,
   k, n = _check_weight(w, NVFP4_BLOCK, name)
   wb = _blocks(w, NVFP4_BLOCK)
   amax = jnp.max(jnp.abs(wb), axis=(-3, -2, -1))            # [...]
-  global_scale = jnp.where(amax > 0, amax / (E2M1_MAX * E4M3_MAX), 1.0).astype(jnp.float32)
+  # Floored at float32's smallest normal: below it (amax < 3.2e-35) XLA flushes the
+  # subnormal quotient to zero and every block scale would be amax / 0 = NaN in e4m3.
+  global_scale = jnp.where(
+      amax > 0, jnp.maximum(amax / (E2M1_MAX * E4M3_MAX), F32_TINY), 1.0).astype(jnp.float32)
   g = global_scale[..., None, None]
   block_amax = jnp.max(jnp.abs(wb), axis=-2)                # [..., K // 16, N]
   # One division: XLA rewrites (a / b) / c as a / (b * c) under jit, so two divisions
