@@ -22,6 +22,7 @@ import numpy as np
 
 from qjax._src import codebook_tables
 from qjax._src import formats
+from qjax._src import int4
 from qjax._src import packing
 from qjax._src import rotation as rotation_lib
 
@@ -142,14 +143,30 @@ def _dequantize_pass(codes, norms, codebook, shape, group_size, rotation, seed):
   return rotation_lib.unrotate_weight(rot * scale[:, None, :], rotation, seed)
 
 
-@functools.partial(jax.jit, static_argnames=("codebook", "group_size", "rotation", "seed",
-                                             "norm_dtype"))
-def _fit_pass(w, *, codebook, group_size, rotation, seed, norm_dtype):
-  """One pass: ``w [K, N]`` -> (codes ``[K, N]`` uint8, norms ``[K // d, N]``)."""
+def _pow2(e: jax.Array) -> jax.Array:
+  """float32 ``2 ** e`` for integer ``e`` in ``[-126, 127]``, built from its bits."""
+  return jax.lax.bitcast_convert_type((e.astype(jnp.int32) + 127) << 23, jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("codebook", "group_size", "rotation", "seed"))
+def _fit_pass(w, *, codebook, group_size, rotation, seed):
+  """One pass: ``w [K, N]`` -> (codes ``[K, N]`` uint8, float32 norms ``[K // d, N]``).
+
+  Each (group, column) is fitted divided by a power of two near its largest magnitude
+  (an exact division), so the sums of squares neither overflow (weights above 1e18)
+  nor underflow (below 1e-19) float32; the norms are multiplied back at the end.
+  """
   k, n = w.shape
   table = jnp.asarray(codebook_tables.table(codebook))
   mids = (table[1:] + table[:-1]) / 2
-  v = rotation_lib.rotate_weight(w, rotation, group_size, seed)  # [G, d, N]
+  wg = w.reshape(k // group_size, group_size, n)
+  amax = jnp.max(jnp.abs(wg), axis=1)  # [G, N]
+  _, e = jnp.frexp(amax)  # amax = f * 2**e, f in [0.5, 1)
+  # |w * 2**-e| < 4, with 2**e and 2**-e both normal floats (a division by 2**127 may
+  # run as a multiplication by its reciprocal, which XLA flushes to zero).
+  e = jnp.where(amax > 0, jnp.clip(e - 1, -126, 126), 0)
+  inv_rows = jnp.repeat(_pow2(-e), group_size, axis=0)
+  v = rotation_lib.rotate_weight(w * inv_rows, rotation, group_size, seed)  # [G, d, N]
   rms = jnp.sqrt(jnp.mean(v * v, axis=1))  # [G, N]
   scale0 = rms * codebook_tables.initial_scale_factor(codebook_tables.table(codebook))
 
@@ -175,8 +192,33 @@ def _fit_pass(w, *, codebook, group_size, rotation, seed, norm_dtype):
   idx0 = assign(scale0)
   init = (idx0, scale0, sq_err(idx0, scale0))
   (idx, scale, _), _ = jax.lax.scan(refine, init, None, length=_REFINE_STEPS)
-  norms = (scale * math.sqrt(group_size)).astype(norm_dtype)
-  return idx.reshape(k, n).astype(jnp.uint8), norms
+  return idx.reshape(k, n).astype(jnp.uint8), scale * math.sqrt(group_size) * _pow2(e)
+
+
+def _norms_in(norms, norm_dtype, name: str):
+  """float32 ``norms`` in ``norm_dtype``, or float32 (with an :class:`int4.ScaleRangeWarning`)
+  where a concrete norm overflows ``norm_dtype``, rounds to zero or loses over 1% in it
+  (float16 holds norms from 6.1e-5 to 65504: weights of about 6000 and above with
+  d = 128 overflow it). A norm that is not finite even in float32 raises ValueError."""
+  if isinstance(norms, jax.core.Tracer):
+    return norms.astype(norm_dtype)
+  int4.check_finite(norms, f"norms of {name} in float32")
+  if jnp.dtype(norm_dtype) == jnp.dtype(jnp.float32):
+    return norms
+  need = np.asarray(norms, np.float64)
+  held = np.asarray(norms.astype(norm_dtype), np.float64)
+  with np.errstate(invalid="ignore"):
+    bad = ~np.isfinite(held) | (np.abs(held - need) > int4.MAX_SCALE_ROUNDING * np.abs(need))
+  if not bad.any():
+    return norms.astype(norm_dtype)
+  g, n = (int(i) for i in np.argwhere(bad)[0])
+  import warnings  # pylint: disable=g-import-not-at-top
+  warnings.warn(
+      f"{name}: {int(bad.sum())} norms do not fit {jnp.dtype(norm_dtype).name} (group {g}, "
+      f"column {n} needs {need[g, n]:.3g}, which it holds as {held[g, n]:.3g}); using "
+      "float32 norms. Pass norm_dtype=jnp.float32 (or bfloat16) to choose it yourself, or "
+      "rescale the weight.", int4.ScaleRangeWarning, stacklevel=3)
+  return norms
 
 
 def _check_weight(w, name):
@@ -184,11 +226,7 @@ def _check_weight(w, name):
     raise ValueError(f"{name} must be a [K, N] matrix, got shape {getattr(w, 'shape', None)}")
   if not jnp.issubdtype(w.dtype, jnp.floating):
     raise ValueError(f"{name} must be floating point, got dtype {w.dtype}")
-  if not isinstance(w, jax.core.Tracer):
-    a = np.asarray(w, np.float32)
-    if not np.isfinite(a).all():
-      raise ValueError(f"{name} has {int((~np.isfinite(a)).sum())} non-finite values; "
-                       "quantization needs finite weights")
+  int4.check_finite(w, name)
 
 
 def quantize_codebook(
@@ -215,7 +253,19 @@ def quantize_codebook(
     norm_dtype: dtype of the stored norms (bf16, f16, f32).
     offload_pass2: place pass 2's arrays in pinned host memory (see
       :func:`qjax.offload_pass2`); matmul copies them to the device per call.
-    name: the weight's name, for error messages.
+    name: the weight's name, for error and warning messages.
+
+  Raises:
+    ValueError: naming ``name``, when ``w`` holds NaN or Inf or (float64) values beyond
+      float32's range, or a norm is not finite even in float32 (weights near the
+      float32 maximum).
+
+  Guards: for a concrete ``w`` (not a tracer under ``jax.jit``, where values are
+  unknown), non-finite weights raise, and norms that overflow ``norm_dtype``, round to
+  zero in it or lose over 1% (float16 subnormals) are stored in float32 with a
+  :class:`qjax._src.int4.ScaleRangeWarning`. Under ``jit`` neither check runs. The fit is
+  scale-invariant: a weight times a power of two gives the same codes and its norms
+  times that power.
 
   >>> import jax, qjax
   >>> w = jax.random.normal(jax.random.key(0), (256, 64))
@@ -236,14 +286,15 @@ def quantize_codebook(
                      "that divides it")
   w32 = jnp.asarray(w, jnp.float32)
   table = jnp.asarray(codebook_tables.table(codebook))
-  fit = functools.partial(_fit_pass, codebook=codebook, group_size=group, rotation=rotation,
-                          norm_dtype=jnp.dtype(norm_dtype))
+  fit = functools.partial(_fit_pass, codebook=codebook, group_size=group, rotation=rotation)
   idx, norms = fit(w32, seed=seed)
+  norms = _norms_in(norms, norm_dtype, name)
   out = CodebookWeight(codes=packing.pack_codes(idx, packing.NATIVE_TILE_K), norms=norms,
                        codebook=table, shape=(k, n), group_size=group, rotation=rotation,
                        seed=seed, codebook_name=codebook)
   if passes == 2:
     idx2, norms2 = fit(w32 - out.dequantize(), seed=seed + 1)
+    norms2 = _norms_in(norms2, norm_dtype, f"{name} (pass 2)")
     out = dataclasses.replace(out, codes2=packing.pack_codes(idx2, packing.NATIVE_TILE_K),
                               norms2=norms2, codebook2=table)
     if offload_pass2:
