@@ -205,20 +205,8 @@ def _norms_in(norms, norm_dtype, name: str):
   int4.check_finite(norms, f"norms of {name} in float32")
   if jnp.dtype(norm_dtype) == jnp.dtype(jnp.float32):
     return norms
-  need = np.asarray(norms, np.float64)
-  held = np.asarray(norms.astype(norm_dtype), np.float64)
-  with np.errstate(invalid="ignore"):
-    bad = ~np.isfinite(held) | (np.abs(held - need) > int4.MAX_SCALE_ROUNDING * np.abs(need))
-  if not bad.any():
-    return norms.astype(norm_dtype)
-  g, n = (int(i) for i in np.argwhere(bad)[0])
-  import warnings  # pylint: disable=g-import-not-at-top
-  warnings.warn(
-      f"{name}: {int(bad.sum())} norms do not fit {jnp.dtype(norm_dtype).name} (group {g}, "
-      f"column {n} needs {need[g, n]:.3g}, which it holds as {held[g, n]:.3g}); using "
-      "float32 norms. Pass norm_dtype=jnp.float32 (or bfloat16) to choose it yourself, or "
-      "rescale the weight.", int4.ScaleRangeWarning, stacklevel=3)
-  return norms
+  return norms.astype(int4.dtype_that_fits(norms, norm_dtype, name, what="norms",
+                                           option="norm_dtype"))
 
 
 def _check_weight(w, name):

@@ -166,19 +166,28 @@ def _scale_dtype_that_fits(wg, symmetric: bool, scale_dtype, name: str):
     need = jnp.max(jnp.abs(wg), axis=1) / 7.0
   else:
     need = (jnp.maximum(jnp.max(wg, axis=1), 0.0) - jnp.minimum(jnp.min(wg, axis=1), 0.0)) / 15.0
+  return dtype_that_fits(need, scale_dtype, name, what="group scales", option="scale_dtype")
+
+
+def dtype_that_fits(need, dtype, name: str, *, what: str, option: str):
+  """``dtype``, or float32 with a :class:`ScaleRangeWarning` (naming ``name``, ``what``
+  and the keyword ``option`` that picks the dtype) when some of the concrete float32
+  values ``need [G, N]`` (scales or norms, >= 0) overflow ``dtype``, round to zero in it
+  or lose over :data:`MAX_SCALE_ROUNDING` of their value. The warning points at the
+  caller of the quantizer that called this through one helper."""
   need = np.asarray(need, np.float64)
-  held = np.asarray(jnp.asarray(need, jnp.float32).astype(scale_dtype), np.float64)
+  held = np.asarray(jnp.asarray(need, jnp.float32).astype(dtype), np.float64)
   with np.errstate(invalid="ignore", divide="ignore"):
     bad = ~np.isfinite(held) | ((need > 0) & (np.abs(held - need) > MAX_SCALE_ROUNDING * need))
   if not bad.any():
-    return scale_dtype
+    return dtype
   g, n = (int(i) for i in np.argwhere(bad)[0])
   import warnings  # pylint: disable=g-import-not-at-top
   warnings.warn(
-      f"{name}: {int(bad.sum())} group scales do not fit {jnp.dtype(scale_dtype).name} "
+      f"{name}: {int(bad.sum())} {what} do not fit {jnp.dtype(dtype).name} "
       f"(group {g}, column {n} needs {need[g, n]:.3g}, which it holds as {held[g, n]:.3g}); "
-      "using float32 scales. Pass scale_dtype=jnp.float32 (or bfloat16) to choose it "
-      "yourself, or rescale the weight.", ScaleRangeWarning, stacklevel=3)
+      f"using float32 {what.split()[-1]}. Pass {option}=jnp.float32 (or bfloat16) to choose "
+      "it yourself, or rescale the weight.", ScaleRangeWarning, stacklevel=4)
   return jnp.float32
 
 
