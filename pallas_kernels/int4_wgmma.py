@@ -384,7 +384,6 @@ def _check_n(n: int, cfg: WgmmaConfig) -> None:
                               f"{cfg.consumers * cfg.tile_n}")
 
 
-
 # Rows of x at which :func:`declines` checks the default configurations: one or more per
 # rule of config_for (mma.sync, wide K steps, scales on the accumulator, K splits, tiles
 # of 128 and 256 rows).

@@ -117,32 +117,29 @@ def _act_order_refuses(w: checkpoint_layouts.GPTQWeight) -> str | None:
   return None
 
 
-def _gguf_tiled_refuses(w: gguf_formats.GGUFBlockWeight) -> str | None:
-  if w.ggml_type not in gguf_tiled.TYPES:
-    return f"{w.ggml_type} has no tiled layout"
-  return None
-
-
 register_layout_conversion(int4.Int4Weight, LayoutConversion(
     int4_nk.Int4NKWeight, int4_nk.to_int4_nk, _int4_nk_refuses))
 register_layout_conversion(fp4.MXFP4Weight, LayoutConversion(
     fp4_nk.MXFP4NKWeight, fp4_nk.to_mxfp4_nk, _fp4_nk_refuses))
 register_layout_conversion(fp4.NVFP4Weight, LayoutConversion(
     fp4_nk.NVFP4NKWeight, fp4_nk.to_nvfp4_nk, _fp4_nk_refuses))
-for _cls in (gguf_formats.GGUFQ4_0, gguf_formats.GGUFQ4_1):
-  register_layout_conversion(_cls, LayoutConversion(int4.Int4Weight, lambda w: w.to_int4()))
-for _cls in (gguf_formats.GGUFMXFP4, gpt_oss_layout.GptOssMXFP4Weight):
-  register_layout_conversion(_cls, LayoutConversion(fp4.MXFP4Weight, lambda w: w.to_mxfp4()))
-for _cls in (gguf_formats.GGUFQ8_0, gguf_formats.GGUFQ4_K, gguf_formats.GGUFQ5_K,
-             gguf_formats.GGUFQ6_K):
-  register_layout_conversion(_cls, LayoutConversion(
-      gguf_tiled.GGUFTiledWeight, gguf_tiled.GGUFTiledWeight.from_gguf, _gguf_tiled_refuses))
+# GGUF blocks: the layout each type's kernel reads, as gguf_tiled.kernel_layout gives it.
+for _cls, _target in ((gguf_formats.GGUFQ4_0, int4.Int4Weight),
+                      (gguf_formats.GGUFQ4_1, int4.Int4Weight),
+                      (gguf_formats.GGUFMXFP4, fp4.MXFP4Weight),
+                      (gguf_formats.GGUFQ8_0, gguf_tiled.GGUFTiledWeight),
+                      (gguf_formats.GGUFQ4_K, gguf_tiled.GGUFTiledWeight),
+                      (gguf_formats.GGUFQ5_K, gguf_tiled.GGUFTiledWeight),
+                      (gguf_formats.GGUFQ6_K, gguf_tiled.GGUFTiledWeight)):
+  register_layout_conversion(_cls, LayoutConversion(_target, gguf_tiled.kernel_layout))
+register_layout_conversion(gpt_oss_layout.GptOssMXFP4Weight,
+                           LayoutConversion(fp4.MXFP4Weight, lambda w: w.to_mxfp4()))
 register_layout_conversion(checkpoint_layouts.GPTQWeight, LayoutConversion(
     int4.Int4Weight, lambda w: w.to_int4(), _act_order_refuses))
 for _cls in (checkpoint_layouts.AWQWeight, checkpoint_layouts.CompressedTensorsWeight,
              marlin_layout.MarlinWeight):
   register_layout_conversion(_cls, LayoutConversion(int4.Int4Weight, lambda w: w.to_int4()))
-del _cls
+del _cls, _target
 
 
 def _kernel_on(backends: list[dispatch.Backend], device: Any) -> dispatch.Backend | None:
@@ -174,18 +171,6 @@ def _converted(w: Any, device: Any, dtype: Any, expert_stack: bool) -> tuple[Any
     else:
       return w, notes
   return w, notes
-
-
-def _path_name(path: tuple[Any, ...]) -> str:
-  names = []
-  for key in path:
-    for attr in ("key", "name", "idx"):
-      if hasattr(key, attr):
-        names.append(str(getattr(key, attr)))
-        break
-    else:
-      names.append(str(key))
-  return "/".join(names)
 
 
 def kernel_layouts(tree: Any, *, device: Any = None, dtype: Any = jnp.bfloat16,
@@ -245,7 +230,7 @@ def kernel_layouts(tree: Any, *, device: Any = None, dtype: Any = jnp.bfloat16,
   def convert(path, leaf):
     if not formats.is_quantized(leaf):
       return leaf
-    name = _path_name(path)
+    name = jax.tree_util.keystr(path, simple=True, separator="/")
     if dispatch.runs_xla_for_dtype(dtype):
       new, notes = leaf, ["float32 activations take the XLA path in every layout"]
     else:
