@@ -36,9 +36,14 @@ from qjax._src import moe
 from qjax._src import split_rules as rules
 
 
+def _axes(axis: Any) -> tuple[Any, ...]:
+  """``axis`` as a tuple of mesh axis names."""
+  return axis if isinstance(axis, tuple) else (axis,)
+
+
 def mesh_axis_size(mesh: jax.sharding.Mesh, axis: Any) -> int:
   """Devices along ``axis`` (a mesh axis name or a tuple of names)."""
-  names = axis if isinstance(axis, tuple) else (axis,)
+  names = _axes(axis)
   for a in names:
     if a not in mesh.shape:
       raise ValueError(f"mesh axis {a!r} is not in the mesh {dict(mesh.shape)}")
@@ -300,10 +305,6 @@ jax.tree_util.register_dataclass(
 
 def _lead_spec(ndim: int, last: Any) -> P:
   return P(*([None] * (ndim - 1)), last)
-
-
-def _axes(axis: Any) -> tuple[Any, ...]:
-  return axis if isinstance(axis, tuple) else (axis,)
 
 
 def check_mesh(sw: ShardedWeight, mesh: jax.sharding.Mesh, axis: Any) -> None:
