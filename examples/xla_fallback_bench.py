@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qjax._src import bench
+from qjax._src import cli
 from qjax._src import devtime
 from qjax._src import int4_xla_variants as variants
 from qjax._src import packing
@@ -44,19 +45,12 @@ CHECK_COLUMNS = 256
 MAX_ERR = 1e-2
 
 
-def _positive_ints(text: str, sep: str) -> tuple[int, ...] | None:
-  """``"256x512"`` -> ``(256, 512)``; None unless every part is a positive integer."""
-  try:
-    values = tuple(int(v) for v in text.lower().split(sep))
-  except ValueError:
-    return None
-  return values if min(values) > 0 else None
-
-
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--shapes", default=None, help="comma-separated KxN (default: 4 LLM shapes)")
-  p.add_argument("--ms", default=None, help="comma-separated M (default: 1,16,256)")
+  p.add_argument("--shapes", default=None, type=cli._shapes,  # pylint: disable=protected-access
+                 help="comma-separated KxN, K a multiple of 128 (default: 4 LLM shapes)")
+  p.add_argument("--ms", default=None, type=cli._positive_ints,  # pylint: disable=protected-access
+                 help="comma-separated M (default: 1,16,256)")
   p.add_argument("--variants", default=",".join(variants.VARIANTS),
                  help="comma-separated variant names (default: all)")
   p.add_argument("--calls", type=int, default=10, help="timed calls per measurement")
@@ -66,16 +60,13 @@ def parse_args(argv=None) -> argparse.Namespace:
   args = p.parse_args(argv)
   shapes = TINY_SHAPES if args.tiny else SHAPES
   if args.shapes:
-    shapes = tuple(_positive_ints(s, "x") for s in args.shapes.split(","))
-    for s, shape in zip(args.shapes.split(","), shapes):
-      if shape is None or len(shape) != 2 or shape[0] % 128:
-        p.error(f"--shapes {args.shapes}: {s!r} is not KxN with K a multiple of 128 (int4 "
-                "group 128) and N positive")
+    shapes = tuple(tuple(int(d) for d in s.lower().split("x")) for s in args.shapes.split(","))
+    for k, _ in shapes:
+      if k % 128:
+        p.error(f"--shapes {args.shapes}: K={k} is not a multiple of 128 (int4 group 128)")
   args.shapes = shapes
-  ms = _positive_ints(args.ms, ",") if args.ms else (TINY_MS if args.tiny else MS)
-  if ms is None:
-    p.error(f"--ms {args.ms!r} is not comma-separated positive integers")
-  args.ms = ms
+  args.ms = tuple(int(m) for m in args.ms.split(",")) if args.ms else (
+      TINY_MS if args.tiny else MS)
   args.variants = tuple(args.variants.split(","))
   for v in args.variants:
     if v not in variants.VARIANTS:
