@@ -3,8 +3,8 @@ store, and the launch (grid, split-K, poisoned outputs for tests).
 
 The kernels' contract: a grid of ``(N blocks, M blocks, split_k)`` programs, each owning a
 ``[block_m, block_n]`` output tile over ``1 / split_k`` of K. With ``split_k > 1`` every
-split writes its own float32 slice of a ``[split_k, M, N]`` output, summed in XLA
-afterwards (deterministic, unlike atomics). Inputs that are layer slices of a stacked
+split writes its own float32 slice of a ``[split_k, M, N]`` output, added in XLA
+afterwards in split order (:func:`sum_splits`; deterministic, unlike atomics). Inputs that are layer slices of a stacked
 weight (``qjax.layer_of``) arrive as the stacked arrays plus the layer index, and the
 kernel sees them through :class:`LayerRef` at that layer: no copy of the layer.
 """
@@ -134,6 +134,24 @@ def _drop_aliased_input(kernel, *refs):
   return kernel(*refs[:-2], refs[-1])
 
 
+def sum_splits(partials: jax.Array) -> jax.Array:
+  """``partials[0] + partials[1] + ...`` in that order: ``[S, ...]`` -> ``[...]``.
+
+  The kernels' split-K partial sums, added as a chain of elementwise adds instead of a
+  reduce over the split axis. XLA keeps the order of float adds it is given, but a reduce
+  leaves the order to the emitter, and XLA's fusion autotuner picks the emitter by timing
+  at compile time: a native loop fusion or a Triton block-level fusion, which add in other
+  orders. Two compiles of one program then rounded one element in a few thousand one
+  bf16 unit apart, depending on what else ran on the GPU (H100, session 31: the flaky
+  ``test_wgmma_layer_of_equals_each_layer[nvfp4]``, a scanned stack against each layer's
+  own call).
+  """
+  total = partials[0]
+  for i in range(1, partials.shape[0]):
+    total = total + partials[i]
+  return total
+
+
 def compiled_stages(config: KernelConfig, dtype, interpret: bool) -> int:
   """Triton's ``num_stages`` for a launch: ``config.num_stages``, at most
   :data:`X3_MAX_STAGES` where the dots take three TF32 products (:func:`dot_precision`)."""
@@ -191,5 +209,5 @@ def launch(kernel: Callable[..., None], args: Sequence[Any], *, m: int, n: int,
   # drops whole when its outputs are unused, keeps that truth visible.
   out = jax.jit(call)(*args)
   if split_k > 1:
-    out = out.sum(axis=0).astype(dtype)
+    out = sum_splits(out).astype(dtype)
   return out

@@ -65,6 +65,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
+from pallas_kernels import common
 from qjax._src import fp4_nk
 from qjax._src import int4_nk
 from qjax._src import moe
@@ -1105,7 +1106,7 @@ def _run_kernel(x: jax.Array, w: Any, cfg: WgmmaConfig, num_sms: int,
   y = _kernel_call(x, wt, scales, layer, cfg, w.block_size if fp4 else w.group_size,
                    num_sms, out_dtype, fp4, global_scale[0] if global_scale else None,
                    tile_table=tile_table)
-  return y[0] if cfg.split_k == 1 else y.sum(0).astype(jnp.bfloat16)
+  return y[0] if cfg.split_k == 1 else common.sum_splits(y).astype(jnp.bfloat16)
 
 
 # ------------------------------------------------------------------ mixture of experts

@@ -315,3 +315,30 @@ def test_layer_ref_indexes_one_layer(rng):
     out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((3, 8), jnp.float32),
                          interpret=True)(jnp.asarray(tiles), jnp.asarray([layer], jnp.int32))
     assert np.array_equal(np.asarray(out), tiles[layer, 2:5, 1:9] + tiles[layer, 0:3, 0:8])
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 4, 7, 16])
+def test_sum_splits_adds_in_split_order(rng, splits):
+  """``p[0] + p[1] + ...`` bit for bit as numpy's float32 adds in that order, on partials
+  of mixed magnitudes (so another order rounds differently), and no reduce in the program
+  (XLA's emitters may add a reduce's terms in any order)."""
+  p = (rng.standard_normal((splits, 5, 33)) *
+       10.0 ** rng.integers(-3, 4, (splits, 1, 33))).astype(np.float32)
+  want = p[0].copy()
+  for q in p[1:]:
+    want = want + q
+  fn = jax.jit(common.sum_splits)
+  np.testing.assert_array_equal(np.asarray(fn(jnp.asarray(p))), want)
+  assert "reduce" not in fn.lower(jnp.asarray(p)).as_text()
+
+
+def test_split_k_launch_adds_the_splits_without_a_reduce(rng):
+  """A Triton kernel's float32 partials of K splits, lowered for CUDA: summed by
+  common.sum_splits (adds in split order), not by a reduce over the split axis."""
+  w = qjax.quantize(jnp.asarray(rng.standard_normal((512, 128)), jnp.float32))
+  x = jnp.asarray(rng.standard_normal((2, 512)), jnp.bfloat16)
+  cfg = qjax.KernelConfig(block_m=16, block_n=64, block_k=128, split_k=4)
+  text = jax.jit(lambda a, b: int4_matmul.int4_matmul(a, b, config=cfg)).trace(
+      x, w).lower(lowering_platforms=("cuda",)).as_text()
+  assert "triton" in text
+  assert "stablehlo.reduce" not in text
