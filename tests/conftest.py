@@ -64,9 +64,10 @@ def assert_same_bits(first, second, what: str) -> None:
   """Asserts that the callables ``first()`` and ``second()`` return arrays of the same
   bits. On a difference the message says how many elements differ and whether each side,
   run again, repeats its own bits: a side that does not is not deterministic, two that
-  do are two programs that compute differently. (For the flaky H100 failure of the
-  layer_of tests, sessions 21-22: one element one bf16 unit apart, seen twice in full
-  runs and never in 96 runs of those tests alone.)"""
+  do are two programs that compute differently. (It diagnosed the rare H100 failure of
+  the layer_of tests, sessions 21-31: both sides repeated their bits, and the two
+  programs differed in how XLA's fusion autotuner emitted the reduce of the K splits,
+  now a chain of adds: pallas_kernels.common.sum_splits.)"""
   a, b = np.asarray(first()), np.asarray(second())
   if np.array_equal(a, b, equal_nan=True):
     return
