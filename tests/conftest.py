@@ -34,6 +34,29 @@ def _fresh_kernel_call_traces():
   autodiff.registry_changed()
 
 
+def pytest_collection_modifyitems(config, items):
+  """``QJAX_ONLY=FILE`` (one node id per line) keeps only those tests: the second part of a
+  suite split over two time-limited GPU calls (BUILD.md). Node ids on the command line do
+  the same, but a whole suite's worth of them does not fit in one."""
+  path = os.environ.get("QJAX_ONLY")
+  if not path:
+    return
+  with open(path) as f:
+    keep = {line.strip() for line in f if line.strip()}
+  config.hook.pytest_deselected(items=[i for i in items if i.nodeid not in keep])
+  items[:] = [i for i in items if i.nodeid in keep]
+
+
+def pytest_runtest_logreport(report):
+  """``QJAX_FAILS=FILE``: each failure's traceback is appended to FILE as it happens, so a
+  run cut short by a time limit (a GPU call's) still tells why its tests failed. Written by
+  the controlling process only (pytest-xdist workers forward their reports to it)."""
+  path = os.environ.get("QJAX_FAILS")
+  if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+    with open(path, "a") as f:
+      f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+
+
 @pytest.fixture
 def rng(request):
   return np.random.default_rng(seed_from(request.node.nodeid))
