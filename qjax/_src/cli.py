@@ -96,6 +96,60 @@ def _shard(text: str) -> str:
   return text
 
 
+def _positive_seconds(text: str) -> float:
+  """A finite number of seconds above 0 (``qjax fuzz-readers --timeout 2.5``)."""
+  try:
+    value = float(text)
+  except ValueError:
+    value = None
+  if value is None or not 0 < value < float("inf"):
+    raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0, e.g. 10")
+  return value
+
+
+def _output_file(text: str, example: str = "out.json") -> str:
+  """A file to write at the end of the run: checked now, so that a path in a missing
+  folder, or a folder, is a usage error instead of a traceback after all the work."""
+  if os.path.isdir(text):
+    raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file name in it, e.g. "
+                                     f"{os.path.join(text, example)}")
+  folder = os.path.dirname(os.path.abspath(text))
+  if not os.path.isdir(folder):
+    raise argparse.ArgumentTypeError(f"{text!r}: the folder {folder!r} does not exist; "
+                                     "create it first or give a path in an existing one")
+  if not os.access(folder, os.W_OK) or (os.path.exists(text) and not os.access(text, os.W_OK)):
+    raise argparse.ArgumentTypeError(f"{text!r} cannot be written here (permission denied); "
+                                     "give a path you may write")
+  return text
+
+
+def _output_folder(text: str) -> str:
+  """A folder to write into (made on first use), not an existing file."""
+  if os.path.exists(text) and not os.path.isdir(text):
+    raise argparse.ArgumentTypeError(f"{text!r} is a file, not a folder; give a folder "
+                                     "(it is made if missing)")
+  return text
+
+
+def _plot_file(text: str) -> str:
+  """An output file (:func:`_output_file`) that matplotlib can write, by its extension:
+  savefig adds .png to a name without one and refuses one it has no writer for."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  text = _output_file(text, "plot.png")
+  if importlib.util.find_spec("matplotlib") is None:
+    raise argparse.ArgumentTypeError("the plot needs matplotlib: pip install 'qjax[plot]' "
+                                     "(or pip install matplotlib)")
+  from matplotlib import backend_bases  # pylint: disable=g-import-not-at-top
+  known = sorted(backend_bases.FigureCanvasBase.get_supported_filetypes())
+  ext = os.path.splitext(text)[1][1:].lower()
+  if ext not in known:
+    said = (f"ends in .{ext}, not a plot format" if ext else
+            f"has no extension (matplotlib would write {text}.png instead)")
+    raise argparse.ArgumentTypeError(f"{text!r} {said}; give a name ending in one of "
+                                     f".{', .'.join(known)}, e.g. plot.png")
+  return text
+
+
 def _on_gpu() -> bool:
   """Whether this device runs the compiled kernels as qjax bench sees it (its defaults:
   bench._timed_impls)."""
@@ -198,8 +252,10 @@ def _add_bench(sub) -> None:
                  "CPU: xla,interpret; pallas needs a GPU)")
   p.add_argument("--calls", type=_positive_int, default=40,
                  help="timed calls per measurement")
-  p.add_argument("--json", help="also write the results to this JSON file")
-  p.add_argument("--plot", help="also write a PNG plot of %% of floor against M")
+  p.add_argument("--json", type=_output_file,
+                 help="also write the results to this JSON file")
+  p.add_argument("--plot", type=_plot_file, help="also write a plot of %% of floor against "
+                 "M to this file, in the format its extension names (.png, .pdf, .svg, ...)")
   p.add_argument("--tune", action="store_true", help="sweep kernel configs first and write "
                  "the best ones to the tuning table of this device (GPU only)")
   p.add_argument("--model", action="store_true", help="also time batch-1 decode through a "
@@ -376,8 +432,8 @@ def _add_check(sub) -> None:
                  "where it compiles)")
   p.add_argument("--seed", type=_non_negative_int, default=0,
                  help="seed of the random weights and inputs of every case (default 0)")
-  p.add_argument("--json", metavar="FILE", help="also write every case and the table to "
-                 "this JSON file")
+  p.add_argument("--json", metavar="FILE", type=_output_file, help="also write every case "
+                 "and the table to this JSON file")
   p.add_argument("--shard", metavar="I/N", type=_shard, help="run every N-th format from "
                  "the I-th (0-based), to spread the sweep over N processes")
   p.add_argument("--quiet", action="store_true", help="no per-format progress on stderr")
@@ -412,10 +468,12 @@ def _add_fuzz_readers(sub) -> None:
                  help="files per reader (default 1000)")
   p.add_argument("--seed", type=_non_negative_int, default=0,
                  help="case i uses default_rng([seed, i])")
-  p.add_argument("--timeout", type=float, default=10.0, help="seconds per case before it "
-                 "counts as a hang (default 10)")
-  p.add_argument("--keep-failures", metavar="DIR", help="write failing files here")
-  p.add_argument("--json", metavar="FILE", help="also write the reports to this JSON file")
+  p.add_argument("--timeout", type=_positive_seconds, default=10.0, help="seconds per case "
+                 "before it counts as a hang, above 0 (default 10)")
+  p.add_argument("--keep-failures", metavar="DIR", type=_output_folder,
+                 help="write failing files into this folder (made if missing)")
+  p.add_argument("--json", metavar="FILE", type=_output_file,
+                 help="also write the reports to this JSON file")
 
   def run(args):
     import dataclasses  # pylint: disable=g-import-not-at-top

@@ -1,0 +1,94 @@
+"""CLI audit: bad output paths and values that gave a traceback (after all the work) or a
+wrong result are one usage line with exit code 2, before any work starts.
+
+Each argv keeps the run small (one shape, one call, one format, one case), so that on
+code without the check the command gets to the failing write quickly.
+"""
+
+import sys
+
+import pytest
+
+from qjax._src import cli
+
+# A small run of each command that writes a file at the end (or after each format).
+SMALL = {
+    "bench": ["bench", "--calls", "1", "--m", "1", "--shapes", "256x128"],
+    "check": ["check", "--formats", "int4-sym-g32", "--impl", "xla", "--quiet"],
+    "fuzz-readers": ["fuzz-readers", "--reader", "gguf", "--cases", "1"],
+}
+OUTPUTS = [("bench", "--json", "r.json"), ("bench", "--plot", "p.png"),
+           ("check", "--json", "c.json"), ("fuzz-readers", "--json", "f.json")]
+
+
+def _usage_error(capsys, argv) -> str:
+  """The one error line of ``qjax ARGV``, which must exit with code 2 (as test_cli.py)."""
+  with pytest.raises(SystemExit) as e:
+    cli.main(argv)
+  captured = capsys.readouterr()
+  assert e.value.code == 2 and not captured.out, captured
+  assert "Traceback" not in captured.err
+  last = captured.err.strip().splitlines()[-1]
+  assert last.startswith(f"qjax {argv[0]}: error: "), captured.err
+  return last
+
+
+@pytest.mark.parametrize("command,option,name", OUTPUTS,
+                         ids=[f"{c} {o}" for c, o, _ in OUTPUTS])
+def test_output_in_a_missing_folder_is_a_usage_error(capsys, tmp_path, command, option,
+                                                     name):
+  """Was a FileNotFoundError traceback after the whole run (check: after its first
+  format), the results lost."""
+  path = tmp_path / "missing" / name
+  last = _usage_error(capsys, SMALL[command] + [option, str(path)])
+  assert f"argument {option}: {str(path)!r}: the folder" in last
+  assert "does not exist; create it first" in last
+  assert not (tmp_path / "missing").exists()
+
+
+@pytest.mark.parametrize("command,option,name", OUTPUTS,
+                         ids=[f"{c} {o}" for c, o, _ in OUTPUTS])
+def test_output_that_is_a_folder_is_a_usage_error(capsys, tmp_path, command, option, name):
+  """Was an IsADirectoryError traceback after the whole run."""
+  last = _usage_error(capsys, SMALL[command] + [option, str(tmp_path)])
+  assert f"argument {option}: {str(tmp_path)!r} is a folder; give a file name in it" in last
+
+
+@pytest.mark.parametrize("name,message", [
+    ("plot", "has no extension (matplotlib would write"),
+    ("plot.txt", "ends in .txt, not a plot format")])
+def test_plot_name_needs_a_plot_extension(capsys, tmp_path, name, message):
+  """Without an extension matplotlib wrote PLOT.png while bench printed "plot written to
+  PLOT"; an unknown extension was a ValueError traceback after the whole run."""
+  last = _usage_error(capsys, SMALL["bench"] + ["--plot", str(tmp_path / name)])
+  assert message in last and ".png" in last and ".svg" in last
+  assert not list(tmp_path.iterdir())
+
+
+def test_plot_without_matplotlib_is_a_usage_error(capsys, tmp_path, monkeypatch):
+  """matplotlib is an optional extra (qjax[plot]): its absence was an ImportError traceback
+  after the whole run."""
+  monkeypatch.setitem(sys.modules, "matplotlib", None)  # find_spec answers None
+  last = _usage_error(capsys, SMALL["bench"] + ["--plot", str(tmp_path / "p.png")])
+  assert "argument --plot: the plot needs matplotlib: pip install 'qjax[plot]'" in last
+
+
+def test_plot_name_with_a_plot_extension_is_accepted(tmp_path):
+  args = cli.build_parser().parse_args(["bench", "--plot", str(tmp_path / "p.SVG")])
+  assert args.plot == str(tmp_path / "p.SVG")
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "ten"])
+def test_fuzz_timeout_must_be_seconds_above_zero(capsys, value):
+  """-1 and nan made every case a failure (itimer_error / ValueError, exit 1); 0 turned the
+  hang detection off (setitimer(0) disarms the timer) and passed."""
+  last = _usage_error(capsys, SMALL["fuzz-readers"] + ["--timeout", value])
+  assert f"argument --timeout: {value!r} is not a number of seconds above 0" in last
+
+
+def test_fuzz_keep_failures_that_is_a_file_is_a_usage_error(capsys, tmp_path):
+  """Was a FileExistsError traceback at the first failing case."""
+  path = tmp_path / "a-file"
+  path.write_text("x")
+  last = _usage_error(capsys, SMALL["fuzz-readers"] + ["--keep-failures", str(path)])
+  assert f"argument --keep-failures: {str(path)!r} is a file, not a folder" in last
