@@ -27,13 +27,34 @@ def _value(variable: nnx.Variable) -> Any:
   return get() if get is not None else variable.value
 
 
+COMPUTE_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+def compute_dtype(dtype: Any, x: Array) -> Any:
+  """The layer's computation dtype: ``dtype``, or x's where ``dtype`` is None; a
+  ValueError naming which of the two is not bfloat16, float16 or float32."""
+  if dtype is None:
+    if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in COMPUTE_DTYPES]:
+      raise ValueError(f"x of dtype {jnp.dtype(x.dtype).name} with dtype=None (the layer "
+                       "computes in x's dtype) must be bfloat16, float16 or float32; cast "
+                       "x or set the layer's dtype=")
+    return x.dtype
+  if jnp.dtype(dtype) not in [jnp.dtype(d) for d in COMPUTE_DTYPES]:
+    raise ValueError(f"dtype={jnp.dtype(dtype).name} must be bfloat16, float16 or float32")
+  return dtype
+
+
+def _is_weight(kernel: Any) -> bool:
+  """Whether ``kernel`` multiplies through ``qjax.matmul``: a quantized weight, one layer
+  of a stack (``qjax.layer_of``) or a split one (``qjax.ShardedWeight``, for shard_map)."""
+  return qjax.is_quantized(kernel) or isinstance(kernel, (qjax.LayerOf, qjax.ShardedWeight))
+
+
 def _apply(x: Array, kernel: Any, bias: Array | None, dtype: Any, implementation: str | None,
            precision: Any = None) -> Array:
-  dtype = dtype or x.dtype
-  if jnp.dtype(dtype) not in [jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32)]:
-    raise ValueError(f"dtype={jnp.dtype(dtype).name} must be bfloat16, float16 or float32")
+  dtype = compute_dtype(dtype, x)
   x = jnp.asarray(x, dtype)
-  if qjax.is_quantized(kernel) or isinstance(kernel, qjax.LayerOf):
+  if _is_weight(kernel):
     y = qjax.matmul(x, kernel, implementation=implementation)
   else:  # a float kernel (e.g. a layer left unquantized by a skip rule), as nn.Dense
     y = jnp.dot(x, kernel.astype(dtype), preferred_element_type=jnp.float32,
@@ -48,6 +69,9 @@ def _quantized_dense(module: nn.Module, x: Array, quantize: Callable[[Array], An
   """The body of the linen quantized Dense layers: the kernel (quantized from
   ``module.kernel_init`` at init, read as it is otherwise), its shape check, the bias and
   the matmul. ``how_to_quantize`` ends the error for params without a kernel."""
+  if jnp.ndim(x) < 1:
+    raise ValueError(f"{module.name or type(module).__name__}: x of shape "
+                     f"{jnp.shape(x)} has no feature axis; give x of shape [..., K]")
   k = x.shape[-1]
   if module.is_initializing():
     kernel = module.param("kernel", lambda rng: quantize(
@@ -102,7 +126,9 @@ class Int4Dense(nn.Module):
 
   Initialized from ``kernel_init`` (then quantized), or applied to params made by
   :func:`quantize_dense_params` from an existing ``nn.Dense``, or holding any
-  pre-quantized pytree (GGUF, other layouts) under ``"kernel"``.
+  pre-quantized pytree (GGUF, other layouts) under ``"kernel"``, a ``qjax.layer_of`` view
+  (:func:`flax_layers.scan_layers`) or a :class:`qjax.ShardedWeight` (inside ``shard_map``
+  ``features`` and the bias are the device's: ``N // n`` column-wise, ``N`` row-wise).
 
   >>> import jax, jax.numpy as jnp, flax.linen as nn
   >>> from flax_layers import Int4Dense, quantize_dense_params

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 import qjax
+from flax_layers.dense import compute_dtype
 from qjax._src import moe
 
 Array = jax.Array
@@ -157,9 +158,12 @@ class MXFP4MoE(nn.Module):
     """``x [..., D]`` -> ``[..., D]`` in ``dtype`` (x's dtype by default)."""
     if self.activation not in ACTIVATIONS:
       raise ValueError(f"activation={self.activation!r} must be one of {ACTIVATIONS}")
+    if jnp.ndim(x) < 1:
+      raise ValueError(f"{self.name or 'MXFP4MoE'}: x of shape {jnp.shape(x)} has no "
+                       "feature axis; give x of shape [..., D]")
     *lead, d = x.shape
     e, f = self.num_experts, self.intermediate_size
-    dtype = self.dtype or x.dtype
+    dtype = compute_dtype(self.dtype, x)
     tokens = jnp.asarray(x, dtype).reshape(-1, d)                       # [T, D]
     router = self.param("router_kernel", self.router_init, (d, e), self.param_dtype)
     logits = jnp.dot(tokens.astype(jnp.float32), router.astype(jnp.float32),
@@ -169,6 +173,11 @@ class MXFP4MoE(nn.Module):
     weights, ids = route(logits, self.top_k, self.gating)               # [T, k]
     gate_up = self._expert_weight("gate_up", (e, d, 2 * f))
     down = self._expert_weight("down", (e, f, d))
+    if tokens.shape[0] == 0:  # an empty batch: the params (in init's order), no products
+      if self.use_bias:
+        self.param("gate_up_bias", self.bias_init, (e, 2 * f), self.param_dtype)
+        self.param("down_bias", self.bias_init, (e, d), self.param_dtype)
+      return jnp.zeros((*lead, d), dtype)
     h = qjax.moe_matmul(tokens, gate_up, ids, implementation=self.implementation)
     if self.use_bias:
       h = h + self.param("gate_up_bias", self.bias_init, (e, 2 * f),

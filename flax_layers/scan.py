@@ -59,10 +59,18 @@ def scan_layers(module: nn.Module, stacked_params: Any, carry: Any, xs: Any = No
   >>> scan_layers(Layer(), stacked, x)[0].shape
   (1, 256)
   """
-  leaves = jax.tree.leaves(stacked_params)
+  leaves = jax.tree_util.tree_leaves_with_path(stacked_params)
   if not leaves:
     raise ValueError("scan_layers needs params with a leading [layers] axis; got none")
-  layers = leaves[0].shape[0]
+  first_path, first = leaves[0]
+  layers = jnp.shape(first)[0] if jnp.ndim(first) else None
+  for path, leaf in leaves:  # a shorter stack would be read clamped, a longer one cut
+    if jnp.ndim(leaf) < 1 or jnp.shape(leaf)[0] != layers:
+      raise ValueError(
+          f"stacked_params{jax.tree_util.keystr(path)} of shape {jnp.shape(leaf)} does not "
+          f"have the leading [layers] axis of stacked_params"
+          f"{jax.tree_util.keystr(first_path)} ({layers} layers); stack every param over "
+          "the same layers")
 
   def body(carry, inputs):
     i, x = inputs
