@@ -32,3 +32,38 @@ from flax_layers.tensor_parallel import shard_llama_params as shard_llama_params
 from flax_layers.tensor_parallel import tp_decode_step as tp_decode_step
 from flax_layers.tensor_parallel import tp_forward as tp_forward
 from flax_layers.tensor_parallel import tp_prefill as tp_prefill
+
+__all__ = [  # the public names (pyflakes reads the re-exports from it)
+    "CodebookDense",
+    "CodebookLinear",
+    "CodebookOptions",
+    "Int4Dense",
+    "Int4Linear",
+    "quantize_dense_params",
+    "QuantizationReport",
+    "QuantRule",
+    "quantize_model",
+    "quantize_nnx_model",
+    "Llama",
+    "LlamaConfig",
+    "QuantizedDense",
+    "RMSNorm",
+    "apply_rope",
+    "decode_step",
+    "forward",
+    "init_cache",
+    "params_from_gguf",
+    "prefill",
+    "sample",
+    "layer_params",
+    "scan_layers",
+    "load_hf_llama",
+    "save_hf_llama",
+    "MXFP4MoE",
+    "route",
+    "init_tp_cache",
+    "shard_llama_params",
+    "tp_decode_step",
+    "tp_forward",
+    "tp_prefill",
+]
