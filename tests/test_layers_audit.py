@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 import qjax
 import flax_layers
 from conftest import rel_err, seed_from
+from test_sharding import _mesh
 
 TOL = 1e-5  # the CPU's XLA path accumulates in float32
 
@@ -39,7 +40,7 @@ def test_int4_layers_take_a_sharded_weight(request, mode):
   bias = _f32(rng, (n,))
   x = _f32(rng, (2, 3, k))
   want = _ref(x, w, bias)
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tp",))
+  mesh = _mesh(2)
   sw = qjax.ShardedWeight.of(w, mesh, "tp", mode)
   y = jax.jit(lambda p, x: flax_layers.Int4Dense(n).apply({"params": p}, x))(
       {"kernel": sw, "bias": bias}, x)
