@@ -92,3 +92,16 @@ def test_fuzz_keep_failures_that_is_a_file_is_a_usage_error(capsys, tmp_path):
   path.write_text("x")
   last = _usage_error(capsys, SMALL["fuzz-readers"] + ["--keep-failures", str(path)])
   assert f"argument --keep-failures: {str(path)!r} is a file, not a folder" in last
+
+
+@pytest.mark.parametrize("command", ["inspect", "generate"])
+def test_gguf_path_that_is_a_folder_says_so(capsys, tmp_path, command):
+  """A folder was reported as "no such GGUF file: DIR", though DIR exists."""
+  (tmp_path / "model.gguf").write_bytes(b"")
+  argv = [command, str(tmp_path)] if command == "inspect" else [
+      command, "--model", str(tmp_path), "--max-new-tokens", "1"]
+  assert cli.main(argv) == 2
+  captured = capsys.readouterr()
+  assert not captured.out
+  assert captured.err == (f"qjax {command}: error: {tmp_path} is a folder, not a GGUF file; "
+                          f"give the .gguf file, e.g. {tmp_path / 'model.gguf'}\n")

@@ -39,6 +39,15 @@ def default_model_path() -> str:
   return path
 
 
+def _not_a_folder(path: str) -> str:
+  """``path``, or a UsageError where it is a folder (the reader would call it missing)."""
+  if os.path.isdir(path):
+    found = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+    hint = f", e.g. {os.path.join(path, found[0])}" if found else ""
+    raise UsageError(f"{path} is a folder, not a GGUF file; give the .gguf file{hint}")
+  return path
+
+
 def _bucket(n: int) -> int:
   """The prompt length padded to a power of two (at least PROMPT_BUCKET_MIN)."""
   b = PROMPT_BUCKET_MIN
@@ -124,7 +133,7 @@ def _run_generate(args) -> int:
   if not 0 < args.top_p <= 1:
     raise UsageError(f"--top-p={args.top_p} must be in (0, 1]")
   implementation = None if args.implementation == "auto" else args.implementation
-  path = args.model or default_model_path()
+  path = _not_a_folder(args.model or default_model_path())
   if not 1 <= args.devices <= jax.device_count():
     raise UsageError(f"--devices={args.devices}: this machine has {jax.device_count()} "
                      f"{jax.default_backend()} device(s); pass a count from 1 to "
@@ -269,9 +278,10 @@ def inspect(args) -> int:
   """``qjax inspect FILE``: one row per tensor; bad files are one line on stderr, code 2."""
   try:
     from qjax._src import gguf_io  # pylint: disable=g-import-not-at-top
-    rows = gguf_io.describe_gguf(args.file)
+    rows = gguf_io.describe_gguf(_not_a_folder(args.file))
     metadata = gguf_io.read_metadata(args.file) if args.metadata else None
-  except (ValueError, FileNotFoundError, IsADirectoryError, PermissionError, ImportError) as e:
+  except (UsageError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError,
+          ImportError) as e:
     print(f"qjax inspect: error: {_bad_file(e)}", file=sys.stderr)
     return 2
   if metadata is not None:
