@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from qjax._src import cli
+from test_cli import _usage_error  # exit code 2, one "qjax CMD: error: " line
 
 # A small run of each command that writes a file at the end (or after each format).
 SMALL = {
@@ -19,18 +20,6 @@ SMALL = {
 }
 OUTPUTS = [("bench", "--json", "r.json"), ("bench", "--plot", "p.png"),
            ("check", "--json", "c.json"), ("fuzz-readers", "--json", "f.json")]
-
-
-def _usage_error(capsys, argv) -> str:
-  """The one error line of ``qjax ARGV``, which must exit with code 2 (as test_cli.py)."""
-  with pytest.raises(SystemExit) as e:
-    cli.main(argv)
-  captured = capsys.readouterr()
-  assert e.value.code == 2 and not captured.out, captured
-  assert "Traceback" not in captured.err
-  last = captured.err.strip().splitlines()[-1]
-  assert last.startswith(f"qjax {argv[0]}: error: "), captured.err
-  return last
 
 
 @pytest.mark.parametrize("command,option,name", OUTPUTS,
