@@ -269,7 +269,8 @@ def matmul(x: jax.Array, w: Any, *, implementation: str | None = None) -> jax.Ar
 
   ``w`` may also be a :class:`qjax.ShardedWeight`: inside ``shard_map`` this multiplies by
   the device's slice of W (row-parallel: ``x`` holds this device's slice of K and the
-  partial products are summed over the mesh axis in float32). Or a :class:`qjax.LayerOf`
+  partial products are summed over the mesh axis in float32); outside it, by the whole W,
+  with the whole x (as :func:`qjax.sharded_matmul` takes it). Or a :class:`qjax.LayerOf`
   (:func:`qjax.layer_of`): one layer of a stacked weight, which the kernels read in place
   instead of from a copy (for layers run by ``lax.scan``).
 
