@@ -109,27 +109,32 @@ class GptOssMXFP4Weight(formats.QuantizedWeight):
 
 
 def read_gpt_oss_mxfp4(path: str | os.PathLike, name: str) -> GptOssMXFP4Weight:
-  """Reads ``{name}_blocks`` and ``{name}_scales`` from a safetensors file as stored.
+  """Reads ``{name}_blocks`` and ``{name}_scales`` from a safetensors checkpoint as stored.
 
   Args:
-    path: the ``.safetensors`` file.
+    path: a ``.safetensors`` file, or a checkpoint folder (``model.safetensors``, or the
+      shards named by ``model.safetensors.index.json``, as GPT-OSS ships them; the two
+      tensors may lie in different shards).
     name: the tensor name without the suffix, e.g.
       ``model.layers.0.mlp.experts.down_proj``.
 
   Returns:
     A :class:`GptOssMXFP4Weight` with the file's leading expert axis, numpy-backed (no
     float copy is made).
+
+  Raises:
+    KeyError: a tensor is missing (the message lists the MXFP4 tensors present).
+    ValueError: a bad file, index or shape, naming it.
   """
-  from safetensors import safe_open  # pylint: disable=g-import-not-at-top
-  with safe_open(os.fspath(path), framework="np") as f:
-    keys = set(f.keys())
-    missing = [s for s in (f"{name}_blocks", f"{name}_scales") if s not in keys]
-    if missing:
-      near = sorted(k for k in keys if k.endswith(("_blocks", "_scales")))[:8]
-      raise KeyError(f"{os.fspath(path)} has no tensor {missing[0]!r}; MXFP4 tensors in it: "
-                     f"{near}")
-    blocks = np.asarray(f.get_tensor(f"{name}_blocks"))
-    scales = np.asarray(f.get_tensor(f"{name}_scales"))
+  from qjax._src import safetensors_io as sio  # pylint: disable=g-import-not-at-top
+  ckpt = sio.Checkpoint(path)
+  where = os.fspath(path)
+  missing = [s for s in (f"{name}_blocks", f"{name}_scales") if s not in ckpt]
+  if missing:
+    near = sorted(k for k in ckpt.names() if k.endswith(("_blocks", "_scales")))[:8]
+    raise KeyError(f"{where} has no tensor {missing[0]!r}; MXFP4 tensors in it: {near}")
+  blocks = np.asarray(ckpt.get(f"{name}_blocks"))
+  scales = np.asarray(ckpt.get(f"{name}_scales"))
   if blocks.ndim < 3 or blocks.shape[-1] != BYTES_PER_BLOCK:
     raise ValueError(f"{name}_blocks has shape {blocks.shape}; expected [..., N, K // 32, 16]")
   k = blocks.shape[-2] * fp4.MXFP4_BLOCK

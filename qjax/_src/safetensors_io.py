@@ -16,7 +16,8 @@ each linear ``PREFIX`` (e.g. ``model.layers.0.self_attn.q_proj``) is stored as:
   when asymmetric, ``PREFIX.weight_zero_point [ceil(N / 8), K // G]`` int32: the signed
   zero points ``+ 8``, packed along N (nibble ``i`` of word ``r`` holds row ``8r + i``;
   ``pack_to_int32(zero_point, 4, packed_dim=0)`` in compressed-tensors'
-  ``pack_quantized.py``).
+  ``pack_quantized.py``), or, as versions before that packing (April 2025) wrote them,
+  the signed zero points as int8 ``[N, K // G]``.
 
 Tensors are read one at a time with ``safetensors.safe_open(framework="numpy")``, kept in
 their stored integer / float dtypes (no float copy of a quantized layer) and wrapped in
@@ -106,6 +107,9 @@ def parse_quantization(config: Mapping[str, Any]) -> Quantization | None:
   qc = config.get("quantization_config")
   if not qc:
     return None
+  if not isinstance(qc, Mapping):
+    raise ValueError(f"quantization_config is a {type(qc).__name__} ({qc!r:.60}), not an "
+                     "object; config.json names the scheme as {\"quant_method\": ..., ...}")
   method = qc.get("quant_method")
   if method == "gptq":
     _need_bits4(qc.get("bits"), "bits")
@@ -222,6 +226,7 @@ class Checkpoint:
       self._where = None
       self._single = path
     self._handles: dict[pathlib.Path, Any] = {}
+    self._keys: dict[pathlib.Path, set[str]] = {}
     self.on_read = on_read
     if self._where is None:
       self._where = {n: self._single for n in self._open(self._single).keys()}
@@ -238,6 +243,19 @@ class Checkpoint:
           str(file), framework="numpy"))
     return self._handles[file]
 
+  def _file_of(self, name: str) -> pathlib.Path:
+    """The file holding ``name``; ValueError when the index names a shard without it."""
+    file = self._where[name]
+    if file not in self._keys:
+      self._keys[file] = set(_safetensors_call(file, "list its tensors",
+                                               lambda: self._open(file).keys()))
+    if name not in self._keys[file]:
+      raise ValueError(
+          f"{self.folder / INDEX_FILE}: weight_map puts tensor {name!r} in {file.name}, "
+          f"which does not hold it; the index and the shards disagree (an interrupted "
+          "download or shards of another revision): re-download the checkpoint")
+    return file
+
   def __contains__(self, name: str) -> bool:
     return name in self._where
 
@@ -246,7 +264,7 @@ class Checkpoint:
 
   def shape(self, name: str) -> tuple[int, ...]:
     """The stored shape, without reading the data."""
-    file = self._where[name]
+    file = self._file_of(name)
     return tuple(_safetensors_call(file, f"read the shape of {name!r}",
                                    lambda: self._open(file).get_slice(name).get_shape()))
 
@@ -254,7 +272,7 @@ class Checkpoint:
     """The stored array; ValueError naming ``name`` when it is missing."""
     if name not in self._where:
       raise ValueError(f"{self.folder}: tensor {name!r} is missing from the checkpoint")
-    file = self._where[name]
+    file = self._file_of(name)
     a = _safetensors_call(file, f"read tensor {name!r}",
                           lambda: self._open(file).get_tensor(name))
     if self.on_read is not None:
@@ -263,11 +281,24 @@ class Checkpoint:
 
 
 def read_config(folder: str | os.PathLike[str]) -> dict[str, Any]:
+  """``config.json`` of a checkpoint folder as a dict.
+
+  Raises:
+    ValueError: naming the file when it is missing, not JSON or not a JSON object.
+  """
   path = pathlib.Path(folder) / CONFIG_FILE
   if not path.exists():
     raise ValueError(f"{path} does not exist; a Hugging Face checkpoint folder holds its "
                      "architecture in config.json")
-  return json.loads(path.read_text())
+  try:
+    config = json.loads(path.read_text())
+  except (ValueError, RecursionError) as e:  # bad JSON, bad UTF-8, deep nesting
+    raise ValueError(f"{path}: not JSON ({e}); re-download or repair the checkpoint's "
+                     "config.json") from None
+  if not isinstance(config, dict):
+    raise ValueError(f"{path}: holds a JSON {type(config).__name__}, not the object of a "
+                     "model config; re-download or repair the checkpoint's config.json")
+  return config
 
 
 def _check(name: str, a: np.ndarray, shape: tuple[int, ...], dtypes: Iterable[Any],
@@ -358,9 +389,19 @@ def read_linear(ckpt: Checkpoint, prefix: str, k: int, n: int, q: Quantization |
                        f"[{n}, {k}] ({why})")
   zp = None
   if not q.symmetric:
-    words = get("weight_zero_point")
-    _check(f"{prefix}.weight_zero_point", words, (-(-n // 8), k // g), (np.int32,), why)
-    zp = (unpack_nibbles(words.T)[:, :n].T.astype(np.int16) - 8).astype(np.int8)
+    name = f"{prefix}.weight_zero_point"
+    stored = get("weight_zero_point")
+    if stored.dtype == np.int8 and tuple(stored.shape) == (n, k // g):
+      # compressed-tensors before its zero-point packing (PR #296, April 2025) saved the
+      # int8 [N, K // G] parameter as is.
+      if stored.min() < -8 or stored.max() > 7:
+        raise ValueError(f"tensor {name!r} holds zero points in [{int(stored.min())}, "
+                         f"{int(stored.max())}], outside signed int4 [-8, 7] ({why})")
+      zp = stored
+    else:
+      _check(name, stored, (-(-n // 8), k // g), (np.int32,),
+             why + f"; packed along N, or int8 ({n}, {k // g}) unpacked")
+      zp = (unpack_nibbles(stored.T)[:, :n].T.astype(np.int16) - 8).astype(np.int8)
   if f"{prefix}.weight_g_idx" in ckpt:
     raise ValueError(f"tensor {prefix}.weight_g_idx: compressed-tensors act-order groups "
                      "are not supported")

@@ -1,0 +1,135 @@
+"""Audit of loading the checkpoints users have: each test is a defect that was found.
+
+Fixtures are written here with ``safetensors.numpy`` from the formats' published
+definitions, and decoded weights are compared bit for bit with a float64 numpy decode.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+safetensors_numpy = pytest.importorskip("safetensors.numpy")
+
+import qjax  # noqa: E402
+from flax_layers import hf_checkpoint as hf  # noqa: E402
+from qjax._src import safetensors_io as sio  # noqa: E402
+
+# E2M1 code -> value (OCP MX spec; GPT-OSS's FP4_VALUES).
+E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
+
+
+def _save(path: pathlib.Path, tensors: dict) -> None:
+  safetensors_numpy.save_file({n: np.ascontiguousarray(a) for n, a in tensors.items()},
+                              str(path), metadata={"format": "pt"})
+
+
+# --------------------------------------------------------------------------- config.json
+
+
+@pytest.mark.parametrize("text", ["{\"model_type\": \"llama\",", "[1, 2]", "\"llama\""])
+def test_config_json_that_is_no_object_is_named(tmp_path, text):
+  """A truncated or non-object config.json was a JSONDecodeError without the file's name,
+  or an AttributeError ('list' object has no attribute 'get')."""
+  (tmp_path / sio.CONFIG_FILE).write_text(text)
+  _save(tmp_path / sio.SINGLE_FILE, {"a": np.ones(3, np.float32)})
+  with pytest.raises(ValueError, match=r"config\.json: .*re-download or repair"):
+    hf.load_hf_llama(tmp_path, progress=False)
+
+
+@pytest.mark.parametrize("qc", ["gptq", ["gptq"]])
+def test_quantization_config_that_is_no_object_is_named(qc):
+  """Was an AttributeError ('str' object has no attribute 'get')."""
+  with pytest.raises(ValueError, match="quantization_config is a (str|list)"):
+    sio.parse_quantization({"model_type": "llama", "quantization_config": qc})
+
+
+# ------------------------------------------------------------------------- sharded index
+
+
+def test_index_naming_a_shard_without_the_tensor(tmp_path, rng):
+  """A stale index (shards of another revision) was reported as 'not a valid
+  safetensors file' of a shard that is perfectly valid."""
+  _save(tmp_path / "model-00001-of-00002.safetensors",
+        {"a": rng.standard_normal(4).astype(np.float32)})
+  _save(tmp_path / "model-00002-of-00002.safetensors",
+        {"b": rng.standard_normal(4).astype(np.float32)})
+  (tmp_path / sio.INDEX_FILE).write_text(json.dumps({"weight_map": {
+      "a": "model-00002-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+  ckpt = sio.Checkpoint(tmp_path)
+  want = (r"model\.safetensors\.index\.json: weight_map puts tensor 'a' in "
+          r"model-00002-of-00002\.safetensors, which does not hold it.*re-download")
+  for read in (ckpt.get, ckpt.shape):
+    with pytest.raises(ValueError, match=want):
+      read("a")
+  np.testing.assert_array_equal(ckpt.get("b").shape, (4,))
+
+
+# --------------------------------------------------------- compressed-tensors zero points
+
+
+def _ref_ct(packed: np.ndarray, scale: np.ndarray, zp: np.ndarray, g: int) -> np.ndarray:
+  """float64 ``[K, N]``: ``(v - zp) * scale`` with ``v`` the offset-binary nibbles - 8."""
+  w = packed.view(np.uint32).astype(np.int64)
+  n, kw = w.shape
+  v = np.zeros((n, kw * 8), np.int64)
+  for j in range(kw):
+    for i in range(8):
+      v[:, 8 * j + i] = ((w[:, j] >> (4 * i)) & 0xF) - 8
+  grp = np.arange(kw * 8) // g
+  return ((v - zp.astype(np.int64)[:, grp]) * scale.astype(np.float64)[:, grp]).T
+
+
+def test_compressed_tensors_unpacked_int8_zero_points_load(tmp_path, rng):
+  """compressed-tensors before its zero-point packing (April 2025) saved asymmetric
+  zero points as the int8 ``[N, K // G]`` parameter; such checkpoints were refused with
+  "has shape (16, 2), want (2, 2)"."""
+  n, k, g = 24, 64, 32
+  packed = rng.integers(-2**31, 2**31, (n, k // 8), dtype=np.int64).astype(np.int32)
+  scale = (rng.uniform(0.5, 1.5, (n, k // g)) * 0.02).astype(np.float16)
+  zp = rng.integers(-8, 8, (n, k // g)).astype(np.int8)
+  _save(tmp_path / sio.SINGLE_FILE,
+        {"l.weight_packed": packed, "l.weight_scale": scale, "l.weight_zero_point": zp,
+         "l.weight_shape": np.array([n, k], np.int64)})
+  q = sio.Quantization(method="compressed-tensors", group_size=g, symmetric=False)
+  w = sio.read_linear(sio.Checkpoint(tmp_path), "l", k, n, q)
+  want = _ref_ct(packed, scale, zp, g)
+  np.testing.assert_array_equal(np.asarray(w.dequantize()).astype(np.float64), want)
+  np.testing.assert_array_equal(np.asarray(w.to_int4().dequantize()).astype(np.float64),
+                                want)
+  # Out of signed int4: named.
+  _save(tmp_path / sio.SINGLE_FILE,
+        {"l.weight_packed": packed, "l.weight_scale": scale,
+         "l.weight_zero_point": np.full((n, k // g), 9, np.int8)})
+  with pytest.raises(ValueError, match=r"'l\.weight_zero_point' holds zero points in "
+                     r"\[9, 9\], outside signed int4"):
+    sio.read_linear(sio.Checkpoint(tmp_path), "l", k, n, q)
+
+
+# ------------------------------------------------------------------------------ GPT-OSS
+
+
+def test_read_gpt_oss_from_a_sharded_folder(tmp_path, rng):
+  """GPT-OSS ships as shards with an index; naming the folder was an OSError ("No such
+  device"), and blocks and scales in different shards could not be read at all."""
+  e, n, nb = 2, 24, 3
+  blocks = rng.integers(0, 256, (e, n, nb, 16), dtype=np.uint8)
+  scales = rng.integers(110, 140, (e, n, nb), dtype=np.uint8)
+  name = "model.layers.0.mlp.experts.gate_up_proj"
+  _save(tmp_path / "model-00000-of-00001.safetensors", {f"{name}_blocks": blocks})
+  _save(tmp_path / "model-00001-of-00001.safetensors", {f"{name}_scales": scales})
+  (tmp_path / sio.INDEX_FILE).write_text(json.dumps({"weight_map": {
+      f"{name}_blocks": "model-00000-of-00001.safetensors",
+      f"{name}_scales": "model-00001-of-00001.safetensors"}}))
+  w = qjax.read_gpt_oss_mxfp4(tmp_path, name)
+  # float64 decode: byte b of block j of row n holds k = 32j + 2b (low), 32j + 2b + 1.
+  codes = np.stack([blocks & 0xF, blocks >> 4], -1).reshape(e, n, nb * 32)
+  want = E2M1[codes] * np.exp2(np.repeat(scales.astype(np.float64) - 127, 32, axis=-1))
+  assert w.shape == (nb * 32, n)
+  np.testing.assert_array_equal(np.asarray(w.dequantize()).astype(np.float64),
+                                want.transpose(0, 2, 1))
+  with pytest.raises(KeyError, match="has no tensor 'x_blocks'"):
+    qjax.read_gpt_oss_mxfp4(tmp_path, "x")
