@@ -133,3 +133,32 @@ def test_read_gpt_oss_from_a_sharded_folder(tmp_path, rng):
                                 want.transpose(0, 2, 1))
   with pytest.raises(KeyError, match="has no tensor 'x_blocks'"):
     qjax.read_gpt_oss_mxfp4(tmp_path, "x")
+
+
+# ------------------------------------------------------------------- saving into a folder
+
+
+def test_saving_again_into_a_folder_removes_the_other_form(tmp_path, rng):
+  """A single-file save into a folder that held a sharded save left the index, so the
+  loader read the earlier shards: the new weights were silently not the ones loaded.
+  (A sharded save over a single file left model.safetensors, which transformers loads.)"""
+  def tensors():
+    return {f"t{i}": rng.standard_normal(100).astype(np.float32) for i in range(4)}
+
+  first, second, third = tensors(), tensors(), tensors()
+  assert len(sio.write_checkpoint(tmp_path, first, {}, max_shard_bytes=800)) == 2
+  assert sio.write_checkpoint(tmp_path, second, {}) == [sio.SINGLE_FILE]
+  assert sorted(p.name for p in tmp_path.iterdir()) == [sio.CONFIG_FILE, sio.SINGLE_FILE]
+  for name, a in second.items():
+    np.testing.assert_array_equal(sio.Checkpoint(tmp_path).get(name), a)
+  files = sio.write_checkpoint(tmp_path, third, {}, max_shard_bytes=1200)
+  assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+  assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+      [sio.CONFIG_FILE, sio.INDEX_FILE, *files])
+  for name, a in third.items():
+    np.testing.assert_array_equal(sio.Checkpoint(tmp_path).get(name), a)
+  # Shards of another count go too; other files stay.
+  (tmp_path / "README.md").write_text("mine")
+  files = sio.write_checkpoint(tmp_path, first, {}, max_shard_bytes=400)
+  assert len(files) == 4 and sorted(p.name for p in tmp_path.iterdir()) == sorted(
+      [sio.CONFIG_FILE, sio.INDEX_FILE, "README.md", *files])

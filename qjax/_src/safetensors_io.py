@@ -33,6 +33,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import tempfile
 from typing import Any, Iterable, Mapping
 
@@ -54,6 +55,7 @@ METHODS = ("gptq", "awq", "compressed-tensors")
 DENSE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 SCALE_DTYPES = DENSE_DTYPES
 _SHIFTS = np.arange(0, 32, 4, dtype=np.uint32)
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 # ------------------------------------------------------------------------- quantization
@@ -596,6 +598,11 @@ def write_checkpoint(folder: str | os.PathLike[str], tensors: Mapping[str, np.nd
   """Writes ``config.json`` and the tensors as ``model.safetensors`` or, when they exceed
   ``max_shard_bytes``, as ``model-0000i-of-0000n.safetensors`` shards with
   ``model.safetensors.index.json``. Each file is written to a temporary name and renamed.
+  What an earlier save into ``folder`` left of the other form is then removed (the index
+  and shards after a single-file save, ``model.safetensors`` and shards of another count
+  after a sharded one), as ``transformers``' ``save_pretrained`` does: readers would
+  otherwise load the earlier weights (qjax and others prefer the index, ``transformers``
+  the single file).
 
   Returns:
     The safetensors file names written.
@@ -632,6 +639,13 @@ def write_checkpoint(folder: str | os.PathLike[str], tensors: Mapping[str, np.nd
              "weight_map": {n: f for f, s in zip(files, shards) for n in s}}
     atomic(folder / INDEX_FILE,
            lambda tmp: pathlib.Path(tmp).write_text(json.dumps(index, indent=2)))
+  stale = [] if len(shards) > 1 else [folder / INDEX_FILE]  # the index first: it wins
+  stale += sorted(f for f in folder.glob("model-*-of-*.safetensors")
+                  if _SHARD_NAME.fullmatch(f.name) and f.name not in files)
+  stale += [folder / SINGLE_FILE] if len(shards) > 1 else []
+  for f in stale:
+    if f.is_file():
+      f.unlink()
   atomic(folder / CONFIG_FILE,
          lambda tmp: pathlib.Path(tmp).write_text(json.dumps(config, indent=2)))
   return files
