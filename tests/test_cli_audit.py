@@ -7,6 +7,7 @@ code without the check the command gets to the failing write quickly.
 
 import sys
 
+import jax
 import pytest
 
 from qjax._src import cli
@@ -94,3 +95,19 @@ def test_gguf_path_that_is_a_folder_says_so(capsys, tmp_path, command):
   assert not captured.out
   assert captured.err == (f"qjax {command}: error: {tmp_path} is a folder, not a GGUF file; "
                           f"give the .gguf file, e.g. {tmp_path / 'model.gguf'}\n")
+
+
+@pytest.mark.skipif(jax.devices()[0].platform == "gpu", reason="checks a machine without a GPU")
+def test_generate_pallas_without_a_gpu_is_refused_before_loading(capsys, monkeypatch):
+  """Was refused only after the whole model had loaded (at its first weight)."""
+  from qjax._src import gguf_io  # pylint: disable=g-import-not-at-top
+  def load(*args, **kwargs):
+    raise AssertionError("the model was loaded before the refusal")
+  monkeypatch.setattr(gguf_io, "load_gguf", load)
+  assert cli.main(["generate", "--implementation", "pallas", "--model", "any.gguf"]) == 2
+  captured = capsys.readouterr()
+  assert not captured.out
+  assert captured.err.strip() == (
+      "qjax generate: error: --implementation pallas needs a GPU (the compiled kernels); "
+      "this device is cpu: use auto or xla, or interpret (the kernels' programs on the "
+      "CPU, slowly)")

@@ -133,6 +133,11 @@ def _run_generate(args) -> int:
   if not 0 < args.top_p <= 1:
     raise UsageError(f"--top-p={args.top_p} must be in (0, 1]")
   implementation = None if args.implementation == "auto" else args.implementation
+  if implementation == "pallas" and jax.devices()[0].platform != "gpu":
+    # Refused before the model loads (minutes for a big one), not at the first weight.
+    raise UsageError(f"--implementation pallas needs a GPU (the compiled kernels); this "
+                     f"device is {jax.devices()[0].platform}: use auto or xla, or interpret "
+                     "(the kernels' programs on the CPU, slowly)")
   path = _not_a_folder(args.model or default_model_path())
   if not 1 <= args.devices <= jax.device_count():
     raise UsageError(f"--devices={args.devices}: this machine has {jax.device_count()} "
