@@ -111,3 +111,14 @@ def test_generate_pallas_without_a_gpu_is_refused_before_loading(capsys, monkeyp
       "qjax generate: error: --implementation pallas needs a GPU (the compiled kernels); "
       "this device is cpu: use auto or xla, or interpret (the kernels' programs on the "
       "CPU, slowly)")
+
+
+@pytest.mark.skipif(jax.devices()[0].platform == "gpu", reason="checks a machine without a GPU")
+def test_bench_moe_says_why_a_column_is_nan(capsys):
+  """The wgmma column of ``qjax bench --moe`` is NaN off Hopper: one line says why (it was
+  a bare nan column)."""
+  assert cli.main(["bench", "--moe", "--calls", "1", "--m", "1", "--shapes", "128x256",
+                   "--moe-experts", "4", "--moe-top-k", "2"]) == 0
+  out = capsys.readouterr().out
+  assert out.count("# nan wgmma: Hopper's wgmma MoE kernel does not run on") == 1, out
+  assert "# nan default" not in out and "# nan xla" not in out

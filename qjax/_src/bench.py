@@ -543,6 +543,7 @@ class MoERow:
   floor_bytes: float  # averaged over the rotated routings
   selected_experts: float  # distinct experts per call, averaged
   source: str
+  nan_reasons: dict[str, str] = dataclasses.field(default_factory=dict)  # impl -> why NaN
 
   def over_floor(self, impl: str) -> float:
     t = self.times_us.get(impl)
@@ -612,11 +613,13 @@ def bench_moe(tokens: int, *, experts: int, k: int, n: int, top_k: int, bandwidt
       "dequant_all": lambda x_, w_, i_: jnp.einsum(
           "tk,tjkn->tjn", x_, jax.lax.optimization_barrier(w_.dequantize(x_.dtype))[i_]),
   }
-  times, source = {}, "trace"
+  times, source, nan_reasons = {}, "trace", {}
   for name, fn in fns.items():
     weight = w_nk if name == "wgmma" else w
     if weight is None:
       times[name] = float("nan")
+      nan_reasons[name] = (f"Hopper's wgmma MoE kernel does not run on "
+                           f"{jax.devices()[0].device_kind} ({jax.devices()[0].platform})")
       continue
     try:
       t = devtime.device_time(jax.jit(fn), [(x, weight, ids) for ids in id_sets],
@@ -624,12 +627,13 @@ def bench_moe(tokens: int, *, experts: int, k: int, n: int, top_k: int, bandwidt
     except NotImplementedError as e:  # a kernel that declines this shape (wgmma: N < 128)
       print(f"# --moe: {name} not timed: {e}", file=sys.stderr)
       times[name] = float("nan")
+      nan_reasons[name] = str(e)
       continue
     times[name], source = t.us, t.source
   floor_bytes = distinct * per_expert + x.nbytes + tokens * top_k * n * 2
   return MoERow(tokens=tokens, experts=experts, k=k, n=n, top_k=top_k, times_us=times,
                 floor_us=floor_bytes / bandwidth * 1e6, floor_bytes=floor_bytes,
-                selected_experts=distinct, source=source)
+                selected_experts=distinct, source=source, nan_reasons=nan_reasons)
 
 
 def _wgmma_moe_runs() -> bool:
@@ -685,6 +689,9 @@ def run_moe(args, env: dict[str, str], on_gpu: bool) -> int:
     print(format_moe_table(rows[-1:]).splitlines()[-1], flush=True)
   print()
   print(format_moe_table(rows))
+  reasons = {(i, why): None for r in rows for i, why in r.nan_reasons.items()}
+  for impl, why in reasons:  # once per (implementation, reason), in the rows' order
+    print(f"# nan {impl}: {why}")
   if args.json:
     with open(args.json, "w") as f:
       json.dump({"environment": env, "bandwidth_bytes_per_s": bandwidth,
