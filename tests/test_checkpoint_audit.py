@@ -162,3 +162,63 @@ def test_saving_again_into_a_folder_removes_the_other_form(tmp_path, rng):
   files = sio.write_checkpoint(tmp_path, first, {}, max_shard_bytes=400)
   assert len(files) == 4 and sorted(p.name for p in tmp_path.iterdir()) == sorted(
       [sio.CONFIG_FILE, sio.INDEX_FILE, "README.md", *files])
+
+
+# ------------------------------------------------------------------ GPTQModel's dynamic
+
+
+def _pack_rows(q: np.ndarray) -> np.ndarray:
+  """AutoGPTQ: ``qweight[r] |= q[8r + i] << 4i``."""
+  out = np.zeros((q.shape[0] // 8, q.shape[1]), np.uint32)
+  for i in range(8):
+    out |= q[i::8].astype(np.uint32) << np.uint32(4 * i)
+  return out.view(np.int32)
+
+
+def _pack_cols(z: np.ndarray) -> np.ndarray:
+  """AutoGPTQ: ``qzeros[:, c] |= z[:, 8c + i] << 4i``."""
+  out = np.zeros((z.shape[0], z.shape[1] // 8), np.uint32)
+  for i in range(8):
+    out |= z[:, i::8].astype(np.uint32) << np.uint32(4 * i)
+  return out.view(np.int32)
+
+
+def test_gptq_dynamic_per_module_overrides(tmp_path, rng):
+  """GPTQModel's ``dynamic`` (per-module group_size / sym / skip) was ignored: a module of
+  another group size was refused with a shape error naming the global group_size, an
+  asymmetric override loaded as symmetric (to_int4 then refused it)."""
+  k, n = 128, 32
+  tensors, want = {}, {}
+  for prefix, g, sym in (("model.layers.0.mlp.up_proj", 64, True),
+                         ("model.layers.0.mlp.down_proj", 32, False),
+                         ("model.layers.1.mlp.down_proj", 64, True)):
+    q = rng.integers(0, 16, (k, n))
+    z = np.full((k // g, n), 8) if sym else rng.integers(1, 16, (k // g, n))
+    s = (rng.uniform(0.5, 1.5, (k // g, n)) * 0.02).astype(np.float16)
+    tensors.update({f"{prefix}.qweight": _pack_rows(q), f"{prefix}.qzeros": _pack_cols(z - 1),
+                    f"{prefix}.scales": s,
+                    f"{prefix}.g_idx": (np.arange(k) // g).astype(np.int32)})
+    gi = np.arange(k) // g
+    want[prefix] = (q - z[gi]) * s.astype(np.float64)[gi]
+  dense = rng.standard_normal((n, k)).astype(np.float16)
+  tensors["model.layers.0.self_attn.o_proj.weight"] = dense
+  _save(tmp_path / sio.SINGLE_FILE, tensors)
+  qc = {"quant_method": "gptq", "bits": 4, "group_size": 64, "sym": True, "desc_act": False,
+        "checkpoint_format": "gptq",
+        "dynamic": {r"-:.*self_attn\.o_proj": {},
+                    r"+:model\.layers\.0\.mlp\.down_proj": {"group_size": 32, "sym": False}}}
+  q = sio.parse_quantization({"quantization_config": qc})
+  ckpt = sio.Checkpoint(tmp_path)
+  for prefix, ref in want.items():
+    w = sio.read_linear(ckpt, prefix, k, n, q)
+    np.testing.assert_array_equal(np.asarray(w.dequantize()).astype(np.float64), ref)
+    assert w.symmetric == (prefix != "model.layers.0.mlp.down_proj")
+    np.testing.assert_array_equal(np.asarray(w.to_int4().dequantize()).astype(np.float64),
+                                  ref)
+  w = sio.read_linear(ckpt, "model.layers.0.self_attn.o_proj", k, n, q)
+  np.testing.assert_array_equal(np.asarray(w.data), dense)
+  # A module of another bit width is named.
+  qc["dynamic"] = {r"model\.layers\.1\.": {"bits": 8}}
+  q = sio.parse_quantization({"quantization_config": qc})
+  with pytest.raises(ValueError, match=r"dynamic\['model\\\\.layers\\\\.1\\\\.'\]\.bits=8"):
+    sio.read_linear(ckpt, "model.layers.1.mlp.down_proj", k, n, q)

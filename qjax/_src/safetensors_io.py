@@ -72,15 +72,42 @@ class Quantization:
     desc_act: GPTQ act-order (``g_idx`` may be any grouping of the rows).
     zero_point_version: GPTQ only: 1 (``checkpoint_format`` "gptq", stored ``z - 1``) or
       2 ("gptq_v2", stored ``z``).
+    dynamic: GPTQ only (GPTQModel's ``dynamic``): ``((pattern, overrides), ...)`` in the
+      config's order; the first pattern that ``re.match``-es a module's name applies:
+      ``"-:PATTERN"`` leaves the module unquantized, ``"+:PATTERN"`` or ``"PATTERN"``
+      overrides its ``bits`` / ``group_size`` / ``sym`` / ``desc_act``
+      (:meth:`for_module`).
   """
   method: str
   group_size: int
   symmetric: bool = False
   desc_act: bool = False
   zero_point_version: int = 1
+  dynamic: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
 
   def group_size_for(self, k: int) -> int:
     return k if self.group_size == -1 else self.group_size
+
+  def for_module(self, prefix: str) -> "Quantization | None":
+    """The scheme of module ``prefix`` after the ``dynamic`` overrides; None when a
+    ``-:`` pattern leaves it unquantized."""
+    for pattern, overrides in self.dynamic:
+      if pattern.startswith("-:"):
+        if re.match(pattern[2:], prefix):
+          return None
+        continue
+      if not re.match(pattern[2:] if pattern.startswith("+:") else pattern, prefix):
+        continue
+      o = dict(overrides)
+      where = f"dynamic[{pattern!r}]"
+      _need_bits4(o.get("bits", 4), where + ".bits")
+      return dataclasses.replace(
+          self, dynamic=(),
+          group_size=_group_size(o.get("group_size", self.group_size),
+                                 where + ".group_size"),
+          symmetric=bool(o.get("sym", self.symmetric)),
+          desc_act=bool(o.get("desc_act", self.desc_act)))
+    return dataclasses.replace(self, dynamic=()) if self.dynamic else self
 
 
 def _need_bits4(bits: Any, where: str) -> None:
@@ -97,6 +124,26 @@ def _group_size(v: Any, where: str) -> int:
     raise ValueError(f"quantization_config {where}={v!r} must be positive or -1 "
                      "(per-channel)")
   return g
+
+
+def _gptq_dynamic(dynamic: Any) -> tuple:
+  """GPTQModel's ``dynamic`` ``{pattern: {key: value}}`` as :attr:`Quantization.dynamic`."""
+  if not dynamic:
+    return ()
+  if not isinstance(dynamic, Mapping) or not all(
+      isinstance(k, str) and isinstance(v, Mapping) for k, v in dynamic.items()):
+    raise ValueError(f"quantization_config dynamic={dynamic!r:.80} must map module-name "
+                     "patterns to objects of overrides (GPTQModel's per-module config)")
+  out = []
+  for pattern, overrides in dynamic.items():
+    try:
+      re.compile(pattern[2:] if pattern.startswith(("+:", "-:")) else pattern)
+    except re.error as e:
+      raise ValueError(f"quantization_config dynamic pattern {pattern!r} is not a regular "
+                       f"expression ({e})") from None
+    out.append((pattern, tuple(sorted((str(k), v) for k, v in overrides.items()
+                                      if isinstance(v, (bool, int, float, str))))))
+  return tuple(out)
 
 
 def parse_quantization(config: Mapping[str, Any]) -> Quantization | None:
@@ -125,7 +172,8 @@ def parse_quantization(config: Mapping[str, Any]) -> Quantization | None:
                                                               "group_size"),
                         symmetric=bool(qc.get("sym", True)),
                         desc_act=bool(qc.get("desc_act", False)),
-                        zero_point_version=versions[fmt])
+                        zero_point_version=versions[fmt],
+                        dynamic=_gptq_dynamic(qc.get("dynamic")))
   if method == "awq":
     _need_bits4(qc.get("bits", qc.get("w_bit")), "bits")
     version = str(qc.get("version", "gemm")).lower()
@@ -328,7 +376,8 @@ def read_linear(ckpt: Checkpoint, prefix: str, k: int, n: int, q: Quantization |
   """The weight of linear ``prefix`` of logical shape ``[K, N]`` (``y = x @ W``).
 
   A linear is quantized when any tensor of ``q``'s layout is stored under ``prefix``
-  (modules the producer left dense, e.g. ``lm_head``, are read as dense).
+  (modules the producer left dense, e.g. ``lm_head``, are read as dense). GPTQ's
+  per-module ``dynamic`` overrides apply (:meth:`Quantization.for_module`).
 
   Returns:
     A :class:`GPTQWeight` (trivial ``g_idx`` dropped), :class:`AWQWeight`,
@@ -338,6 +387,8 @@ def read_linear(ckpt: Checkpoint, prefix: str, k: int, n: int, q: Quantization |
     ValueError: naming the tensor that is missing or has the wrong shape or dtype, or
       whose K the group size does not divide.
   """
+  if q is not None:
+    q = q.for_module(prefix)  # GPTQModel's per-module overrides
   quantized = any(f"{prefix}.{s}" in ckpt for s in quantized_suffixes(q))
   if not quantized:
     name = f"{prefix}.weight"
