@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import qjax
+from qjax._src import dispatch
 
 Array = jax.Array
 default_kernel_init = nn.initializers.lecun_normal()
@@ -27,19 +28,18 @@ def _value(variable: nnx.Variable) -> Any:
   return get() if get is not None else variable.value
 
 
-COMPUTE_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-
-
 def compute_dtype(dtype: Any, x: Array) -> Any:
   """The layer's computation dtype: ``dtype``, or x's where ``dtype`` is None; a
-  ValueError naming which of the two is not bfloat16, float16 or float32."""
+  ValueError naming which of the two is not one of ``qjax.matmul``'s activation dtypes
+  (bfloat16, float16, float32)."""
+  allowed = [jnp.dtype(d) for d in dispatch.ACTIVATION_DTYPES]
   if dtype is None:
-    if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in COMPUTE_DTYPES]:
+    if jnp.dtype(x.dtype) not in allowed:
       raise ValueError(f"x of dtype {jnp.dtype(x.dtype).name} with dtype=None (the layer "
                        "computes in x's dtype) must be bfloat16, float16 or float32; cast "
                        "x or set the layer's dtype=")
     return x.dtype
-  if jnp.dtype(dtype) not in [jnp.dtype(d) for d in COMPUTE_DTYPES]:
+  if jnp.dtype(dtype) not in allowed:
     raise ValueError(f"dtype={jnp.dtype(dtype).name} must be bfloat16, float16 or float32")
   return dtype
 
