@@ -17,6 +17,7 @@ safetensors_numpy = pytest.importorskip("safetensors.numpy")
 import qjax  # noqa: E402
 from flax_layers import hf_checkpoint as hf  # noqa: E402
 from qjax._src import safetensors_io as sio  # noqa: E402
+from test_checkpoint_layouts import ref_ct  # noqa: E402
 
 # E2M1 code -> value (OCP MX spec; GPT-OSS's FP4_VALUES).
 E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
@@ -71,18 +72,6 @@ def test_index_naming_a_shard_without_the_tensor(tmp_path, rng):
 # --------------------------------------------------------- compressed-tensors zero points
 
 
-def _ref_ct(packed: np.ndarray, scale: np.ndarray, zp: np.ndarray, g: int) -> np.ndarray:
-  """float64 ``[K, N]``: ``(v - zp) * scale`` with ``v`` the offset-binary nibbles - 8."""
-  w = packed.view(np.uint32).astype(np.int64)
-  n, kw = w.shape
-  v = np.zeros((n, kw * 8), np.int64)
-  for j in range(kw):
-    for i in range(8):
-      v[:, 8 * j + i] = ((w[:, j] >> (4 * i)) & 0xF) - 8
-  grp = np.arange(kw * 8) // g
-  return ((v - zp.astype(np.int64)[:, grp]) * scale.astype(np.float64)[:, grp]).T
-
-
 def test_compressed_tensors_unpacked_int8_zero_points_load(tmp_path, rng):
   """compressed-tensors before its zero-point packing (April 2025) saved asymmetric
   zero points as the int8 ``[N, K // G]`` parameter; such checkpoints were refused with
@@ -96,7 +85,7 @@ def test_compressed_tensors_unpacked_int8_zero_points_load(tmp_path, rng):
          "l.weight_shape": np.array([n, k], np.int64)})
   q = sio.Quantization(method="compressed-tensors", group_size=g, symmetric=False)
   w = sio.read_linear(sio.Checkpoint(tmp_path), "l", k, n, q)
-  want = _ref_ct(packed, scale, zp, g)
+  want = ref_ct(packed, scale, zp, g)  # int8 [N, K // G] zero points as stored
   np.testing.assert_array_equal(np.asarray(w.dequantize()).astype(np.float64), want)
   np.testing.assert_array_equal(np.asarray(w.to_int4().dequantize()).astype(np.float64),
                                 want)
