@@ -4,9 +4,10 @@ store, and the launch (grid, split-K, poisoned outputs for tests).
 The kernels' contract: a grid of ``(N blocks, M blocks, split_k)`` programs, each owning a
 ``[block_m, block_n]`` output tile over ``1 / split_k`` of K. With ``split_k > 1`` every
 split writes its own float32 slice of a ``[split_k, M, N]`` output, added in XLA
-afterwards in split order (:func:`sum_splits`; deterministic, unlike atomics). Inputs that are layer slices of a stacked
-weight (``qjax.layer_of``) arrive as the stacked arrays plus the layer index, and the
-kernel sees them through :class:`LayerRef` at that layer: no copy of the layer.
+afterwards in split order (:func:`sum_splits`; deterministic, unlike atomics). Inputs
+that are layer slices of a stacked weight (``qjax.layer_of``) arrive as the stacked
+arrays plus the layer index, and the kernel sees them through :class:`LayerRef` at that
+layer: no copy of the layer.
 """
 
 from __future__ import annotations
