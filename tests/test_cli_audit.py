@@ -7,9 +7,9 @@ code without the check the command gets to the failing write quickly.
 
 import sys
 
-import jax
 import pytest
 
+from conftest import cpu_only
 from qjax._src import cli
 from test_cli import _usage_error  # exit code 2, one "qjax CMD: error: " line
 
@@ -97,7 +97,7 @@ def test_gguf_path_that_is_a_folder_says_so(capsys, tmp_path, command):
                           f"give the .gguf file, e.g. {tmp_path / 'model.gguf'}\n")
 
 
-@pytest.mark.skipif(jax.devices()[0].platform == "gpu", reason="checks a machine without a GPU")
+@cpu_only
 def test_generate_pallas_without_a_gpu_is_refused_before_loading(capsys, monkeypatch):
   """Was refused only after the whole model had loaded (at its first weight)."""
   from qjax._src import gguf_io  # pylint: disable=g-import-not-at-top
@@ -113,7 +113,7 @@ def test_generate_pallas_without_a_gpu_is_refused_before_loading(capsys, monkeyp
       "CPU, slowly)")
 
 
-@pytest.mark.skipif(jax.devices()[0].platform == "gpu", reason="checks a machine without a GPU")
+@cpu_only
 def test_bench_moe_says_why_a_column_is_nan(capsys):
   """The wgmma column of ``qjax bench --moe`` is NaN off Hopper: one line says why (it was
   a bare nan column)."""
