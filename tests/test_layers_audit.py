@@ -10,14 +10,10 @@ from jax.sharding import PartitionSpec as P
 
 import qjax
 import flax_layers
-from conftest import rel_err, seed_from
+from conftest import rel_err
 from test_sharding import _mesh
 
 TOL = 1e-5  # the CPU's XLA path accumulates in float32
-
-
-def _rng(request):
-  return np.random.default_rng(seed_from(request.node.nodeid))
 
 
 def _f32(rng, shape, scale=1.0):
@@ -31,10 +27,9 @@ def _ref(x, w, bias=None):
 
 
 @pytest.mark.parametrize("mode", ["column", "row"])
-def test_int4_layers_take_a_sharded_weight(request, mode):
+def test_int4_layers_take_a_sharded_weight(rng, mode):
   """A ``qjax.ShardedWeight`` kernel (as ``qjax.matmul`` takes it): outside shard_map the
   global product, inside each device's (was an AttributeError on ``.astype``)."""
-  rng = _rng(request)
   k, n = 256, 64
   w = qjax.quantize(_f32(rng, (k, n), 1 / 16), group_size=64, symmetric=False)
   bias = _f32(rng, (n,))
@@ -64,10 +59,9 @@ def test_int4_layers_take_a_sharded_weight(request, mode):
   assert rel_err(run(sw, bias, x), want) < TOL
 
 
-def test_non_float_x_is_named_as_x(request):
+def test_non_float_x_is_named_as_x(rng):
   """An int x with dtype=None: the error names x's dtype and what to do (it named a
   ``dtype=int32`` the user never set); with dtype=float32 the int x is cast."""
-  rng = _rng(request)
   k, n = 128, 24
   w = qjax.quantize(_f32(rng, (k, n), 1 / 16), group_size=64)
   xi = jnp.asarray(rng.integers(-8, 8, (3, k)), jnp.int32)
@@ -87,10 +81,9 @@ def test_non_float_x_is_named_as_x(request):
   assert y.dtype == jnp.float32 and rel_err(y, _ref(xi, w)) < TOL
 
 
-def test_x_without_a_feature_axis_is_named(request):
+def test_x_without_a_feature_axis_is_named(rng):
   """A scalar x: a ValueError saying x needs [..., K] (was an IndexError / unpacking
   error from inside the layer)."""
-  rng = _rng(request)
   w = qjax.quantize(_f32(rng, (128, 16), 1 / 16), group_size=64)
   x = jnp.float32(0.5)
   with pytest.raises(ValueError, match=r"x of shape \(\) has no feature axis"):
@@ -106,10 +99,9 @@ def test_x_without_a_feature_axis_is_named(request):
   assert y.shape == (16,) and rel_err(y, _ref(xv, w)) < TOL
 
 
-def test_moe_block_empty_batch(request):
+def test_moe_block_empty_batch(rng):
   """No tokens (x ``[2, 0, D]``): zeros ``[2, 0, D]`` as the dense layers give, and init
   makes the same params as with tokens (was a ValueError from qjax.moe_matmul)."""
-  rng = _rng(request)
   d = 64
   layer = flax_layers.MXFP4MoE(num_experts=4, top_k=2, intermediate_size=32, use_bias=True,
                                implementation="xla")
@@ -131,10 +123,9 @@ class _Layer(nn.Module):
     return jnp.tanh(flax_layers.Int4Dense(128, group_size=64)(h)), None
 
 
-def test_scan_layers_refuses_stacks_of_other_lengths(request):
+def test_scan_layers_refuses_stacks_of_other_lengths(rng):
   """A param stacked over fewer (or more) layers than the others: a ValueError naming it
   (a shorter stack was read clamped, its last layer reused, a longer one cut)."""
-  rng = _rng(request)
   x = _f32(rng, (2, 128))
   per_layer = [_Layer().init(jax.random.key(i), x, None)["params"] for i in range(3)]
   for p in per_layer:
