@@ -9,6 +9,7 @@ read at its offset; float params are sliced. See ``qjax.layer_of`` for the measu
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import flax.linen as nn
@@ -62,15 +63,22 @@ def scan_layers(module: nn.Module, stacked_params: Any, carry: Any, xs: Any = No
   leaves = jax.tree_util.tree_leaves_with_path(stacked_params)
   if not leaves:
     raise ValueError("scan_layers needs params with a leading [layers] axis; got none")
-  first_path, first = leaves[0]
-  layers = jnp.shape(first)[0] if jnp.ndim(first) else None
+  counts = collections.Counter(jnp.shape(leaf)[0] if jnp.ndim(leaf) else None
+                               for _, leaf in leaves)
+  # The count most leaves share is the reference, so the odd leaf is the one named.
+  layers = max(counts, key=lambda c: (c is not None, counts[c]))
+  if layers is None:
+    raise ValueError(f"scan_layers needs params with a leading [layers] axis; all "
+                     f"{len(leaves)} of stacked_params' leaves are scalars")
+  ref_path = next(path for path, leaf in leaves
+                  if jnp.ndim(leaf) and jnp.shape(leaf)[0] == layers)
   for path, leaf in leaves:  # a shorter stack would be read clamped, a longer one cut
     if jnp.ndim(leaf) < 1 or jnp.shape(leaf)[0] != layers:
       raise ValueError(
           f"stacked_params{jax.tree_util.keystr(path)} of shape {jnp.shape(leaf)} does not "
           f"have the leading [layers] axis of stacked_params"
-          f"{jax.tree_util.keystr(first_path)} ({layers} layers); stack every param over "
-          "the same layers")
+          f"{jax.tree_util.keystr(ref_path)} ({layers} layers, as {counts[layers]} of the "
+          f"{len(leaves)} params have); stack every param over the same layers")
 
   def body(carry, inputs):
     i, x = inputs

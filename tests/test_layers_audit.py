@@ -124,8 +124,9 @@ class _Layer(nn.Module):
 
 
 def test_scan_layers_refuses_stacks_of_other_lengths(rng):
-  """A param stacked over fewer (or more) layers than the others: a ValueError naming it
-  (a shorter stack was read clamped, its last layer reused, a longer one cut)."""
+  """A param stacked over fewer (or more) layers than the others: a ValueError naming it,
+  against the count most params share (a shorter stack was read clamped, its last layer
+  reused, a longer one cut)."""
   x = _f32(rng, (2, 128))
   per_layer = [_Layer().init(jax.random.key(i), x, None)["params"] for i in range(3)]
   for p in per_layer:
@@ -139,6 +140,11 @@ def test_scan_layers_refuses_stacks_of_other_lengths(rng):
   bias = stacked["Int4Dense_0"]["bias"]
   for bad in (bias[:2], jnp.concatenate([bias, bias])):
     wrong = {"Int4Dense_0": dict(stacked["Int4Dense_0"], bias=bad)}
-    with pytest.raises(ValueError, match=r"stacked_params\['Int4Dense_0'\]\['kernel'\]\.codes "
-                       r"of shape \(3, 16, 128\) does not have the leading \[layers\] axis"):
+    # bias is the first leaf; the two kernel arrays' count of 3 is the reference.
+    with pytest.raises(ValueError, match=(
+        rf"stacked_params\['Int4Dense_0'\]\['bias'\] of shape \({bad.shape[0]}, 128\) does "
+        r"not have the leading \[layers\] axis of stacked_params\['Int4Dense_0'\]\['kernel'\]"
+        r"\.codes \(3 layers, as 2 of the 3 params have\)")):
       flax_layers.scan_layers(_Layer(), wrong, x)
+  with pytest.raises(ValueError, match="all 1 of stacked_params' leaves are scalars"):
+    flax_layers.scan_layers(_Layer(), {"b": jnp.float32(1)}, x)
