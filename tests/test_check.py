@@ -113,6 +113,16 @@ def test_shards_split_the_formats(monkeypatch):
     check.run(impls=["xla"], shard=(3, 3))
 
 
+def test_a_shard_without_formats_says_so(capsys):
+  """--shard beyond the selected formats checks nothing: exit 0 (CI splits a sweep into
+  more shards than some selections have formats), with a note on stderr."""
+  rc = cli.main(["check", "--formats", "awq-g128", "--impl", "xla", "--shard", "1/2",
+                 "--quiet"])
+  captured = capsys.readouterr()
+  assert rc == 0 and "0 cases" in captured.out
+  assert "shard 1/2 holds none of the 1 formats selected; nothing was checked" in captured.err
+
+
 def test_unknown_format_is_named():
   with pytest.raises(ValueError, match="unknown formats \\['int5'\\]"):
     check.run(formats=["int5"], impls=["xla"])

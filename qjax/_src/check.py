@@ -389,6 +389,11 @@ def main(args) -> int:
 
   results = run(full=args.full, formats=formats, impls=impls, seed=args.seed, shard=shard,
                 progress=say, on_format=write_json)
+  if not results and shard[1] > 1:
+    # Exit 0 still: CI splits the sweep into more shards than some selections have formats.
+    print(f"qjax check: shard {shard[0]}/{shard[1]} holds none of the "
+          f"{len(formats) if formats else len(format_cases())} formats selected; "
+          "nothing was checked", file=sys.stderr)
   rows = summarize(results)
   misses = [r for r in results if r.status == "miss"]
   print(table(rows))
