@@ -282,6 +282,20 @@ def test_chat_template_absent_and_generate_prompt(model):
       sp.encode("The capital", add_bos=True))
 
 
+def test_chat_template_that_starts_with_bos(model):
+  """A Llama 2 style template writes ``<s>`` itself: generate then adds no second BOS, and
+  the text after it gets the space prefix (llama.cpp parses the control token, then
+  tokenizes the rest as a new fragment)."""
+  from qjax._src import generate  # pylint: disable=g-import-not-at-top
+  sp, metadata, _ = model
+  template = ("{{ bos_token }}{% for m in messages %}[INST] {{ m['content'] }} [/INST]"
+              "{% endfor %}")
+  tok = tokenizer_lib.tokenizer_from_gguf({**metadata, "tokenizer.chat_template": template})
+  ids = generate.prompt_token_ids(tok, "Hi there", chat=True)
+  assert ids == [sp.bos_id(), *sp.encode("[INST] Hi there [/INST]")]
+  assert tok.decode(ids, skip_special=True) == "[INST] Hi there [/INST]"
+
+
 def test_streamed_decoding_as_generate_does(model):
   """generate prints ``decode(generated)`` growing token by token, holding back text that
   ends in U+FFFD (an unfinished character); the printed text must come out whole."""
