@@ -290,8 +290,18 @@ def matmul(x: jax.Array, w: Any, *, implementation: str | None = None) -> jax.Ar
   _check_args(x, w)
   _, fn = resolve(w, implementation)
   lead = x.shape[:-1]
-  y = fn(x.reshape(-1, x.shape[-1]), w)
+  x2 = x.reshape(-1, x.shape[-1])
+  out_sharding = sharding_module().explicit_output_sharding(x2, w)
+  if out_sharding is not None:  # explicit mesh axes: the XLA path's ops run under GSPMD
+    fn = jax.sharding.auto_axes(fn, out_sharding=out_sharding)
+  y = fn(x2, w)
   return y.reshape(*lead, w.shape[1])
+
+
+def sharding_module():
+  """:mod:`qjax._src.sharding` (imported on demand: it imports this module)."""
+  from qjax._src import sharding  # pylint: disable=g-import-not-at-top
+  return sharding
 
 
 @autodiff.retraced_on_registration
@@ -313,6 +323,9 @@ def _runs_a_kernel(x: Any, w: Any, implementation: str | None) -> bool:
   raises its error."""
   if implementation == "xla" or jnp.ndim(x) < 1:
     return False
+  if implementation is None and not isinstance(
+      w, sharded_weight_class()) and sharding_module().has_explicit_axes(x, w):
+    return False  # a kernel is one call XLA does not partition; shard_map runs kernels
   base = resolvable_weight(w)
   if not isinstance(base, formats.QuantizedWeight):
     return False

@@ -4,7 +4,10 @@ Two ways to run a split weight (the split rules are in :mod:`qjax._src.split_rul
 
 * Plain ``jax.jit`` over a weight whose arrays carry NamedShardings
   (:func:`shard_weight`): XLA partitions the XLA path (GSPMD). Nothing to change in the
-  caller, but a Pallas kernel is one opaque call that XLA does not partition.
+  caller, but a Pallas kernel is one opaque call that XLA does not partition. On a mesh
+  of explicit axes (``jax.make_mesh``'s default) the XLA path runs under
+  ``jax.sharding.auto_axes`` (:func:`explicit_output_sharding`), and
+  ``implementation=None`` picks it over the kernels.
 * ``shard_map`` over a :class:`ShardedWeight`: each device runs :func:`qjax.matmul` (its
   Pallas kernel on a GPU) on its own slices; row-parallel partial outputs are summed with
   ``psum`` in float32. :func:`sharded_matmul` and :func:`sharded_moe_matmul` do this for
@@ -101,6 +104,66 @@ def shard_weight(w: Any, mesh: jax.sharding.Mesh, axis: Any, mode: str = "column
   arrays = {f: None if s is None else place(getattr(w, f), NamedSharding(mesh, s))
             for f, s in specs.items()}
   return type(w)(**arrays, **rules.static_of(w))
+
+
+def _spec_names(entry: Any) -> tuple[Any, ...]:
+  """The mesh axis names of one PartitionSpec entry (None, a name or a tuple of names)."""
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _typed_spec(a: Any) -> tuple[Any, tuple[Any, ...]] | None:
+  """``(abstract mesh, spec padded to a.ndim)`` of ``a``'s type where an explicit mesh
+  axis shards it (``jax.make_mesh``'s default axis type), else None. Arrays placed on
+  meshes of ``Auto`` axes carry no axes in their type: GSPMD partitions them freely."""
+  typeof = getattr(jax, "typeof", None)
+  if typeof is None or not hasattr(a, "ndim"):
+    return None
+  sharding = getattr(typeof(a), "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  if spec is None or not any(_spec_names(e) for e in spec):
+    return None
+  return sharding.mesh, tuple(spec) + (None,) * (a.ndim - len(spec))
+
+
+def has_explicit_axes(*trees: Any) -> bool:
+  """Whether an explicit mesh axis shards any array of ``trees`` (see
+  :func:`explicit_output_sharding`)."""
+  return any(_typed_spec(a) is not None for a in jax.tree.leaves(trees))
+
+
+def explicit_output_sharding(x2: jax.Array, w: Any) -> NamedSharding | None:
+  """The sharding of ``x2 @ W`` (``[M, N]``) where explicit mesh axes shard ``x2``
+  (``[M, K]``) or ``w``'s arrays, else None.
+
+  Under explicit sharding every op needs an unambiguous output sharding, which the XLA
+  paths' reshapes and gathers of a split weight do not have, so :func:`qjax.matmul` runs
+  them under ``jax.sharding.auto_axes`` (GSPMD, as for meshes of ``Auto`` axes) and gives
+  y this sharding: M as x's rows, N as the weight's N axis (column-parallel: split like
+  the weight's columns; row-parallel: whole, the partial products summed by XLA). A
+  format without a split rule keeps N whole.
+  """
+  typed = [(a, t) for a in [x2, *jax.tree.leaves(w)] if (t := _typed_spec(a)) is not None]
+  if not typed:
+    return None
+  mesh = typed[0][1][0]
+  x_spec = _typed_spec(x2)
+  m_entry = x_spec[1][0] if x_spec is not None else None
+  n_entry = None
+  try:
+    fields = rules.rule_of(w).fields
+  except TypeError:  # no split rule: nothing says which array axis is N
+    fields = ()
+  for name, fa in fields:
+    a = getattr(w, name, None)
+    t = _typed_spec(a) if a is not None and fa.n is not None else None
+    if t is not None and t[1][a.ndim + fa.n] is not None:
+      n_entry = t[1][a.ndim + fa.n]
+      break
+  if set(_spec_names(n_entry)) & set(_spec_names(m_entry)):
+    n_entry = None  # a mesh axis shards one dimension only; x's rows keep it
+  return NamedSharding(mesh, P(m_entry, n_entry))
 
 
 @dataclasses.dataclass(frozen=True)
