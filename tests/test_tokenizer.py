@@ -200,7 +200,12 @@ def test_errors(tok, metadata):
     tok.decode([10**6])
   with pytest.raises(ValueError, match="tokenizer.ggml.pre='nope'"):
     tokenizer_lib.tokenizer_from_gguf({**metadata, "tokenizer.ggml.pre": "nope"})
-  with pytest.raises(ValueError, match="tokenizer.ggml.model='llama'"):
+  with pytest.raises(ValueError, match="tokenizer.ggml.model='bert' is not supported; qjax "
+                     "reads byte-level BPE .'gpt2'. and SentencePiece BPE .'llama'."):
+    tokenizer_lib.tokenizer_from_gguf({**metadata, "tokenizer.ggml.model": "bert"})
+  # SmolLM2's byte-level vocabulary relabelled as SentencePiece: it has no scores.
+  with pytest.raises(ValueError, match="tokenizer.ggml.model='llama' .SentencePiece BPE. "
+                     "needs tokenizer.ggml.scores"):
     tokenizer_lib.tokenizer_from_gguf({**metadata, "tokenizer.ggml.model": "llama"})
   with pytest.raises(ValueError, match="no tokenizer"):
     tokenizer_lib.tokenizer_from_gguf({})

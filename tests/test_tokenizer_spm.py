@@ -280,6 +280,11 @@ def test_chat_template_absent_and_generate_prompt(model):
     tok.apply_chat_template([{"role": "user", "content": "hi"}])
   assert generate.prompt_token_ids(tok, "The capital", chat=False) == (
       sp.encode("The capital", add_bos=True))
+  # A file that asks for EOS after encoded text: a prompt to continue still ends without it.
+  eos_tok = tokenizer_lib.tokenizer_from_gguf({**model[1], "tokenizer.ggml.add_eos_token": True})
+  assert eos_tok.encode("The capital")[-1] == sp.eos_id()
+  assert generate.prompt_token_ids(eos_tok, "The capital", chat=False) == (
+      sp.encode("The capital", add_bos=True))
 
 
 def test_chat_template_that_starts_with_bos(model):

@@ -59,7 +59,9 @@ def _bucket(n: int) -> int:
 def prompt_token_ids(tok: Any, prompt: str, *, chat: bool) -> list[int]:
   """The token ids of ``prompt``, wrapped as a user message in the file's chat template
   when ``chat``. The file's BOS is added as ``tokenizer.ggml.add_bos_token`` says, but not
-  a second time where the rendered template already starts with it (Llama 3's does)."""
+  a second time where the rendered template already starts with it (Llama 3's does). No
+  EOS is appended, whatever ``tokenizer.ggml.add_eos_token`` says: the prompt is to be
+  continued, and EOS would end it."""
   add_bos = None
   if chat:
     prompt = tok.apply_chat_template([{"role": "user", "content": prompt}],
@@ -67,7 +69,7 @@ def prompt_token_ids(tok: Any, prompt: str, *, chat: bool) -> list[int]:
     bos = tok.tokenizer.id_to_token(tok.bos_id) if tok.bos_id is not None else None
     if bos and prompt.startswith(bos):
       add_bos = False
-  return tok.encode(prompt, add_bos=add_bos)
+  return tok.encode(prompt, add_bos=add_bos, add_eos=False)
 
 
 def _live_bytes() -> int:
