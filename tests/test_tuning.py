@@ -96,3 +96,143 @@ def test_shipped_tables_are_legal_as_they_stand():
       if e["format"] != "int4":
         assert cfg.block_m >= e["m_bucket"] or cfg.block_m >= 64, (key, cfg)
       assert int4_matmul.legalize(cfg, e["k"], qjax.NATIVE_TILE_K) == cfg, (key, cfg)
+
+
+# ---------------------------------------------------------------- audit: the tuner's
+# table round-trips to the kernels' lookup; malformed or stale tables are skipped with a
+# warning that names the file and the entry (they were a KeyError / TypeError inside every
+# matmul's trace on the device).
+
+
+@pytest.fixture
+def table_dir(tmp_path, monkeypatch):
+  monkeypatch.setattr(tuning, "DATA_DIR", tmp_path)
+  tuning._table.cache_clear()
+  yield tmp_path
+  tuning._table.cache_clear()
+
+
+def _entry(fmt="int4", m=4, k=256, n=128, **config):
+  cfg = dict(block_m=16, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=2)
+  return {"format": fmt, "m_bucket": m, "k": k, "n": n, "config": {**cfg, **config},
+          "us": 1.0}
+
+
+def test_tuner_table_round_trips_to_lookup(table_dir, monkeypatch):
+  """bench.tune keeps each (M, shape)'s fastest candidate; the file it writes reads back
+  (read_table and lookup) as the same configs under the same keys."""
+  import importlib  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  importlib.import_module("pallas_kernels")  # registers the kernels
+  from qjax._src import bench, devtime  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import int4_matmul  # pylint: disable=g-import-not-at-top
+  times = iter([7.0, 3.0, 9.0, 5.0, 2.0, 8.0] * 100)
+  monkeypatch.setattr(bench.devtime, "device_time",
+                      lambda *a, **kw: devtime.Timing(us=next(times), source="trace"))
+  shapes, ms = [(256, 384)], [3, 16]
+  entries = bench.tune(shapes, ms, "int4", calls=1, log=lambda s: None)
+  kind = jax.devices()[0].device_kind
+  path = table_dir / tuning.device_file_name(kind)
+  expected = {}
+  times = iter([7.0, 3.0, 9.0, 5.0, 2.0, 8.0] * 100)  # the same times, in the same order
+  for m in ms:
+    cands = int4_matmul.int4_candidate_configs(m, 256, 384)
+    t = [next(times) for _ in cands]
+    expected[("int4", tuning.m_bucket(m), 256, 384)] = cands[t.index(min(t))]
+  assert [(e["format"], e["m_bucket"], e["k"], e["n"]) for e in entries] == list(expected)
+  assert tuning.read_table(path) == expected
+  for (fmt, bucket, k, n), cfg in expected.items():
+    assert tuning.lookup(kind, fmt, bucket, k, n) == cfg
+
+
+@pytest.mark.parametrize("fmt,x_rows", [("int4", 3), ("nvfp4", 3), ("int4", 17)])
+def test_kernel_uses_the_table_entry_of_its_key_else_its_heuristic(table_dir, monkeypatch,
+                                                                   fmt, x_rows):
+  """The kernel asks the table for (this device kind, its format, M's bucket, K, N): a
+  table entry at M = 3 (bucket 4) is launched as it stands; M = 17 (bucket 32, not in the
+  table) gets the heuristic's config."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import common, int4_matmul  # pylint: disable=g-import-not-at-top
+  from qjax._src import bench  # pylint: disable=g-import-not-at-top
+  kind = jax.devices()[0].device_kind
+  tuned = dict(block_m=16, block_n=32, block_k=256, split_k=1, num_warps=2, num_stages=1)
+  tuning.write_table(kind, [_entry(fmt, 4, 256, 128, **tuned),
+                            _entry(fmt, 4, 256, 256), _entry("mxfp4" if fmt == "int4" else
+                                                             "int4", 32, 256, 128)])
+  launched = []
+
+  class Launched(Exception):
+    pass
+
+  def launch(kernel, args, *, config, **kw):
+    launched.append(config)
+    raise Launched
+
+  monkeypatch.setattr(common, "launch", launch)
+  x = jnp.ones((x_rows, 256), jnp.bfloat16)
+  w = bench.random_weight(fmt, 256, 128, jax.random.key(0))
+  with pytest.raises(Launched):
+    qjax.matmul(x, w, implementation="interpret")
+  if x_rows == 3:
+    assert launched == [qjax.KernelConfig(**tuned)]
+  else:
+    assert launched == [int4_matmul.legalize(int4_matmul.heuristic_config(17, 256, 128),
+                                             256, qjax.NATIVE_TILE_K)]
+
+
+@pytest.mark.parametrize("entry,message", [
+    (_entry(fmt="int4nk"), "format 'int4nk' is not one the kernels look up"),
+    (_entry(m=3), "m_bucket=3 is not one of the buckets"),
+    (_entry(k="256"), "k='256' must be a positive int"),
+    (_entry(block_x=4), "unknown KernelConfig field(s) 'block_x'; known: block_m,"),
+    (_entry(block_n=48), "KernelConfig.block_n=48 must be a power of two"),
+    (_entry(ptx_scales="false"), "KernelConfig.ptx_scales='false' must be True or False"),
+    (_entry(split_k=True), "KernelConfig.split_k=True must be a positive int"),
+    (_entry(block_k=128.5), "KernelConfig.block_k=128.5 must be a positive int"),
+    ({k: v for k, v in _entry().items() if k != "config"}, "field(s) 'config' missing"),
+    ({**_entry(), "config": {"block_m": 16}}, "field(s) 'block_n', 'block_k' missing"),
+    (["int4", 4], "an entry must be a JSON object, got list"),
+])
+def test_bad_entry_is_skipped_with_a_warning_naming_file_and_entry(table_dir, entry,
+                                                                   message):
+  path = table_dir / "test_gpu.json"
+  good = _entry(m=16, block_n=128)
+  path.write_text(json.dumps({"device_kind": "Test GPU", "entries": [good, entry]}))
+  with pytest.warns(UserWarning) as record:
+    assert tuning.lookup("Test GPU", "int4", 16, 256, 128) == qjax.KernelConfig.from_json(
+        good["config"])
+    assert tuning.lookup("Test GPU", "int4", 4, 256, 128) is None
+  assert len(record) == 1  # once: the table is read once per device kind
+  text = str(record[0].message)
+  assert text.startswith(f"tuning table {path}: entry 1 (") and message in text, text
+  assert "ignored" in text and "Fix or delete the entry" in text
+
+
+@pytest.mark.parametrize("body", ["{not json", '["int4"]', '{"entries": {}}', "\xff"])
+def test_file_that_is_not_a_table_is_ignored_with_a_warning(table_dir, body):
+  path = table_dir / "test_gpu.json"
+  path.write_bytes(body.encode("latin-1"))
+  with pytest.warns(UserWarning, match=f"tuning table {path}: .*; ignored, the kernels use "
+                    "their heuristics on this device"):
+    assert tuning.lookup("Test GPU", "int4", 1, 256, 128) is None
+
+
+def test_write_table_leaves_a_bad_table_alone_and_names_it(table_dir):
+  """Merging into a file with an entry it cannot read raised KeyError (or rewrote it);
+  now a ValueError that names the file and the entry, the file unchanged."""
+  path = table_dir / "test_gpu.json"
+  body = json.dumps({"device_kind": "Test GPU", "entries": [_entry(), {"format": "int4"}]})
+  path.write_text(body)
+  with pytest.raises(ValueError, match=f"tuning table {path} entry 1 .*field\\(s\\) "
+                     "'m_bucket', 'k', 'n', 'config' missing; fix or delete it"):
+    tuning.write_table("Test GPU", [_entry(m=16)])
+  assert path.read_text() == body
+  with pytest.raises(ValueError, match="new entry 0 .*format 'int5'"):
+    tuning.write_table("Other GPU", [_entry(fmt="int5")])
+  assert not (table_dir / "other_gpu.json").exists()
+
+
+def test_lookup_refuses_a_format_no_table_holds():
+  with pytest.raises(ValueError, match="format 'int4nk' is not one of"):
+    tuning.lookup("Test GPU", "int4nk", 1, 256, 128)

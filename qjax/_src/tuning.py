@@ -8,6 +8,13 @@ The table is JSON per device kind (``qjax/data/tuning/<device_kind>.json``)::
 
 ``lookup`` returns the entry for the same format, M bucket, K and N, else None; kernels
 then use their own heuristics. ``qjax bench --tune`` writes the table.
+
+A table is read where a kernel first asks for a config on this device, inside a user's
+``jax.jit``: an entry that does not parse (an unknown format, an M bucket the lookup never
+asks for, a config field that ``KernelConfig`` lacks or a bad value) is skipped with a
+warning that names the file and the entry, and a file that is not a table at all is
+ignored with a warning. The kernels then use their heuristics for those shapes, which
+are correct, only slower: a stale table must not stop every matmul.
 """
 
 from __future__ import annotations
@@ -17,10 +24,14 @@ import functools
 import json
 import pathlib
 import re
+import warnings
 from typing import Any
 
 DATA_DIR = pathlib.Path(__file__).resolve().parent.parent / "data" / "tuning"
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+# The format names the kernels look configs up by (pallas_kernels: int4_matmul,
+# fp4_matmul with the weight's format_name, codebook_matmul).
+FORMATS = ("int4", "mxfp4", "nvfp4", "codebook")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -62,8 +73,25 @@ class KernelConfig:
 
   @classmethod
   def from_json(cls, d: dict[str, Any]) -> "KernelConfig":
-    """The config :meth:`to_json` wrote (``ptx_scales`` False where absent)."""
-    return cls(**{k: (bool(v) if k == "ptx_scales" else int(v)) for k, v in d.items()})
+    """The config :meth:`to_json` wrote (``ptx_scales`` False where absent).
+
+    Raises:
+      ValueError: ``d`` is not a dict, has a field this class lacks, or a value of the
+        wrong type (the values are taken as they are: ``"16"``, ``16.5`` or ``true`` for an
+        int field, and ``"false"`` or ``0`` for ``ptx_scales``, are errors, not converted).
+    """
+    if not isinstance(d, dict):
+      raise ValueError(f"a config must be a JSON object of KernelConfig fields, got {d!r}")
+    known = [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in d if k not in known]
+    if unknown:
+      raise ValueError(f"unknown KernelConfig field(s) {', '.join(map(repr, unknown))}; "
+                       f"known: {', '.join(known)}")
+    missing = [f.name for f in dataclasses.fields(cls)
+               if f.name not in d and f.default is dataclasses.MISSING]
+    if missing:
+      raise ValueError(f"KernelConfig field(s) {', '.join(map(repr, missing))} missing")
+    return cls(**d)
 
 
 def m_bucket(m: int) -> int:
@@ -78,28 +106,101 @@ def device_file_name(device_kind: str) -> str:
   return re.sub(r"[^a-z0-9]+", "_", device_kind.lower()).strip("_") + ".json"
 
 
+Key = tuple[str, int, int, int]  # (format, M bucket, K, N)
+
+
+def parse_entry(e: Any) -> tuple[Key, KernelConfig]:
+  """The lookup key and config of one table entry.
+
+  Raises:
+    ValueError: naming the field that is missing or wrong.
+  """
+  if not isinstance(e, dict):
+    raise ValueError(f"an entry must be a JSON object, got {type(e).__name__}")
+  missing = [f for f in ("format", "m_bucket", "k", "n", "config") if f not in e]
+  if missing:
+    raise ValueError(f"field(s) {', '.join(map(repr, missing))} missing")
+  if e["format"] not in FORMATS:
+    raise ValueError(f"format {e['format']!r} is not one the kernels look up "
+                     f"({', '.join(FORMATS)})")
+  for f in ("m_bucket", "k", "n"):
+    if isinstance(e[f], bool) or not isinstance(e[f], int) or e[f] < 1:
+      raise ValueError(f"{f}={e[f]!r} must be a positive int")
+  if e["m_bucket"] not in M_BUCKETS:
+    raise ValueError(f"m_bucket={e['m_bucket']} is not one of the buckets {M_BUCKETS}")
+  return (e["format"], e["m_bucket"], e["k"], e["n"]), KernelConfig.from_json(e["config"])
+
+
+def _entries(path: pathlib.Path) -> list[Any]:
+  """The ``entries`` list of a table file; ValueError naming the file if it has none."""
+  try:
+    data = json.loads(path.read_text())
+  except (OSError, UnicodeDecodeError, ValueError) as e:
+    raise ValueError(f"tuning table {path}: cannot be read as JSON ({e})") from None
+  if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
+    raise ValueError(f"tuning table {path}: not a tuning table (a JSON object with an "
+                     "\"entries\" list)")
+  return data["entries"]
+
+
+def read_table(path: pathlib.Path) -> dict[Key, KernelConfig]:
+  """The configs of a table file by key. A file that is not a table is ignored, and an
+  entry that does not parse skipped, each with a warning naming the file and the entry
+  (the kernels use their heuristics there)."""
+  try:
+    entries = _entries(path)
+  except ValueError as e:
+    warnings.warn(f"{e}; ignored, the kernels use their heuristics on this device. Rewrite "
+                  "it with qjax bench --tune, or delete it", stacklevel=2)
+    return {}
+  table = {}
+  for i, e in enumerate(entries):
+    try:
+      key, cfg = parse_entry(e)
+    except ValueError as err:
+      warnings.warn(f"tuning table {path}: entry {i} ({json.dumps(e)[:160]}) ignored: {err}. "
+                    "Fix or delete the entry (qjax bench --tune rewrites it)", stacklevel=2)
+      continue
+    table[key] = cfg
+  return table
+
+
 @functools.lru_cache(maxsize=None)
-def _table(device_kind: str) -> dict[tuple[str, int, int, int], KernelConfig]:
+def _table(device_kind: str) -> dict[Key, KernelConfig]:
   path = DATA_DIR / device_file_name(device_kind)
   if not path.exists():
     return {}
-  data = json.loads(path.read_text())
-  return {(e["format"], int(e["m_bucket"]), int(e["k"]), int(e["n"])):
-          KernelConfig.from_json(e["config"]) for e in data["entries"]}
+  return read_table(path)
 
 
 def lookup(device_kind: str, fmt: str, m: int, k: int, n: int) -> KernelConfig | None:
+  """The tuned config of ``fmt`` (one of :data:`FORMATS`) for M's bucket, K and N on this
+  device kind, else None."""
+  if fmt not in FORMATS:
+    raise ValueError(f"tuning.lookup: format {fmt!r} is not one of {FORMATS}; add it there "
+                     "if a kernel looks configs up by it")
   return _table(device_kind).get((fmt, m_bucket(m), k, n))
 
 
 def write_table(device_kind: str, entries: list[dict[str, Any]], path: pathlib.Path | None = None
                 ) -> pathlib.Path:
-  """Merges ``entries`` into the device's table file (atomically) and returns its path."""
+  """Merges ``entries`` into the device's table file (atomically) and returns its path.
+
+  Raises:
+    ValueError: naming the file and the entry, where the file already there is not a
+      table or one of its entries (or of ``entries``) does not parse: rewriting it would
+      drop what the lookup cannot read, so it is left as it is, to fix or delete.
+  """
   path = path or DATA_DIR / device_file_name(device_kind)
-  old = json.loads(path.read_text())["entries"] if path.exists() else []
-  key = lambda e: (e["format"], int(e["m_bucket"]), int(e["k"]), int(e["n"]))
-  merged = {key(e): e for e in old}
-  merged.update({key(e): e for e in entries})
+  old = _entries(path) if path.exists() else []
+  merged = {}
+  for where, batch in ((f"tuning table {path}", old), ("new", entries)):
+    for i, e in enumerate(batch):
+      try:
+        merged[parse_entry(e)[0]] = e
+      except ValueError as err:
+        raise ValueError(f"{where} entry {i} ({json.dumps(e)[:160]}): {err}; fix or delete "
+                         "it") from None
   body = {"device_kind": device_kind,
           "entries": [merged[k] for k in sorted(merged)]}
   tmp = path.with_suffix(".tmp")
