@@ -19,7 +19,6 @@ import dataclasses
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 import time
@@ -49,6 +48,8 @@ CPU_M = (1, 16)
 CPU_SHAPES = ((512, 512), (1024, 768))
 BENCH_FORMATS = ("int4", "int4nk", "mxfp4", "mxfp4nk", "nvfp4", "nvfp4nk", "codebook",
                  "codebook2")
+# The formats whose kernel has candidate configs for --tune (Backend.candidate_configs).
+TUNABLE_FORMATS = ("int4", "mxfp4", "nvfp4")
 L2_BYTES = 50 * 2**20  # H100; rotation targets several times this
 
 
@@ -68,19 +69,25 @@ class Row:
   default_impl: str = ""
   # Device time of XLA's fastest pass over floor_bytes (measure_read_time); nan if unmeasured.
   read_us: float = float("nan")
+  # impl -> why its time is nan (times_us holds nan for it), as MoERow.nan_reasons.
+  nan_reasons: dict[str, str] = dataclasses.field(default_factory=dict)
 
   def read_ceiling(self) -> float:
     """The floor over the pure read's time: the largest fraction of the floor that a
     kernel reading these bytes can expect to reach."""
-    return self.floor_us / self.read_us
+    return _ratio(self.floor_us, self.read_us)
 
   def fraction_of_floor(self, impl: str) -> float:
-    t = self.times_us.get(impl)
-    return self.floor_us / t if t else float("nan")
+    return _ratio(self.floor_us, self.times_us.get(impl))
 
   def speedup(self, impl: str) -> float:
-    t = self.times_us.get(impl)
-    return self.bf16_us / t if t else float("nan")
+    return _ratio(self.bf16_us, self.times_us.get(impl))
+
+
+def _ratio(a: float, b: float | None) -> float:
+  """``a / b``; nan where ``b`` is missing, nan or 0 (a column that was not measured, or
+  a time below the clock's resolution), never a ZeroDivisionError that loses the run."""
+  return a / b if b and not math.isnan(b) else float("nan")
 
 
 def random_weight(fmt: str, k: int, n: int, key: jax.Array) -> Any:
@@ -128,9 +135,17 @@ def random_weight(fmt: str, k: int, n: int, key: jax.Array) -> Any:
 
 
 def floor_weight_bytes(w: Any) -> int:
-  """Bytes of the weight that a matmul must read: its arrays (``w.nbytes``) and, for a
-  :class:`CodebookWeight`, the ``[K // d, d, d]`` float32 rotation matrices of each pass,
-  which ``rotate_activations`` reads (they are rebuilt from the seed, not stored)."""
+  """Bytes of the weight that a matmul must read: its arrays (``w.nbytes``, the sum over
+  ``jax.tree.leaves(w)``) and, for a :class:`CodebookWeight`, the ``[K // d, d, d]``
+  float32 rotation matrices of each pass, which ``rotate_activations`` reads (they are
+  rebuilt from the seed, not stored).
+
+  The arrays count as stored, padding included: the ``[K, N]`` layouts (int4, mxfp4,
+  nvfp4, codebook) pack K in tiles of 128 rows, ``K // 8`` words padded to a multiple of
+  16 per column, and every word of the last tile holds real rows (nibble ``j`` of word
+  ``r`` is row ``16 j + r``, :mod:`qjax._src.packing`), so the padding is read too. The
+  ``[N, K // 8]`` layouts hold no padding.
+  """
   nbytes = w.nbytes
   if isinstance(w, CodebookWeight):
     k = w.shape[0]
@@ -194,29 +209,30 @@ def bench_shape(m: int, k: int, n: int, fmt: str, *, bandwidth: float, impls: Se
   w0 = random_weight(fmt, k, n, kw)
   reps = _rotation(w0.nbytes)
   ws = [w0] + [random_weight(fmt, k, n, jax.random.fold_in(kw, i)) for i in range(1, reps)]
-  times, source, notes = {}, "trace", []
+  times, notes, nan_reasons = {}, [], {}
   for impl in impls:
     f = jax.jit(lambda x_, w_, impl=impl: dispatch.matmul(x_, w_, implementation=impl))
     try:
       t = devtime.device_time(f, [(x, w) for w in ws], calls=calls)
     except NotImplementedError as e:  # e.g. a kernel without interpret mode: nan in the table
       notes.append(f"{impl}: {e}")
+      times[impl], nan_reasons[impl] = float("nan"), " ".join(str(e).split())
       continue
     times[impl] = t.us
-    source = t.source
   del ws
   wb = (jax.random.normal(kw, (k, n), jnp.float32) / 64).astype(jnp.bfloat16)
   reps_b = _rotation(k * n * 2)
   wbs = [wb] + [wb * (1 + i / 1024) for i in range(1, reps_b)]
   # The program a bf16 user runs: the dot writes bf16 itself (accumulating in float32).
   fb = jax.jit(lambda x_, w_: jnp.dot(x_, w_))
-  bf16 = devtime.device_time(fb, [(x, w) for w in wbs], calls=calls).us
+  bf16_t = devtime.device_time(fb, [(x, w) for w in wbs], calls=calls)
+  bf16, source = bf16_t.us, bf16_t.source  # every timing of the run has the same source
   floor_bytes = floor_weight_bytes(w0) + x.nbytes + m * n * 2
   default = "xla" if dispatch.implementation_name(w0, m=m) == "xla" else "pallas"
   return Row(m=m, k=k, n=n, fmt=fmt, times_us=times, bf16_us=bf16,
              floor_us=floor_bytes / bandwidth * 1e6, floor_bytes=floor_bytes, source=source,
              notes="; ".join(notes), default_impl=default,
-             read_us=measure_read_time(floor_bytes, calls=calls))
+             read_us=measure_read_time(floor_bytes, calls=calls), nan_reasons=nan_reasons)
 
 
 def format_table(rows: Sequence[Row], impls: Sequence[str]) -> str:
@@ -241,44 +257,48 @@ def format_table(rows: Sequence[Row], impls: Sequence[str]) -> str:
 
 def nan_notes(rows: Sequence[Row], impls: Sequence[str]) -> list[str]:
   """Why cells of the table are nan, once per (implementation, reason): "nan: <impl>
-  <formats>: <reason>", from the rows' notes (else only in the --json output)."""
+  <formats>: <reason>", from the rows' ``nan_reasons`` (of ``impls``, in their order)."""
   fmts: dict[tuple[str, str], list[str]] = {}
-  split = re.compile("; (?=(?:%s): )" % "|".join(map(re.escape, impls)))
   for r in rows:
-    for note in split.split(r.notes) if r.notes else []:
-      impl, _, reason = note.partition(": ")
-      reason = " ".join(reason.split())  # one line
-      seen = fmts.setdefault((impl, reason), [])
-      if r.fmt not in seen:
-        seen.append(r.fmt)
+    for impl in impls:
+      if impl in r.nan_reasons:
+        seen = fmts.setdefault((impl, r.nan_reasons[impl]), [])
+        if r.fmt not in seen:
+          seen.append(r.fmt)
   return [f"nan: {impl} {','.join(f)}: {reason}" for (impl, reason), f in fmts.items()]
 
 
-def plot(rows: Sequence[Row], impls: Sequence[str], path: str, title: str) -> None:
+def plot(rows: Sequence[Row], impls: Sequence[str], path: str, title: str) -> Any:
+  """% of the floor against M: one panel per (format, shape), a row of panels per format
+  (each format has its own floor). Returns the matplotlib figure, saved to ``path``."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fmts = list(dict.fromkeys(r.fmt for r in rows))
   shapes = sorted({(r.k, r.n) for r in rows})
-  fig, axes = plt.subplots(1, len(shapes), figsize=(4.2 * len(shapes), 3.8), squeeze=False)
-  for ax, (k, n) in zip(axes[0], shapes):
-    rs = sorted([r for r in rows if (r.k, r.n) == (k, n)], key=lambda r: r.m)
-    ms = [r.m for r in rs]
-    for impl in impls:
-      ax.plot(ms, [100 * r.fraction_of_floor(impl) for r in rs], marker="o", label=impl)
-    ax.plot(ms, [100 * r.floor_us / r.bf16_us for r in rs], marker="s", ls="--",
-            label="bf16 jnp.dot")
-    ax.plot(ms, [100 * r.read_ceiling() for r in rs], color="black", lw=0.8, ls="--",
-            label="reading the bytes (XLA)")
-    ax.axhline(85, color="grey", lw=0.8, ls=":")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("M (tokens)")
-    ax.set_title(f"K={k} N={n}")
-    ax.set_ylim(0, 110)
-  axes[0][0].set_ylabel("% of bandwidth floor (higher is better)")
+  fig, axes = plt.subplots(len(fmts), len(shapes),
+                           figsize=(4.2 * len(shapes), 3.8 * len(fmts)), squeeze=False)
+  for axes_row, fmt in zip(axes, fmts):
+    for ax, (k, n) in zip(axes_row, shapes):
+      rs = sorted([r for r in rows if (r.fmt, r.k, r.n) == (fmt, k, n)], key=lambda r: r.m)
+      ms = [r.m for r in rs]
+      for impl in impls:
+        ax.plot(ms, [100 * r.fraction_of_floor(impl) for r in rs], marker="o", label=impl)
+      ax.plot(ms, [100 * _ratio(r.floor_us, r.bf16_us) for r in rs], marker="s", ls="--",
+              label="bf16 jnp.dot")
+      ax.plot(ms, [100 * r.read_ceiling() for r in rs], color="black", lw=0.8, ls="--",
+              label="reading the bytes (XLA)")
+      ax.axhline(85, color="grey", lw=0.8, ls=":")
+      ax.set_xscale("log", base=2)
+      ax.set_xlabel("M (tokens)")
+      ax.set_title(f"{fmt} K={k} N={n}")
+      ax.set_ylim(0, 110)
+    axes_row[0].set_ylabel("% of bandwidth floor (higher is better)")
   axes[0][-1].legend(loc="upper right", fontsize=8)
   fig.suptitle(title, fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
+  return fig
 
 
 def tune(shapes: Sequence[tuple[int, int]], ms: Sequence[int], fmt: str, *, calls: int,
@@ -297,7 +317,7 @@ def tune(shapes: Sequence[tuple[int, int]], ms: Sequence[int], fmt: str, *, call
       if backend.candidate_configs is None:
         raise ValueError(f"--tune: the {backend.name} kernel for --format {fmt} has no "
                          "candidate configs to sweep (its heuristic is used as is); tune "
-                         "int4, mxfp4 or nvfp4")
+                         f"{', '.join(TUNABLE_FORMATS[:-1])} or {TUNABLE_FORMATS[-1]}")
       x = jax.random.normal(key, (m, k), jnp.float32).astype(jnp.bfloat16)
       best = None
       for cfg in backend.candidate_configs(m, k, n):
@@ -547,7 +567,7 @@ class MoERow:
 
   def over_floor(self, impl: str) -> float:
     t = self.times_us.get(impl)
-    return t / self.floor_us if t else float("nan")
+    return _ratio(t, self.floor_us) if t else float("nan")
 
 
 def random_experts(experts: int, k: int, n: int, key: jax.Array) -> Any:
@@ -660,7 +680,7 @@ def format_moe_table(rows: Sequence[MoERow]) -> str:
     s += "".join(f" {r.times_us[i]:>11.1f}" for i in MOE_IMPLS) + f" {r.floor_us:>8.1f} |"
     s += f" {r.over_floor('default'):>12.2f}x {r.over_floor('grouped'):>12.2f}x"
     s += f" {r.over_floor('gemv'):>9.2f}x {r.over_floor('wgmma'):>10.2f}x"
-    s += f" {r.times_us['dequant_all'] / r.times_us['default']:>13.1f}x"
+    s += f" {_ratio(r.times_us['dequant_all'], r.times_us['default']):>13.1f}x"
     lines.append(s)
   return "\n".join(lines)
 

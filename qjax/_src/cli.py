@@ -322,6 +322,11 @@ def _add_bench(sub) -> None:
       if args.tune and not on_gpu:
         p.error(f"--tune needs a GPU (it times the compiled kernels); this device is "
                 f"{_device()}")
+      untunable = [f for f in args.format.split(",") if f not in bench.TUNABLE_FORMATS]
+      if args.tune and untunable:
+        p.error(f"--tune --format {args.format}: {','.join(untunable)} "
+                f"{'has' if len(untunable) == 1 else 'have'} no kernel configs to sweep; "
+                f"tune {','.join(bench.TUNABLE_FORMATS)}")
       if args.impl and "pallas" in args.impl.split(",") and not on_gpu:
         p.error(f"--impl {args.impl}: pallas needs a GPU (the compiled kernels); this "
                 f"device is {_device()}, where bench times xla,interpret")
