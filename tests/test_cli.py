@@ -410,16 +410,16 @@ def test_closed_stdout_ends_quietly(command, unbuffered):
 
 
 def test_nan_notes_give_each_reason_once():
-  """The reasons for nan cells, once per (implementation, reason), formats gathered; a
-  reason may itself hold "; "."""
+  """The reasons for nan cells (Row.nan_reasons), once per (implementation, reason),
+  formats gathered, implementations in the order given; a reason may itself hold "; "."""
   from qjax._src import bench  # pylint: disable=g-import-not-at-top
   rows = [bench.Row(m=m, k=256, n=128, fmt=fmt, times_us={}, bf16_us=1.0, floor_us=1.0,
-                    floor_bytes=1, source="trace", notes=notes)
-          for m in (1, 16) for fmt, notes in (
-              ("int4", ""),
-              ("int4nk", "interpret: no interpret mode; use xla; pallas: needs\nHopper"),
-              ("mxfp4nk", "interpret: no interpret mode; use xla"))]
-  assert bench.nan_notes(rows, ["pallas", "xla", "interpret"]) == [
+                    floor_bytes=1, source="trace", nan_reasons=reasons)
+          for m in (1, 16) for fmt, reasons in (
+              ("int4", {}),
+              ("int4nk", {"pallas": "needs Hopper", "interpret": "no interpret mode; use xla"}),
+              ("mxfp4nk", {"interpret": "no interpret mode; use xla"}))]
+  assert bench.nan_notes(rows, ["interpret", "xla", "pallas"]) == [
       "nan: interpret int4nk,mxfp4nk: no interpret mode; use xla",
       "nan: pallas int4nk: needs Hopper"]
 
