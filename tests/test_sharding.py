@@ -178,6 +178,34 @@ def test_codebook_column_parallel():
   assert rel_err(y, _matmul(x, w)) < TOL
 
 
+def test_place_pass2_moves_a_split_codebook_weights_pass2():
+  """qjax.place_pass2 reaches into a ShardedWeight (it left it alone before): pass 2's
+  arrays go to pinned host memory with their shardings, pass 1 stays, and the product
+  inside shard_map and outside it is still the single-device one; back to the device."""
+  mesh = _mesh(2)
+  rng = np.random.default_rng(seed_from("codebook-pass2"))
+  w = _codebook(_normal(rng, (256, 48)), group=128, passes=2)
+  x = jnp.asarray(rng.standard_normal((3, 256)), jnp.float32)
+  sw = qjax.ShardedWeight.of(w, mesh, "tp", "column")
+  moved = qjax.place_pass2({"w": sw, "b": jnp.ones(3)}, "pinned_host")
+  arrays = moved["w"].arrays
+  for f, a in arrays.items():
+    if a is None:
+      continue
+    want = "pinned_host" if f in ("codes2", "norms2", "codebook2") else "device"
+    assert a.sharding.memory_kind == want, f
+    assert a.sharding.spec == sw.arrays[f].sharding.spec, f
+  assert moved["b"].sharding.memory_kind == "device"
+  single = _matmul(x, w)
+  assert rel_err(qjax.sharded_matmul(x, moved["w"], mesh, "tp"), single) < TOL
+  assert rel_err(jax.jit(lambda x, w: qjax.matmul(x, w))(x, moved["w"]), single) < TOL
+  back = qjax.place_pass2(moved, "device")["w"]
+  assert {a.sharding.memory_kind for a in back.arrays.values() if a is not None} == {"device"}
+  one_pass = qjax.ShardedWeight.of(_codebook(_normal(rng, (256, 48)), group=128), mesh, "tp",
+                                   "column")
+  assert qjax.place_pass2(one_pass, "pinned_host") is one_pass
+
+
 # -- the wrapper ----------------------------------------------------------------------------
 
 

@@ -52,17 +52,27 @@ def _put(a: jax.Array, memory_kind: str) -> jax.Array:
 def place_pass2(tree: Any, memory_kind: str = "pinned_host") -> Any:
   """Every two-pass :class:`CodebookWeight` in ``tree`` with pass 2's arrays (codes2,
   norms2, codebook2) moved to ``memory_kind`` ("pinned_host" or "device"); pass 1 and all
-  other leaves are left where they are. Use at load time on a loaded params tree."""
+  other leaves are left where they are. Use at load time on a loaded params tree.
+
+  A codebook weight split over devices (:class:`qjax.ShardedWeight`, column-wise) has its
+  pass 2 moved too, each array keeping its sharding: every device's slices go to that
+  device's ``memory_kind``."""
   _check_memory_kind(memory_kind)
+  sharded = dispatch.sharded_weight_class()
 
   def move(w):
+    if isinstance(w, sharded) and issubclass(w.format_cls, CodebookWeight):
+      if w.arrays.get("codes2") is None:
+        return w
+      return dataclasses.replace(w, arrays={
+          f: _put(a, memory_kind) if f in _PASS2_FIELDS else a for f, a in w.arrays.items()})
     if not isinstance(w, CodebookWeight) or w.codes2 is None:
       return w
     return dataclasses.replace(w, codes2=_put(w.codes2, memory_kind),
                                norms2=_put(w.norms2, memory_kind),
                                codebook2=_put(w.codebook2, memory_kind))
 
-  return jax.tree.map(move, tree, is_leaf=lambda v: isinstance(v, CodebookWeight))
+  return jax.tree.map(move, tree, is_leaf=lambda v: isinstance(v, (CodebookWeight, sharded)))
 
 
 def _to_device(tree: Any) -> Any:
