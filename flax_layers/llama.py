@@ -569,6 +569,23 @@ def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
   tree[path[-1]] = value
 
 
+def stackable_layers(tensor_types: dict[str, str]) -> bool:
+  """Whether every block tensor ``blk.{i}.NAME`` has one GGUF type in all layers, as stacked
+  params (``scan_layers=True``) need. llama.cpp's Q4_K_M, Q5_K_M and Q3_K_* files give
+  ``attn_v`` and ``ffn_down`` a bigger type in some layers (``use_more_bits``), so such a
+  file runs with ``scan_layers=False``.
+
+  Args:
+    tensor_types: GGUF tensor name -> GGUF type name (``GGUFFile.tensor_types``).
+  """
+  kinds: dict[str, set[str]] = {}
+  for name, kind in tensor_types.items():
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk":
+      kinds.setdefault(parts[2], set()).add(kind)
+  return all(len(k) == 1 for k in kinds.values())
+
+
 def params_from_gguf(gguf_file: Any, *, convert=None, consume: bool = False,
                      scan_layers: bool = True) -> dict:
   """The Flax params of :class:`Llama` from a loaded GGUF file.
@@ -611,6 +628,12 @@ def params_from_gguf(gguf_file: Any, *, convert=None, consume: bool = False,
     stacked_blocks: dict = {}
     for suffix, path in _BLOCK_TENSORS.items():
       layers = [layer_weight(i, suffix, path) for i in range(cfg.num_layers)]
+      kinds = sorted({type(w).__name__ for w in layers})
+      if len(kinds) > 1:  # was a pytree structure error from tree.map
+        raise ValueError(f"{gguf_file.path}: blk.*.{suffix} is stored as {', '.join(kinds)} "
+                         "in different layers; stacked params (scan_layers=True) need one "
+                         "type per tensor: load it with scan_layers=False (and "
+                         "LlamaConfig(scan_layers=False))")
       stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
       del layers
       _set(stacked_blocks, path, stacked)

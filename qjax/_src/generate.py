@@ -150,8 +150,11 @@ def _run_generate(args) -> int:
   file_bytes = gfile.file_tensor_bytes
   dtype = jnp.dtype(args.dtype) if args.dtype else (
       jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
-  cfg = llama.LlamaConfig.from_metadata(gfile.metadata, dtype=dtype,
-                                        implementation=implementation)
+  # A file whose layers store a tensor in different types (Q4_K_M's attn_v and ffn_down)
+  # cannot be stacked for lax.scan: its layers run unrolled.
+  cfg = llama.LlamaConfig.from_metadata(
+      gfile.metadata, dtype=dtype, implementation=implementation,
+      scan_layers=llama.stackable_layers(gfile.tensor_types))
   tok = tokenizer_lib.tokenizer_from_gguf(gfile.metadata)
   convert = _kernel_layouts(implementation)
   q_name = "blk.0.attn_q.weight"
