@@ -81,7 +81,8 @@ def _rope64(x, positions, base, rope_dim):
 
 
 def _reference_logits(cfg, f64, ids) -> np.ndarray:
-  """Logits ``[T, vocab]`` float64 of ``ids`` with no cache (causal attention)."""
+  """Logits ``[T, vocab]`` float64 of ``ids`` with no cache (causal attention); the head is
+  ``f64["lm_head"]`` where given (untied), else the embedding."""
   t, d, g = len(ids), cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
 
   def norm(x, s):
@@ -105,7 +106,7 @@ def _reference_logits(cfg, f64, ids) -> np.ndarray:
     h = norm(x, w["ffn_norm"])
     gate = h @ w["gate"]
     x = x + (gate / (1 + np.exp(-gate)) * (h @ w["up"])) @ w["down"]
-  return norm(x, f64["final_norm"][0]) @ f64["embed"][0]
+  return norm(x, f64["final_norm"][0]) @ f64.get("lm_head", f64["embed"])[0]
 
 
 @pytest.fixture(autouse=True)
