@@ -121,17 +121,7 @@ def _write_model(path, sp, seed: int) -> None:
   w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
   w.add_quantization_version(gguf.GGML_QUANT_VERSION)
   # _set_vocab_sentencepiece and gguf.SpecialVocab: no chat template (a base model).
-  w.add_tokenizer_model("llama")
-  w.add_tokenizer_pre("default")
-  w.add_token_list([sp.id_to_piece(i).encode("utf-8") for i in range(vocab)])
-  w.add_token_scores([sp.get_score(i) for i in range(vocab)])
-  w.add_token_types(token_types)
-  w.add_bos_token_id(sp.bos_id())
-  w.add_eos_token_id(sp.eos_id())
-  w.add_unk_token_id(sp.unk_id())
-  w.add_add_bos_token(True)
-  w.add_add_eos_token(False)
-  w.add_add_space_prefix(True)
+  spm_helpers.add_vocab(w, sp, add_space_prefix=True, add_bos=True, add_eos=False)
   for pattern, kinds in TENSOR_TYPES.items():
     for i, kind in enumerate(kinds):
       name = pattern.format(i=i)

@@ -129,9 +129,10 @@ def _gguf_types(sp) -> list[int]:
   return types
 
 
-def _write_gguf(path, sp, *, add_space_prefix: bool, add_bos: bool = True,
-                add_eos: bool = False):
-  w = gguf.GGUFWriter(str(path), "llama")
+def add_vocab(w, sp, *, add_space_prefix: bool, add_bos: bool = True,
+              add_eos: bool = False) -> None:
+  """Writes ``sp``'s vocabulary into the GGUFWriter ``w`` as llama.cpp's converter does
+  (``_set_vocab_sentencepiece``): pieces, scores, types, special ids and flags."""
   w.add_tokenizer_model("llama")
   w.add_tokenizer_pre("default")
   w.add_token_list([sp.id_to_piece(i).encode("utf-8") for i in range(sp.get_piece_size())])
@@ -143,6 +144,12 @@ def _write_gguf(path, sp, *, add_space_prefix: bool, add_bos: bool = True,
   w.add_add_bos_token(add_bos)
   w.add_add_eos_token(add_eos)
   w.add_add_space_prefix(add_space_prefix)
+
+
+def _write_gguf(path, sp, *, add_space_prefix: bool, add_bos: bool = True,
+                add_eos: bool = False):
+  w = gguf.GGUFWriter(str(path), "llama")
+  add_vocab(w, sp, add_space_prefix=add_space_prefix, add_bos=add_bos, add_eos=add_eos)
   w.write_header_to_file()
   w.write_kv_data_to_file()
   w.write_tensors_to_file()
