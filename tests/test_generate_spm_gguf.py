@@ -180,32 +180,52 @@ def _float64_weights(path) -> dict[str, list[np.ndarray]]:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-  """``(path, sentencepiece processor, float64 weights)`` of the tiny Llama 2 file."""
+  """``(path, sentencepiece processor, float64 weights)`` of the tiny Llama 2 file.
+
+  The vocabulary sentencepiece trains can differ between its versions (0.2.0 and 0.2.3
+  gave different ones), so the weights' seed is the first from 4 whose greedy reference
+  is one the tests can compare (:func:`_greedy_reference`); with 0.2.3 that is seed 4."""
   tmp_path = tmp_path_factory.mktemp("llama2_spm")
   sp = spm_helpers._train(tmp_path, "llama2_like", **spm_helpers.CONFIGS["llama2_like"])
-  path = tmp_path / "tiny-llama-2.Q4_K_M.gguf"
-  # Seed 4: the greedy continuation varies ("jumps# not brown bandwidth서 brown bandwidth"),
-  # where random models often repeat one token, and starts with a "▁" piece.
-  _write_model(path, sp, seed=4)
-  return path, sp, _float64_weights(path)
+  for seed in range(4, 20):
+    path = tmp_path / f"tiny-llama-2-{seed}.Q4_K_M.gguf"
+    _write_model(path, sp, seed=seed)
+    f64 = _float64_weights(path)
+    if _greedy_reference(sp, f64) is not None:
+      return path, sp, f64
+    path.unlink()
+  pytest.fail("no seed in 4..19 gives a greedy reference with clear top-1 leads and a space")
 
 
-@pytest.fixture(scope="module")
-def reference(model):
+def _greedy_reference(sp, f64) -> tuple[list[int], list[int], np.ndarray] | None:
   """``(prompt ids, greedy ids, logits [T, vocab])`` of the float64 reference: the prompt
-  tokenized by sentencepiece itself, then NEW_TOKENS argmax steps."""
-  _, sp, f64 = model
+  tokenized by sentencepiece itself, then NEW_TOKENS argmax steps; None where a step's
+  top token leads the next by 0.05 or less, or the continuation has no space.
+
+  qjax runs float32 (its dequantized weights are the same numbers): its logits are within
+  about 1e-5 of these, so a greedy pick is only compared where the reference's top token
+  leads by far more than that (at seed 4 with sentencepiece 0.2.3 the smallest lead is
+  0.19). The space is for the printed-text test ("jumps# not brown bandwidth서 brown
+  bandwidth" there), where random models often repeat one token.
+  """
   prompt_ids = sp.encode(PROMPT, add_bos=True)
   ids = list(prompt_ids)
   for _ in range(NEW_TOKENS):
     logits = audit._reference_logits(REFERENCE_CFG, f64, ids)[-1]
     top2 = np.sort(logits)[-2:]
-    # qjax runs float32 (its dequantized weights are the same numbers): its logits are
-    # within ~1e-5 of these, so a greedy pick is only compared where the reference's top
-    # token leads the next by far more than that (at seed 4 the smallest lead is 0.19).
-    assert top2[1] - top2[0] > 0.05, (len(ids), top2)
+    if top2[1] - top2[0] <= 0.05:
+      return None
     ids.append(int(np.argmax(logits)))
+  if " " not in sp.decode(ids[len(prompt_ids):]):
+    return None
   return prompt_ids, ids[len(prompt_ids):], audit._reference_logits(REFERENCE_CFG, f64, ids)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+  """:func:`_greedy_reference` of the model's file."""
+  _, sp, f64 = model
+  return _greedy_reference(sp, f64)
 
 
 def _cli(argv: list[str]) -> tuple[int, str, str]:
