@@ -291,10 +291,7 @@ def matmul(x: jax.Array, w: Any, *, implementation: str | None = None) -> jax.Ar
   _, fn = resolve(w, implementation)
   lead = x.shape[:-1]
   x2 = x.reshape(-1, x.shape[-1])
-  out_sharding = sharding_module().explicit_output_sharding(x2, w)
-  if out_sharding is not None:  # explicit mesh axes: the XLA path's ops run under GSPMD
-    fn = jax.sharding.auto_axes(fn, out_sharding=out_sharding)
-  y = fn(x2, w)
+  y = sharding_module().under_explicit_axes(fn, x2, w)(x2, w)
   return y.reshape(*lead, w.shape[1])
 
 
@@ -323,9 +320,8 @@ def _runs_a_kernel(x: Any, w: Any, implementation: str | None) -> bool:
   raises its error."""
   if implementation == "xla" or jnp.ndim(x) < 1:
     return False
-  if implementation is None and not isinstance(
-      w, sharded_weight_class()) and sharding_module().has_explicit_axes(x, w):
-    return False  # a kernel is one call XLA does not partition; shard_map runs kernels
+  if sharding_module().explicit_axes_decline_kernels(x, w, implementation):
+    return False
   base = resolvable_weight(w)
   if not isinstance(base, formats.QuantizedWeight):
     return False
@@ -345,9 +341,8 @@ def resolvable_weight(w: Any) -> Any:
 
 
 def sharded_weight_class() -> type:
-  """:class:`qjax.ShardedWeight` (imported here on demand: its module imports this one)."""
-  from qjax._src import sharding  # pylint: disable=g-import-not-at-top
-  return sharding.ShardedWeight
+  """:class:`qjax.ShardedWeight` (its module imports this one, see :func:`sharding_module`)."""
+  return sharding_module().ShardedWeight
 
 
 def runs_xla_for_dtype(dtype) -> bool:

@@ -514,9 +514,7 @@ def moe_matmul(x: jax.Array, w: Any, expert_ids: jax.Array, *,
   _, fn = resolve_moe(w, implementation, t * top_k)
   pair_experts = expert_ids.reshape(-1).astype(jnp.int32)
   rows = x if x.ndim == 2 else x.reshape(t * top_k, -1)
-  out_sharding = dispatch.sharding_module().explicit_output_sharding(rows, w)
-  if out_sharding is not None:  # explicit mesh axes: the XLA path's ops run under GSPMD
-    fn = jax.sharding.auto_axes(fn, out_sharding=out_sharding)
+  fn = dispatch.sharding_module().under_explicit_axes(fn, rows, w)
   y = fn(rows, w, _pair_rows(t, top_k, shared_row=x.ndim == 2), pair_experts)
   return y.reshape(t, top_k, w.shape[1])
 
@@ -540,10 +538,8 @@ def _runs_a_kernel(x: Any, w: Any, expert_ids: Any, implementation: str | None) 
     return False
   if not takes_format(dispatch.resolvable_weight(w)):
     return False
-  sharding = dispatch.sharding_module()
-  if implementation is None and not isinstance(
-      w, sharding.ShardedWeight) and sharding.has_explicit_axes(x, w):
-    return False  # as qjax.matmul: shard_map runs kernels on split weights
+  if dispatch.sharding_module().explicit_axes_decline_kernels(x, w, implementation):
+    return False
   return autodiff.picks_a_kernel(lambda: moe_implementation_name(
       w, implementation, int(np.prod(jnp.shape(expert_ids)))))
 

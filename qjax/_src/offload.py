@@ -68,9 +68,8 @@ def place_pass2(tree: Any, memory_kind: str = "pinned_host") -> Any:
           f: _put(a, memory_kind) if f in _PASS2_FIELDS else a for f, a in w.arrays.items()})
     if not isinstance(w, CodebookWeight) or w.codes2 is None:
       return w
-    return dataclasses.replace(w, codes2=_put(w.codes2, memory_kind),
-                               norms2=_put(w.norms2, memory_kind),
-                               codebook2=_put(w.codebook2, memory_kind))
+    return dataclasses.replace(
+        w, **{f: _put(getattr(w, f), memory_kind) for f in _PASS2_FIELDS})
 
   return jax.tree.map(move, tree, is_leaf=lambda v: isinstance(v, (CodebookWeight, sharded)))
 

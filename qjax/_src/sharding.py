@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -144,12 +144,12 @@ def explicit_output_sharding(x2: jax.Array, w: Any) -> NamedSharding | None:
   the weight's columns; row-parallel: whole, the partial products summed by XLA). A
   format without a split rule keeps N whole.
   """
-  typed = [(a, t) for a in [x2, *jax.tree.leaves(w)] if (t := _typed_spec(a)) is not None]
-  if not typed:
+  x_typed = _typed_spec(x2)
+  mesh = x_typed[0] if x_typed is not None else next(
+      (t[0] for a in jax.tree.leaves(w) if (t := _typed_spec(a)) is not None), None)
+  if mesh is None:
     return None
-  mesh = typed[0][1][0]
-  x_spec = _typed_spec(x2)
-  m_entry = x_spec[1][0] if x_spec is not None else None
+  m_entry = x_typed[1][0] if x_typed is not None else None
   n_entry = None
   try:
     fields = rules.rule_of(w).fields
@@ -164,6 +164,25 @@ def explicit_output_sharding(x2: jax.Array, w: Any) -> NamedSharding | None:
   if set(_spec_names(n_entry)) & set(_spec_names(m_entry)):
     n_entry = None  # a mesh axis shards one dimension only; x's rows keep it
   return NamedSharding(mesh, P(m_entry, n_entry))
+
+
+def under_explicit_axes(fn: Callable[..., jax.Array], rows: jax.Array,
+                        w: Any) -> Callable[..., jax.Array]:
+  """``fn`` (an XLA path computing ``rows @ W``-shaped ``[M, N]`` output) as it must run
+  where explicit mesh axes shard ``rows`` or ``w``: under ``jax.sharding.auto_axes`` with
+  :func:`explicit_output_sharding`'s output sharding; ``fn`` itself elsewhere."""
+  out_sharding = explicit_output_sharding(rows, w)
+  if out_sharding is None:
+    return fn
+  return jax.sharding.auto_axes(fn, out_sharding=out_sharding)
+
+
+def explicit_axes_decline_kernels(x: Any, w: Any, implementation: str | None) -> bool:
+  """Whether ``implementation=None`` takes the XLA path because explicit mesh axes shard
+  ``x`` or ``w`` (not a :class:`ShardedWeight`): a kernel is one call XLA does not
+  partition. Inside ``shard_map`` a ShardedWeight still runs the kernels."""
+  return (implementation is None and not isinstance(w, ShardedWeight)
+          and has_explicit_axes(x, w))
 
 
 @dataclasses.dataclass(frozen=True)
