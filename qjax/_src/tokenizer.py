@@ -23,10 +23,26 @@ The chat template is rendered with jinja2.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any, Sequence
 
 _INSTALL_HINT = 'the GGUF tokenizer needs tokenizers and jinja2: pip install "qjax[gguf]"'
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerSource:
+  """Where a tokenizer was read from, for error messages: ``f"{name} has no {key}"``.
+
+  Attributes:
+    name: the file or folder, e.g. "the GGUF file".
+    bos_key, eos_key, chat_key: where that file keeps the BOS id, the EOS id and the chat
+      template.
+  """
+  name: str = "the GGUF file"
+  bos_key: str = "tokenizer.ggml.bos_token_id"
+  eos_key: str = "tokenizer.ggml.eos_token_id"
+  chat_key: str = "tokenizer.chat_template"
 
 # GPT-2's pre-tokenizer regex (also what ByteLevel(use_regex=True) applies).
 GPT2_REGEX = (r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+")
@@ -64,7 +80,8 @@ SUPPORTED_MODELS = ("gpt2", "llama")
 SPIECE_SPACE = "\u2581"  # "▁", SentencePiece's visible space
 
 
-def _import_tokenizers():
+def import_tokenizers():
+  """The ``tokenizers`` package, or an ImportError that says how to install it."""
   try:
     import tokenizers  # pylint: disable=g-import-not-at-top
   except ImportError as e:
@@ -73,11 +90,13 @@ def _import_tokenizers():
 
 
 class GGUFTokenizer:
-  """A GGUF tokenizer: byte-level BPE (``"gpt2"``) or SentencePiece BPE (``"llama"``).
+  """A GGUF tokenizer: byte-level BPE (``"gpt2"``) or SentencePiece BPE (``"llama"``); also
+  a Hugging Face folder's ``tokenizer.json`` (``"hf"``, :mod:`qjax._src.hf_tokenizer`).
 
   Attributes:
     tokenizer: the ``tokenizers.Tokenizer``.
-    model: ``tokenizer.ggml.model``, ``"gpt2"`` or ``"llama"``.
+    model: ``tokenizer.ggml.model``, ``"gpt2"`` or ``"llama"``; ``"hf"`` for a folder's.
+    source: where it was read from (:class:`TokenizerSource`), named by the errors.
     bos_id, eos_id: the BOS / EOS token ids (None when the file has none).
     add_bos: whether the model expects BOS at the start (``tokenizer.ggml.add_bos_token``).
     add_eos: whether ``encode`` appends EOS (``tokenizer.ggml.add_eos_token``, default false).
@@ -92,8 +111,9 @@ class GGUFTokenizer:
   def __init__(self, tokenizer: Any, *, bos_id: int | None, eos_id: int | None,
                add_bos: bool, chat_template: str | None, special_ids: Sequence[int],
                vocab_size: int, stop_ids: Sequence[int] = (), add_eos: bool = False,
-               model: str = "gpt2"):
+               model: str = "gpt2", source: TokenizerSource = TokenizerSource()):
     self.tokenizer = tokenizer
+    self.source = source
     self.model = model
     self.bos_id = bos_id
     self.eos_id = eos_id
@@ -124,13 +144,13 @@ class GGUFTokenizer:
       add_bos = self.add_bos
     if add_bos:
       if self.bos_id is None:
-        raise ValueError("add_bos=True but the GGUF file has no tokenizer.ggml.bos_token_id")
+        raise ValueError(f"add_bos=True but {self.source.name} has no {self.source.bos_key}")
       ids = [self.bos_id, *ids]
     if add_eos is None:
       add_eos = self.add_eos
     if add_eos:
       if self.eos_id is None:
-        raise ValueError("add_eos=True but the GGUF file has no tokenizer.ggml.eos_token_id")
+        raise ValueError(f"add_eos=True but {self.source.name} has no {self.source.eos_key}")
       ids = [*ids, self.eos_id]
     return list(ids)
 
@@ -164,7 +184,7 @@ class GGUFTokenizer:
       add_generation_prompt: end with the header of the assistant's turn.
     """
     if not self.chat_template:
-      raise ValueError("the GGUF file has no tokenizer.chat_template; pass a plain prompt")
+      raise ValueError(f"{self.source.name} has no {self.source.chat_key}; pass a plain prompt")
     try:
       import jinja2  # pylint: disable=g-import-not-at-top
       from jinja2 import sandbox  # pylint: disable=g-import-not-at-top
@@ -344,7 +364,7 @@ def tokenizer_from_gguf(metadata: dict[str, Any]) -> GGUFTokenizer:
                        "the GGUF file has none")
     types = [NORMAL] * len(tokens)
 
-  tk = _import_tokenizers()
+  tk = import_tokenizers()
   if model == "gpt2":
     tokenizer = _byte_level_bpe(tk, metadata, tokens)
     special = [i for i, t in enumerate(types) if t == CONTROL]
