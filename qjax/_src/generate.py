@@ -119,6 +119,55 @@ def _model_steps(devices: int, params: dict, cfg: Any, max_len: int):
           tp.init_tp_cache(cfg, 1, max_len, mesh))
 
 
+def _needed_tensors(cfg: Any) -> list[str]:
+  """The GGUF tensors :func:`flax_layers.llama.params_from_gguf` takes for ``cfg`` (those of
+  every architecture), in the order it takes them (so the first missing one is the one it
+  would name), after ``blk.0.attn_q.weight``, which generate reads first."""
+  from flax_layers import llama  # pylint: disable=g-import-not-at-top
+
+  suffixes = list(llama._BLOCK_TENSORS)  # pylint: disable=protected-access
+  layers = range(cfg.num_layers)
+  blocks = ([f"blk.{i}.{s}" for s in suffixes for i in layers] if cfg.scan_layers else
+            [f"blk.{i}.{s}" for i in layers for s in suffixes])
+  return ["blk.0.attn_q.weight", *blocks, "token_embd.weight", "output_norm.weight"]
+
+
+def _plan(args, metadata: dict, tensor_types: dict[str, str], path: str, dtype: Any,
+          implementation: str | None):
+  """``(cfg, tokenizer, prompt ids, KV cache length, prompt bucket)`` of a run, from the
+  file's metadata and tensor names and types alone (no tensor data): raises for a file
+  the model cannot run, a missing tensor, a chat template that is absent, an empty
+  prompt, a prompt and --max-new-tokens beyond the context, or a --devices count that
+  does not divide the heads."""
+  from flax_layers import llama  # pylint: disable=g-import-not-at-top
+  from qjax._src import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+
+  # A file whose layers store a tensor in different types (Q4_K_M's attn_v and ffn_down)
+  # cannot be stacked for lax.scan: its layers run unrolled.
+  cfg = llama.LlamaConfig.from_metadata(
+      metadata, dtype=dtype, implementation=implementation,
+      scan_layers=llama.stackable_layers(tensor_types))
+  tok = tokenizer_lib.tokenizer_from_gguf(metadata)
+  for name in _needed_tensors(cfg):
+    if name not in tensor_types:
+      raise ValueError(f"{path}: the {metadata['general.architecture']} model needs tensor "
+                       f"{name!r}, which the file lacks")
+  prompt_ids = prompt_token_ids(tok, args.prompt, chat=args.chat)
+  if not prompt_ids:
+    raise UsageError("the prompt is empty; pass --prompt TEXT")
+  n = len(prompt_ids)
+  max_len = min(cfg.context_length,
+                -(-max(_bucket(n), n + args.max_new_tokens) // CACHE_ROUND) * CACHE_ROUND)
+  if n + args.max_new_tokens > max_len:
+    raise UsageError(f"prompt ({n} tokens) + --max-new-tokens={args.max_new_tokens} exceeds "
+                     f"the context length {cfg.context_length}")
+  bucket = min(_bucket(n), max_len)  # a context that is not a power of two caps the bucket
+  if args.devices > 1:
+    from flax_layers import tensor_parallel as tp  # pylint: disable=g-import-not-at-top
+    tp.local_config(cfg, args.devices)  # heads and MLP split evenly, or a ValueError
+  return cfg, tok, prompt_ids, max_len, bucket
+
+
 def _run_generate(args) -> int:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -126,7 +175,6 @@ def _run_generate(args) -> int:
   import qjax  # pylint: disable=g-import-not-at-top
   from flax_layers import llama  # pylint: disable=g-import-not-at-top
   from qjax._src import gguf_io  # pylint: disable=g-import-not-at-top
-  from qjax._src import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
 
   if args.max_new_tokens < 0:
     raise UsageError(f"--max-new-tokens={args.max_new_tokens} must be >= 0")
@@ -146,21 +194,25 @@ def _run_generate(args) -> int:
                      f"{jax.default_backend()} device(s); pass a count from 1 to "
                      f"{jax.device_count()}")
 
-  gfile = gguf_io.load_gguf(path, progress=not args.json)
-  file_bytes = gfile.file_tensor_bytes
   dtype = jnp.dtype(args.dtype) if args.dtype else (
       jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
-  # A file whose layers store a tensor in different types (Q4_K_M's attn_v and ffn_down)
-  # cannot be stacked for lax.scan: its layers run unrolled.
-  cfg = llama.LlamaConfig.from_metadata(
-      gfile.metadata, dtype=dtype, implementation=implementation,
-      scan_layers=llama.stackable_layers(gfile.tensor_types))
-  tok = tokenizer_lib.tokenizer_from_gguf(gfile.metadata)
+  # Everything the header shows (metadata, tensor names and types) is refused here, before
+  # the tensor data is read (minutes for a big model): the config, the tokenizer, missing
+  # tensors, the prompt (and --chat's template) and its length, the split over --devices.
+  header = gguf_io.read_header(path)
+  _plan(args, header.metadata, header.tensor_types, path, dtype, implementation)
+  gfile = gguf_io.load_gguf(header, progress=not args.json)
+  del header
+  file_bytes = gfile.file_tensor_bytes
+  # The run takes its config and tokenizer from the loaded file (GGUFFile.metadata, which
+  # is the header's unless a caller's load_gguf changed it): the same checks, now passed,
+  # and a tokenizer built again (milliseconds next to the load).
+  cfg, tok, prompt_ids, max_len, bucket = _plan(args, gfile.metadata, gfile.tensor_types,
+                                                path, dtype, implementation)
+  n = len(prompt_ids)
   convert = _kernel_layouts(implementation)
   q_name = "blk.0.attn_q.weight"
-  q_weight = gfile.tensors.get(q_name)
-  if q_weight is None:
-    raise ValueError(f"{path}: the llama model needs tensor {q_name!r}, which the file lacks")
+  q_weight = gfile.tensors[q_name]
   if convert is not None:
     q_weight = convert(q_name, q_weight)
   # What runs at decode (one row) and at prefill (more rows; the dispatcher may pick
@@ -179,17 +231,6 @@ def _run_generate(args) -> int:
         params["params"][name] = convert(name, params["params"][name])
   del gfile
   weight_bytes = _live_bytes()
-
-  prompt_ids = prompt_token_ids(tok, args.prompt, chat=args.chat)
-  if not prompt_ids:
-    raise UsageError("the prompt is empty; pass --prompt TEXT")
-  n = len(prompt_ids)
-  max_len = min(cfg.context_length,
-                -(-max(_bucket(n), n + args.max_new_tokens) // CACHE_ROUND) * CACHE_ROUND)
-  if n + args.max_new_tokens > max_len:
-    raise UsageError(f"prompt ({n} tokens) + --max-new-tokens={args.max_new_tokens} exceeds "
-                     f"the context length {cfg.context_length}")
-  bucket = min(_bucket(n), max_len)  # a context that is not a power of two caps the bucket
 
   prefill, next_token, cache = _model_steps(args.devices, params, cfg, max_len)
   tokens = jnp.asarray([prompt_ids + [0] * (bucket - n)], jnp.int32)

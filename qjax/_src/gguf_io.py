@@ -170,7 +170,47 @@ def _load_tensor(t, path: str, dequantize_unsupported: bool) -> Any:
                      "dequantize") from None
 
 
-def load_gguf(path: str | os.PathLike[str], *, progress: bool = True,
+@dataclasses.dataclass
+class GGUFHeader:
+  """What a GGUF file says before its tensor data (:func:`read_header`).
+
+  Attributes:
+    path: the file read.
+    metadata: key -> value, as :attr:`GGUFFile.metadata`.
+    tensor_types: name -> GGUF type name ("Q4_K", "F32", ...), in the file's order.
+    tensor_shapes: name -> logical shape (``(K, N)`` for a 2-D tensor, GGUF's ``ne``
+      order), as :attr:`GGUFFile.tensors` will hold it.
+    file_tensor_bytes: bytes of tensor data in the file.
+  """
+  path: str
+  metadata: dict[str, Any]
+  tensor_types: dict[str, str]
+  tensor_shapes: dict[str, tuple[int, ...]]
+  file_tensor_bytes: int
+  _reader: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+
+def read_header(path: str | os.PathLike[str]) -> GGUFHeader:
+  """The file's metadata and its tensors' names, types and shapes, without reading any
+  tensor data (the file is checked and memory-mapped as :func:`load_gguf` does, so a bad
+  file raises the same errors). Pass the result to :func:`load_gguf` to load the tensors
+  without parsing the header again.
+
+  Raises:
+    ValueError: the file is not GGUF, or is truncated or malformed.
+    ImportError: the ``gguf`` package is missing.
+  """
+  gguf = _import_gguf()
+  path = os.fspath(path)
+  reader = _open(path)
+  return GGUFHeader(
+      path=path, metadata=_metadata(reader, gguf, path),
+      tensor_types={t.name: t.tensor_type.name for t in reader.tensors},
+      tensor_shapes={t.name: _logical_shape(t) for t in reader.tensors},
+      file_tensor_bytes=sum(int(t.n_bytes) for t in reader.tensors), _reader=reader)
+
+
+def load_gguf(path: str | os.PathLike[str] | GGUFHeader, *, progress: bool = True,
               dequantize_unsupported: bool = False) -> GGUFFile:
   """Reads a GGUF file into qjax pytrees (2-D) and arrays (1-D) on the default device.
 
@@ -180,7 +220,7 @@ def load_gguf(path: str | os.PathLike[str], *, progress: bool = True,
   than 2 dims raise.
 
   Args:
-    path: the ``.gguf`` file.
+    path: the ``.gguf`` file, or its :func:`read_header` (whose parse is reused).
     progress: show a tqdm progress bar over the tensors.
     dequantize_unsupported: load 2-D tensors of GGUF types without a qjax format (Q5_0,
       Q2_K, IQ*, ...) as float32 :class:`GGUFDense` instead of raising.
@@ -193,10 +233,8 @@ def load_gguf(path: str | os.PathLike[str], *, progress: bool = True,
       qjax cannot load.
     ImportError: the ``gguf`` package is missing.
   """
-  gguf = _import_gguf()
-  path = os.fspath(path)
-  reader = _open(path)
-  metadata = _metadata(reader, gguf, path)
+  header = path if isinstance(path, GGUFHeader) else read_header(path)
+  path, reader = header.path, header._reader  # pylint: disable=protected-access
   tensors: dict[str, Any] = {}
   types: dict[str, str] = {}
   items = reader.tensors
@@ -218,8 +256,8 @@ def load_gguf(path: str | os.PathLike[str], *, progress: bool = True,
       raise ValueError(f"{path}: tensor {t.name!r} ({t.tensor_type.name}, shape "
                        f"{_logical_shape(t)}) cannot be loaded ({_one_line(e)})") from e
     types[t.name] = t.tensor_type.name
-  return GGUFFile(path=path, tensors=tensors, metadata=metadata, tensor_types=types,
-                  file_tensor_bytes=sum(int(t.n_bytes) for t in reader.tensors))
+  return GGUFFile(path=path, tensors=tensors, metadata=dict(header.metadata),
+                  tensor_types=types, file_tensor_bytes=header.file_tensor_bytes)
 
 
 def describe_gguf(path: str | os.PathLike[str]) -> list[tuple[str, str, tuple[int, ...], int]]:
