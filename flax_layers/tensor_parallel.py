@@ -8,7 +8,9 @@ devices of the axis:
   units), so attention and the SwiGLU product need no communication;
 * ``o``, ``down``: row-parallel (the matching rows), their partial outputs summed over
   the axis in float32 (one ``psum`` after each, two per layer);
-* embedding, norms and output head: replicated. The KV cache is split along its KV heads.
+* the biases of ``q``, ``k``, ``v`` (Qwen2) split with their columns, i.e. with the heads;
+* embedding, norms (Qwen3's per-head q / k norms too) and output head: replicated. The KV
+  cache is split along its KV heads.
 
 Each device runs the unchanged :class:`flax_layers.Llama` with a local config (``H / n``
 heads, ``KV / n`` KV heads, ``ffn_size / n``) on its slices; every projection goes
@@ -72,6 +74,15 @@ def _mode(path: tuple[str, ...]) -> str | None:
   return None
 
 
+def _is_bias(path: tuple[str, ...]) -> bool:
+  """A column-parallel projection's bias ``[N]`` (``[layers, N]`` stacked): split along N."""
+  return len(path) >= 2 and path[-1] == "bias" and path[-2] in COLUMN
+
+
+def _bias_spec(ndim: int, axis: Any) -> P:
+  return P(*([None] * (ndim - 1)), axis)
+
+
 def _map_with_path(fn, tree: Mapping, path: tuple[str, ...] = ()) -> dict:
   """``fn(path, value)`` on every entry of nested mappings (quantized weights are values)."""
   return {k: _map_with_path(fn, v, (*path, k)) if isinstance(v, Mapping) else fn((*path, k), v)
@@ -90,9 +101,9 @@ def shard_llama_params(params: dict, mesh: jax.sharding.Mesh, cfg: llama.LlamaCo
 
   Returns:
     The same tree with the projections of every block as :class:`qjax.ShardedWeight`
-    (q, k, v, gate, up column-parallel; o, down row-parallel) and every other leaf
-    replicated on the mesh. Run it with :func:`tp_forward`, :func:`tp_prefill`,
-    :func:`tp_decode_step`.
+    (q, k, v, gate, up column-parallel; o, down row-parallel), the q / k / v biases split
+    along their last axis (with the heads) and every other leaf replicated on the mesh.
+    Run it with :func:`tp_forward`, :func:`tp_prefill`, :func:`tp_decode_step`.
 
   Raises:
     ValueError: a head count or the ffn size does not divide, or a projection cannot
@@ -104,6 +115,8 @@ def shard_llama_params(params: dict, mesh: jax.sharding.Mesh, cfg: llama.LlamaCo
 
   def place(path, v):
     mode = _mode(path)
+    if _is_bias(path):
+      return sharding_lib.place(v, NamedSharding(mesh, _bias_spec(v.ndim, axis)))
     if mode is None:
       return jax.tree.map(lambda a: sharding_lib.place(a, everywhere), v)
     try:
@@ -123,12 +136,13 @@ def _projections(tree: Mapping, path: tuple[str, ...] = ()):
       yield (*path, k), v
 
 
-def param_specs(params: dict) -> dict:
+def param_specs(params: dict, axis: Any = "tp") -> dict:
   """PartitionSpecs of :func:`shard_llama_params`'s tree (shard_map in_specs)."""
   def spec(path, v):
-    del path
     if isinstance(v, qjax.ShardedWeight):
       return v.partition_specs()
+    if _is_bias(path):
+      return _bias_spec(v.ndim, axis)
     return jax.tree.map(lambda a: P(), v)
   return _map_with_path(spec, params)
 
@@ -162,7 +176,8 @@ def _apply(params, tokens, positions, cache, cfg, mesh, axis):
   def body(params, tokens, positions, cache):
     return llama.Llama(local).apply(params, tokens, positions, cache)
 
-  fn = sharding_lib.shard_map(body, mesh, in_specs=(param_specs(params), P(), P(), cspec),
+  fn = sharding_lib.shard_map(body, mesh,
+                              in_specs=(param_specs(params, axis), P(), P(), cspec),
                               out_specs=(P(), cspec))
   return fn(params, tokens, positions, cache)
 
