@@ -261,12 +261,21 @@ def _symmetric(w: Any) -> bool:
   return getattr(w, "zeros", None) is None
 
 
-def hf_config(cfg: LlamaConfig, *, tie_word_embeddings: bool, torch_dtype: str
-              ) -> dict[str, Any]:
-  """The architecture part of ``config.json`` for ``cfg``."""
+def _check_hf_llama(cfg: LlamaConfig) -> None:
+  """A ValueError where ``cfg`` is no HF Llama model."""
   if cfg.rope_dim != cfg.head_dim:
     raise ValueError(f"rope_dim={cfg.rope_dim} != head_dim={cfg.head_dim}: HF Llama rotates "
                      "whole heads, so this model has no HF config")
+  other = [k for k in ("rope_neox", "qkv_bias", "qk_norm") if getattr(cfg, k)]
+  if other:  # a Qwen2 / Qwen3 GGUF's params: unpermuted q / k, biases or q / k norms
+    raise ValueError(f"{', '.join(f'{k}=True' for k in other)}: not a Llama model (e.g. "
+                     "Qwen2 / Qwen3); the HF Llama export writes llama models only")
+
+
+def hf_config(cfg: LlamaConfig, *, tie_word_embeddings: bool, torch_dtype: str
+              ) -> dict[str, Any]:
+  """The architecture part of ``config.json`` for ``cfg``."""
+  _check_hf_llama(cfg)
   return {
       "architectures": ["LlamaForCausalLM"], "model_type": "llama",
       "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size,
@@ -313,6 +322,7 @@ def save_hf_llama(path: str | os.PathLike[str], params: dict, cfg: LlamaConfig, 
     raise ValueError(f"layout={layout!r} must be one of {EXPORT_LAYOUTS}")
   if zero_point_version not in (1, 2):
     raise ValueError(f"zero_point_version={zero_point_version!r} must be 1 or 2")
+  _check_hf_llama(cfg)
   p = params.get("params", params)
   linears: dict[str, tuple[Any, int | None]] = {}  # HF prefix -> (weight, rope heads)
   norms: dict[str, Any] = {}

@@ -11,9 +11,16 @@ layer is compiled once; with ``LlamaConfig(scan_layers=False)`` they are separat
 ``layers_0 ... layers_{n-1}`` run in an unrolled Python loop (no scan), with per-layer
 params. Weights come from :func:`params_from_gguf`; there is no random init.
 
-Layout notes: llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` so that
-RoPE rotates adjacent pairs ``(x[2i], x[2i+1])`` of each head (``LLAMA_ROPE_TYPE_NORM``);
-:func:`apply_rope` does that, with frequency ``base ** (-2i / rope_dim)`` for pair ``i``.
+Architectures (``general.architecture``): ``llama``, and the Llama-style ``qwen2`` (Qwen2,
+Qwen2.5: biases on q / k / v) and ``qwen3`` (Qwen3: RMSNorm of each q and k head before
+RoPE, a head size that need not be ``hidden / heads``); :class:`LlamaConfig` holds what
+differs (``rope_neox``, ``qkv_bias``, ``qk_norm``).
+
+Layout notes: llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` of a
+``llama`` model so that RoPE rotates adjacent pairs ``(x[2i], x[2i+1])`` of each head
+(``LLAMA_ROPE_TYPE_NORM``); Qwen2 / Qwen3 files are not permuted and rotate the pairs
+``(x[i], x[i + rope_dim / 2])`` (``LLAMA_ROPE_TYPE_NEOX``, HF's ``rotate_half``).
+:func:`apply_rope` does either, with frequency ``base ** (-2i / rope_dim)`` for pair ``i``.
 """
 
 from __future__ import annotations
@@ -32,7 +39,15 @@ from qjax._src import dispatch
 from qjax._src.gguf_formats import embedding_rows
 from flax_layers import scan
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+# general.architecture -> the LlamaConfig fields it sets (llama.cpp: LLM_ARCH_LLAMA uses
+# LLAMA_ROPE_TYPE_NORM, LLM_ARCH_QWEN2 / QWEN3 LLAMA_ROPE_TYPE_NEOX; llm_build_qwen2 adds
+# bq / bk / bv, llm_build_qwen3 normalizes Qcur / Kcur with attn_q_norm / attn_k_norm).
+ARCHITECTURE_OPTIONS: dict[str, dict[str, bool]] = {
+    "llama": dict(rope_neox=False, qkv_bias=False, qk_norm=False),
+    "qwen2": dict(rope_neox=True, qkv_bias=True, qk_norm=False),
+    "qwen3": dict(rope_neox=True, qkv_bias=False, qk_norm=True),
+}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURE_OPTIONS)
 SUPPORTED_HF_MODEL_TYPES = ("llama", "mistral")
 
 
@@ -53,6 +68,12 @@ class LlamaConfig:
     scan_layers: run the blocks with ``lax.scan`` over stacked params (True), or as an
       unrolled loop over per-layer submodules ``layers_{i}`` (False; longer compile, but
       no scan). The params layout must match (see :func:`params_from_gguf`).
+    rope_neox: RoPE pairs ``(i, i + rope_dim / 2)`` of each head (llama.cpp's NEOX type,
+      Qwen2 / Qwen3) instead of adjacent pairs ``(2i, 2i + 1)`` (NORM type, llama).
+    qkv_bias: q, k and v add a bias (param "bias" ``[features]`` next to "kernel";
+      Qwen2), in float32 after the matmul.
+    qk_norm: each head of q and k goes through an RMSNorm (params ``attn/q_norm`` and
+      ``attn/k_norm``, scale ``[head_dim]``, epsilon ``rms_eps``) before RoPE (Qwen3).
   """
   vocab_size: int
   hidden_size: int
@@ -68,6 +89,9 @@ class LlamaConfig:
   dtype: Any = jnp.float32
   implementation: str | None = None
   scan_layers: bool = True
+  rope_neox: bool = False
+  qkv_bias: bool = False
+  qk_norm: bool = False
 
   def __post_init__(self):
     sizes = {k: getattr(self, k) for k in ("vocab_size", "hidden_size", "num_layers",
@@ -87,8 +111,14 @@ class LlamaConfig:
 
   @classmethod
   def from_metadata(cls, metadata: dict[str, Any], **options: Any) -> "LlamaConfig":
-    """The config of a GGUF file's metadata; ``options`` sets dtype / implementation /
-    scan_layers."""
+    """The config of a GGUF file's metadata (keys ``{arch}.*`` of ``general.architecture``,
+    one of :data:`SUPPORTED_ARCHITECTURES`, whose :data:`ARCHITECTURE_OPTIONS` set
+    rope_neox / qkv_bias / qk_norm); ``options`` sets dtype / implementation /
+    scan_layers.
+
+    Raises ValueError, naming the key, for what the model cannot run: another
+    architecture, RoPE scaling, a value head size other than the key head size, a sliding
+    window shorter than the context, non-causal attention."""
     arch = metadata.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
       raise ValueError(f"general.architecture={arch!r} is not supported; qjax runs "
@@ -124,6 +154,18 @@ class LlamaConfig:
     if value_dim != head_dim:
       raise ValueError(f"{arch}.attention.value_length={value_dim} differs from the key "
                        f"length {head_dim}; qjax runs equal key and value head sizes")
+    context = int(get("context_length", 2048))
+    window = metadata.get(f"{arch}.attention.sliding_window")
+    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern")
+    # sliding_window_pattern: one bool per layer (True: that layer slides); none set is
+    # full attention everywhere, as is a window that covers the whole context.
+    no_layer = pattern is not None and np.ndim(pattern) == 1 and not np.any(pattern)
+    if window is not None and 0 < int(window) < context and not no_layer:
+      raise ValueError(f"{arch}.attention.sliding_window={window} (shorter than the context "
+                       f"{context}) is not supported; qjax runs full causal attention")
+    if not metadata.get(f"{arch}.attention.causal", True):
+      raise ValueError(f"{arch}.attention.causal=False (an embedding model) is not "
+                       "supported; qjax runs causal attention")
     return cls(
         vocab_size=int(vocab), hidden_size=hidden, num_layers=int(get("block_count")),
         num_heads=heads, num_kv_heads=int(get("attention.head_count_kv", heads)),
@@ -131,8 +173,7 @@ class LlamaConfig:
         rope_base=float(get("rope.freq_base", 10000.0)),
         rope_dim=int(get("rope.dimension_count", head_dim)),
         rms_eps=float(get("attention.layer_norm_rms_epsilon")),
-        context_length=int(get("context_length", 2048)), **options)
-
+        context_length=context, **{**ARCHITECTURE_OPTIONS[arch], **options})
 
   @classmethod
   def from_hf_config(cls, config: dict[str, Any], **options: Any) -> "LlamaConfig":
@@ -227,14 +268,18 @@ def _loaded_param(module: nn.Module, name: str):
 
 
 class QuantizedDense(nn.Module):
-  """``y = x @ W`` with ``W`` (param "kernel") any quantized pytree of shape ``[K, features]``.
+  """``y = x @ W (+ b)`` with ``W`` (param "kernel") any quantized pytree of shape
+  ``[K, features]`` and, when ``use_bias``, ``b`` (param "bias") ``[features]``.
 
   Attributes:
     features: N.
     implementation: the ``qjax.matmul`` implementation (None: best available).
+    use_bias: add the bias, in float32 to the matmul's result, rounded once to x's
+      dtype (llama.cpp adds its float32 bias to a float32 product).
   """
   features: int
   implementation: str | None = None
+  use_bias: bool = False
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -243,7 +288,14 @@ class QuantizedDense(nn.Module):
     if w.shape[1] != self.features:
       raise ValueError(f"{self.name}: kernel of shape {w.shape} has N={w.shape[1]}, "
                        f"want features={self.features}")
-    return matmul(x, w, self.implementation)
+    y = matmul(x, w, self.implementation)
+    if not self.use_bias:
+      return y
+    b = _loaded_param(self, "bias")
+    if tuple(b.shape) != (self.features,):
+      raise ValueError(f"{self.name}: bias of shape {tuple(b.shape)}, want "
+                       f"({self.features},)")
+    return (y.astype(jnp.float32) + b.astype(jnp.float32)).astype(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -258,14 +310,20 @@ class RMSNorm(nn.Module):
     return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, base: float, rope_dim: int) -> jax.Array:
-  """Rotates adjacent pairs ``(x[..., 2i], x[..., 2i+1])`` by ``pos * base**(-2i/rope_dim)``.
+def apply_rope(x: jax.Array, positions: jax.Array, base: float, rope_dim: int, *,
+               neox: bool = False) -> jax.Array:
+  """Rotates the pairs of each head's first ``rope_dim`` dims by ``pos * base**(-2i/rope_dim)``.
+
+  Pair ``i`` is ``(x[..., 2i], x[..., 2i+1])`` (llama.cpp's NORM type, llama), or with
+  ``neox`` ``(x[..., i], x[..., i + rope_dim/2])`` (NEOX type, Qwen2 / Qwen3, HF's
+  ``rotate_half``).
 
   Args:
     x: ``[batch, seq, heads, head_dim]``.
     positions: ``[batch, seq]`` int32.
     base: the frequency base.
     rope_dim: leading dims of each head to rotate (the rest pass through).
+    neox: the pairing (see above).
 
   Returns:
     ``[batch, seq, heads, head_dim]`` in x's dtype.
@@ -274,11 +332,15 @@ def apply_rope(x: jax.Array, positions: jax.Array, base: float, rope_dim: int) -
   angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
   cos = jnp.cos(angles)[:, :, None, :]  # [B, T, 1, rope_dim // 2]
   sin = jnp.sin(angles)[:, :, None, :]
-  rot, rest = x[..., :rope_dim], x[..., rope_dim:]
-  pairs = rot.astype(jnp.float32).reshape(*rot.shape[:-1], rope_dim // 2, 2)
-  x0, x1 = pairs[..., 0], pairs[..., 1]
-  out = jnp.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1)
-  out = out.reshape(rot.shape).astype(x.dtype)
+  rot, rest = x[..., :rope_dim].astype(jnp.float32), x[..., rope_dim:]
+  if neox:
+    x0, x1 = rot[..., :rope_dim // 2], rot[..., rope_dim // 2:]
+    out = jnp.concatenate([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1)
+  else:
+    pairs = rot.reshape(*rot.shape[:-1], rope_dim // 2, 2)
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    out = jnp.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1).reshape(rot.shape)
+  out = out.astype(x.dtype)
   return jnp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
 
 
@@ -302,11 +364,15 @@ class Attention(nn.Module):
     c = self.cfg
     b, t, _ = x.shape
     dense = functools.partial(QuantizedDense, implementation=c.implementation)
-    q = dense(c.num_heads * c.head_dim, name="q")(x).reshape(b, t, c.num_heads, c.head_dim)
-    k = dense(c.num_kv_heads * c.head_dim, name="k")(x).reshape(b, t, c.num_kv_heads, c.head_dim)
-    v = dense(c.num_kv_heads * c.head_dim, name="v")(x).reshape(b, t, c.num_kv_heads, c.head_dim)
-    q = apply_rope(q, positions, c.rope_base, c.rope_dim)
-    k = apply_rope(k, positions, c.rope_base, c.rope_dim)
+    qkv = functools.partial(dense, use_bias=c.qkv_bias)
+    q = qkv(c.num_heads * c.head_dim, name="q")(x).reshape(b, t, c.num_heads, c.head_dim)
+    k = qkv(c.num_kv_heads * c.head_dim, name="k")(x).reshape(b, t, c.num_kv_heads, c.head_dim)
+    v = qkv(c.num_kv_heads * c.head_dim, name="v")(x).reshape(b, t, c.num_kv_heads, c.head_dim)
+    if c.qk_norm:  # over each head's head_dim
+      q = RMSNorm(c.rms_eps, name="q_norm")(q)
+      k = RMSNorm(c.rms_eps, name="k_norm")(k)
+    q = apply_rope(q, positions, c.rope_base, c.rope_dim, neox=c.rope_neox)
+    k = apply_rope(k, positions, c.rope_base, c.rope_dim, neox=c.rope_neox)
     rows = jnp.arange(b)[:, None]
     k_cache = k_cache.at[rows, positions].set(k.astype(k_cache.dtype), mode="drop")
     v_cache = v_cache.at[rows, positions].set(v.astype(v_cache.dtype), mode="drop")
@@ -563,6 +629,38 @@ _BLOCK_TENSORS = {
 }
 
 
+# Qwen2's q / k / v biases (cfg.qkv_bias), 1-D.
+_BIAS_TENSORS = {
+    "attn_q.bias": ("attn", "q", "bias"),
+    "attn_k.bias": ("attn", "k", "bias"),
+    "attn_v.bias": ("attn", "v", "bias"),
+}
+# Qwen3's per-head q / k norms (cfg.qk_norm), 1-D ``[head_dim]``.
+_QK_NORM_TENSORS = {
+    "attn_q_norm.weight": ("attn", "q_norm", "scale"),
+    "attn_k_norm.weight": ("attn", "k_norm", "scale"),
+}
+# Biases llama.cpp's llama graph would add where present (or other architectures have);
+# this model has none of them, so a file holding one is refused, not run without it.
+_UNUSED_BIASES = ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias",
+                  "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias")
+
+
+def block_tensors(cfg: LlamaConfig) -> dict[str, tuple[str, ...]]:
+  """GGUF tensor name in block i (without ``blk.{i}.``) -> its path in the block params,
+  for ``cfg``'s architecture options."""
+  return {**_BLOCK_TENSORS, **(_BIAS_TENSORS if cfg.qkv_bias else {}),
+          **(_QK_NORM_TENSORS if cfg.qk_norm else {})}
+
+
+def _vector_sizes(cfg: LlamaConfig) -> dict[str, int]:
+  """The length of each 1-D block tensor of ``cfg``."""
+  kv = cfg.num_kv_heads * cfg.head_dim
+  return {"attn_norm.weight": cfg.hidden_size, "ffn_norm.weight": cfg.hidden_size,
+          "attn_q.bias": cfg.num_heads * cfg.head_dim, "attn_k.bias": kv, "attn_v.bias": kv,
+          "attn_q_norm.weight": cfg.head_dim, "attn_k_norm.weight": cfg.head_dim}
+
+
 def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
   for p in path[:-1]:
     tree = tree.setdefault(p, {})
@@ -591,7 +689,9 @@ def params_from_gguf(gguf_file: Any, *, convert=None, consume: bool = False,
   """The Flax params of :class:`Llama` from a loaded GGUF file.
 
   Args:
-    gguf_file: a ``GGUFFile`` (``qjax._src.gguf_io.load_gguf``) of a llama model.
+    gguf_file: a ``GGUFFile`` (``qjax._src.gguf_io.load_gguf``) of a model of
+      :data:`SUPPORTED_ARCHITECTURES` (the block tensors :func:`block_tensors` names; a
+      bias the architecture does not add is refused).
     convert: optional ``fn(name, weight) -> weight`` applied to each 2-D projection weight
       of the blocks (before stacking, if stacked) (e.g. ``lambda n, w: w.to_int4()`` for the GPU kernel).
     consume: remove the tensors from ``gguf_file.tensors`` as they are stacked, so the
@@ -602,31 +702,46 @@ def params_from_gguf(gguf_file: Any, *, convert=None, consume: bool = False,
   Returns:
     ``{"params": {"embed", "blocks", "final_norm", ["lm_head"]}}`` with block leaves that
     carry a leading ``[layers]`` axis (scan_layers) or ``{"params": {"embed", "layers_0",
-    ..., "layers_{n-1}", "final_norm", ["lm_head"]}}`` (not scan_layers).
+    ..., "layers_{n-1}", "final_norm", ["lm_head"]}}`` (not scan_layers); ``lm_head``
+    only where the file has ``output.weight`` (else the head is the embedding, tied).
   """
   tensors = gguf_file.tensors
   cfg = LlamaConfig.from_metadata(gguf_file.metadata)
+  arch = gguf_file.metadata["general.architecture"]
   if "rope_freqs.weight" in tensors:  # llama.cpp's llama3 RoPE scaling (Llama 3.1, 3.2)
     raise ValueError(f"{gguf_file.path}: tensor 'rope_freqs.weight' (per-frequency RoPE "
                      "factors, llama3 rope scaling) is not supported (only unscaled RoPE)")
+  names = block_tensors(cfg)
+  unused = [f"blk.{i}.{b}" for i in range(cfg.num_layers) for b in _UNUSED_BIASES
+            if b not in names] + ["output.bias"]
+  for name in unused:
+    if name in tensors:
+      raise ValueError(f"{gguf_file.path}: tensor {name!r} is not supported: qjax's "
+                       f"{arch} model has no such bias")
+  sizes = _vector_sizes(cfg)
   take = tensors.pop if consume else tensors.__getitem__
 
   def need(name):
     if name not in tensors:
-      raise ValueError(f"{gguf_file.path}: the llama model needs tensor {name!r}, which the "
-                       "file lacks")
+      raise ValueError(f"{gguf_file.path}: the {arch} model needs tensor {name!r}, which "
+                       "the file lacks")
     return take(name)
 
   def layer_weight(i, suffix, path):
     w = need(f"blk.{i}.{suffix}")
     if convert is not None and path[-1] == "kernel":
       w = convert(f"blk.{i}.{suffix}", w)
+    elif suffix in sizes and tuple(w.shape) != (sizes[suffix],):
+      raise ValueError(f"{gguf_file.path}: tensor 'blk.{i}.{suffix}' has shape "
+                       f"{tuple(w.shape)}, want ({sizes[suffix]},) from the metadata "
+                       f"(heads {cfg.num_heads}, KV heads {cfg.num_kv_heads}, head size "
+                       f"{cfg.head_dim}, hidden {cfg.hidden_size})")
     return w
 
   blocks: dict = {}
   if scan_layers:
     stacked_blocks: dict = {}
-    for suffix, path in _BLOCK_TENSORS.items():
+    for suffix, path in names.items():
       layers = [layer_weight(i, suffix, path) for i in range(cfg.num_layers)]
       kinds = sorted({type(w).__name__ for w in layers})
       if len(kinds) > 1:  # was a pytree structure error from tree.map
@@ -641,7 +756,7 @@ def params_from_gguf(gguf_file: Any, *, convert=None, consume: bool = False,
   else:
     for i in range(cfg.num_layers):
       layer: dict = {}
-      for suffix, path in _BLOCK_TENSORS.items():
+      for suffix, path in names.items():
         _set(layer, path, layer_weight(i, suffix, path))
       blocks[f"layers_{i}"] = layer
   params = {"embed": need("token_embd.weight"), **blocks,

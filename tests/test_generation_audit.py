@@ -69,34 +69,48 @@ def _model(cfg: llama.LlamaConfig, seed: int):
   return {"params": params}, f64
 
 
-def _rope64(x, positions, base, rope_dim):
+def _rope64(x, positions, base, rope_dim, neox=False):
   """x ``[T, heads, head_dim]`` float64, pairs ``(2i, 2i+1)`` of the first rope_dim dims
-  rotated as complex numbers by ``pos * base ** (-2i / rope_dim)``."""
+  (with ``neox``: ``(i, i + rope_dim/2)``, llama.cpp's NEOX type) rotated as complex
+  numbers by ``pos * base ** (-2i / rope_dim)``."""
   freqs = base ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
-  z = x[..., 0:rope_dim:2] + 1j * x[..., 1:rope_dim:2]
+  half = rope_dim // 2
+  re, im = ((np.s_[..., :half], np.s_[..., half:rope_dim]) if neox else
+            (np.s_[..., 0:rope_dim:2], np.s_[..., 1:rope_dim:2]))
+  z = x[re] + 1j * x[im]
   z = z * np.exp(1j * np.asarray(positions, np.float64)[:, None, None] * freqs)
   out = x.copy()
-  out[..., 0:rope_dim:2], out[..., 1:rope_dim:2] = z.real, z.imag
+  out[re], out[im] = z.real, z.imag
   return out
 
 
 def _reference_logits(cfg, f64, ids) -> np.ndarray:
   """Logits ``[T, vocab]`` float64 of ``ids`` with no cache (causal attention); the head is
-  ``f64["lm_head"]`` where given (untied), else the embedding."""
+  ``f64["lm_head"]`` where given (untied), else the embedding.
+
+  Options of other Llama-style architectures: ``cfg.rope_neox`` (absent: False) pairs
+  RoPE's dims NEOX-style; per-layer ``f64["q_bias"]`` / ``"k_bias"`` / ``"v_bias"``, where
+  given, are added after the projections (Qwen2); ``f64["q_norm"]`` / ``"k_norm"``
+  ``[head_dim]``, where given, RMSNorm each q and k head before RoPE (Qwen3)."""
   t, d, g = len(ids), cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
+  neox = getattr(cfg, "rope_neox", False)
 
   def norm(x, s):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + cfg.rms_eps) * s
+
+  def project(h, w, name, heads):
+    y = h @ w[name] + w.get(f"{name}_bias", 0.0)
+    y = y.reshape(t, heads, d)
+    return norm(y, w[f"{name}_norm"]) if f"{name}_norm" in w else y
 
   x = f64["embed"][0][:, ids].T  # [T, hidden]
   pos = np.arange(t)
   for i in range(cfg.num_layers):
     w = {k: v[i] for k, v in f64.items() if len(v) == cfg.num_layers}
     h = norm(x, w["attn_norm"])
-    q = _rope64((h @ w["q"]).reshape(t, cfg.num_heads, d), pos, cfg.rope_base, cfg.rope_dim)
-    k = _rope64((h @ w["k"]).reshape(t, cfg.num_kv_heads, d), pos, cfg.rope_base,
-                cfg.rope_dim)
-    v = (h @ w["v"]).reshape(t, cfg.num_kv_heads, d)
+    q = _rope64(project(h, w, "q", cfg.num_heads), pos, cfg.rope_base, cfg.rope_dim, neox)
+    k = _rope64(project(h, w, "k", cfg.num_kv_heads), pos, cfg.rope_base, cfg.rope_dim, neox)
+    v = project(h, w, "v", cfg.num_kv_heads)
     k, v = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)  # head j reads kv head j // g
     s = np.einsum("thd,shd->hts", q, k) / np.sqrt(d)
     s = np.where(np.tril(np.ones((t, t), bool))[None], s, -np.inf)
@@ -332,7 +346,7 @@ def test_from_metadata_reads_rope_and_defaults():
     ({"llama.attention.head_count_kv": 2}, "num_heads=9 must be a multiple of "
      "num_kv_heads=2"),
     ({"llama.attention.head_count_kv": 0}, "num_kv_heads=0"),
-    ({"general.architecture": "qwen2"}, "general.architecture='qwen2'")])
+    ({"general.architecture": "gemma2"}, "general.architecture='gemma2'")])
 def test_from_metadata_refuses_what_it_cannot_run(extra, match):
   with pytest.raises(ValueError, match=match):
     llama.LlamaConfig.from_metadata({**METADATA, **extra})
