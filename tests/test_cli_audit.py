@@ -93,7 +93,9 @@ def test_gguf_path_that_is_a_folder_says_so(capsys, tmp_path, command):
   assert cli.main(argv) == 2
   captured = capsys.readouterr()
   assert not captured.out
-  assert captured.err == (f"qjax {command}: error: {tmp_path} is a folder, not a GGUF file; "
+  what = ("a folder without config.json (not a Hugging Face checkpoint)"
+          if command == "generate" else "a folder")
+  assert captured.err == (f"qjax {command}: error: {tmp_path} is {what}, not a GGUF file; "
                           f"give the .gguf file, e.g. {tmp_path / 'model.gguf'}\n")
 
 

