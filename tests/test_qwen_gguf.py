@@ -41,6 +41,7 @@ tokenizers = pytest.importorskip("tokenizers")
 
 import test_generate_spm_gguf as spm_gguf  # noqa: E402
 import test_generation_audit as audit  # noqa: E402
+import test_sharding  # noqa: E402  (its _mesh skips where devices are fewer)
 import test_tokenizer_spm as spm_helpers  # noqa: E402
 from conftest import seed_from  # noqa: E402
 from flax_layers import llama  # noqa: E402
@@ -364,7 +365,7 @@ def test_tensor_parallel_matches_the_float64_reference(model):
   """Two devices (heads, biases and MLP split; q / k norms replicated), unrolled and
   stacked layers: the logits equal the reference's."""
   a, path, _, prompt_ids, generated, want = model
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tp",))
+  mesh = test_sharding._mesh(2)
   tokens = jnp.asarray([prompt_ids + generated], jnp.int32)
   for scan_layers in (False, True):
     cfg, params = _load(path, scan_layers)
@@ -385,6 +386,7 @@ def test_tensor_parallel_generate(model):
   a, path, _, prompt_ids, generated, _ = model
   if a.name != "qwen2":
     pytest.skip("one architecture is enough end to end")
+  test_sharding._mesh(2)  # skips with fewer devices
   rc, out, err = spm_gguf._cli(["generate", "--model", str(path), "--prompt", PROMPT,
                                 "--max-new-tokens", str(NEW_TOKENS), "--temperature", "0",
                                 "--dtype", "float32", "--json", "--devices", "2"])
