@@ -427,7 +427,12 @@ def test_generate_refuses_a_temperature_that_is_not_finite(value):
 def _patched_file(monkeypatch, metadata=None, tensors=None):
   """``qjax generate`` on SmolLM2 with some metadata or tensors replaced."""
   from qjax._src import gguf_io  # pylint: disable=g-import-not-at-top
-  load = gguf_io.load_gguf
+  load, read_header = gguf_io.load_gguf, gguf_io.read_header
+
+  def patched_header(path):  # generate plans the run from the header
+    header = read_header(path)
+    header.metadata.update(metadata or {})
+    return header
 
   def patched(path, **kw):
     f = load(path, **kw)
@@ -435,6 +440,7 @@ def _patched_file(monkeypatch, metadata=None, tensors=None):
     f.tensors.update({k: fn(f.tensors[k]) for k, fn in (tensors or {}).items()})
     return f
 
+  monkeypatch.setattr(gguf_io, "read_header", patched_header)
   monkeypatch.setattr(gguf_io, "load_gguf", patched)
 
 

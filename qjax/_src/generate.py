@@ -207,13 +207,9 @@ def _load_gguf_model(args, path: str, dtype: Any, implementation: str | None):
   # the tensor data is read (minutes for a big model): the config, the tokenizer, missing
   # tensors, the prompt (and --chat's template) and its length, the split over --devices.
   header = gguf_io.read_header(path)
-  _plan(args, header.metadata, header.tensor_types, path, dtype, implementation)
+  plan = _plan(args, header.metadata, header.tensor_types, path, dtype, implementation)
   gfile = gguf_io.load_gguf(header, progress=not args.json)
   del header
-  # The run takes its config and tokenizer from the loaded file (GGUFFile.metadata, which
-  # is the header's unless a caller's load_gguf changed it): the same checks, now passed,
-  # and a tokenizer built again (milliseconds next to the load).
-  plan = _plan(args, gfile.metadata, gfile.tensor_types, path, dtype, implementation)
   convert = _kernel_layouts(implementation)
   q_name = "blk.0.attn_q.weight"
   q_weight = gfile.tensors[q_name]
