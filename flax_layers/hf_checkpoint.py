@@ -1,9 +1,10 @@
 """Hugging Face Llama checkpoints (safetensors + config.json) in and out of the Flax Llama.
 
-:func:`load_hf_llama` reads a single-file or sharded checkpoint, dense or INT4 (GPTQ v1 /
-v2 with or without act-order, AWQ GEMM, compressed-tensors pack-quantized, picked by
-``config.json``'s ``quantization_config``), into the params :class:`flax_layers.llama.Llama`
-consumes (the tree :func:`flax_layers.llama.params_from_gguf` builds). Projections stay in
+:func:`load_hf_llama` reads a single-file or sharded checkpoint of ``model_type`` llama,
+mistral, qwen2 or qwen3 (:data:`flax_layers.llama.SUPPORTED_HF_MODEL_TYPES`), dense or
+INT4 (GPTQ v1 / v2 with or without act-order, AWQ GEMM, compressed-tensors pack-quantized,
+picked by ``config.json``'s ``quantization_config``), into the params
+:class:`flax_layers.llama.Llama` consumes (the tree :func:`flax_layers.llama.params_from_gguf` builds). Projections stay in
 their checkpoint layout (GPTQWeight, AWQWeight, CompressedTensorsWeight; dense ones as
 GGUFDense ``[N, K]``), read one tensor at a time and never dequantized; ``convert`` can
 turn them into :class:`qjax.Int4Weight` for the GPU kernel.
@@ -19,6 +20,13 @@ permuting those rows. The loader applies that same permutation to the output col
 (N) of q and k, exactly, on the stored integers (:func:`qjax._src.safetensors_io.
 permute_output`); q . k is unchanged because both get it, and v / o are untouched. The
 exporter undoes it.
+
+Qwen2 / Qwen3: their config runs with ``rope_neox`` (pairs ``(i, i + head_dim / 2)``,
+which is rotate_half), so q / k and their biases load as stored, unpermuted. Qwen2's
+``self_attn.{q,k,v}_proj.bias`` (dense, any float dtype; also when the weight is
+quantized) become each projection's ``bias`` param (``cfg.qkv_bias``), Qwen3's
+``self_attn.{q,k}_norm.weight`` (``[head_dim]``) the ``attn/q_norm`` / ``attn/k_norm``
+scales (``cfg.qk_norm``). :func:`save_hf_llama` writes Llama only and refuses them.
 """
 
 from __future__ import annotations
@@ -53,6 +61,17 @@ NORMS = {
     "input_layernorm.weight": ("attn_norm", "scale"),
     "post_attention_layernorm.weight": ("ffn_norm", "scale"),
 }
+# Qwen2's attention biases (LlamaConfig.qkv_bias): HF module -> path of its bias param.
+QKV_BIASES = {
+    "self_attn.q_proj": ("attn", "q", "bias"),
+    "self_attn.k_proj": ("attn", "k", "bias"),
+    "self_attn.v_proj": ("attn", "v", "bias"),
+}
+# Qwen3's per-head q / k RMSNorms (LlamaConfig.qk_norm), each [head_dim].
+QK_NORMS = {
+    "self_attn.q_norm.weight": ("attn", "q_norm", "scale"),
+    "self_attn.k_norm.weight": ("attn", "k_norm", "scale"),
+}
 EXPORT_LAYOUTS = ("compressed-tensors", "gptq")
 
 
@@ -76,6 +95,11 @@ def rope_permutation(num_heads: int, head_dim: int) -> np.ndarray:
 
 
 def _rope_heads(cfg: LlamaConfig, module: str) -> int | None:
+  """The heads whose rows the loader permutes for adjacent-pair RoPE in ``module`` (q / k
+  of a Llama); None for the others and for a ``rope_neox`` model (Qwen2 / Qwen3), which
+  rotates HF's rotate_half pairs as stored."""
+  if cfg.rope_neox:
+    return None
   return {"self_attn.q_proj": cfg.num_heads,
           "self_attn.k_proj": cfg.num_kv_heads}.get(module)
 
@@ -120,9 +144,9 @@ def load_hf_llama(path: str | os.PathLike[str], *,
     path: a folder with ``config.json`` and ``model.safetensors`` or
       ``model.safetensors.index.json`` with its shards.
     convert: optional ``fn(tensor_prefix, weight) -> weight`` applied to each
-      projection (after the RoPE permutation), e.g. ``lambda n, w: w.to_int4()`` for
-      the GPU kernel. (GPTQ act-order weights give ``(Int4Weight, perm)`` there: keep
-      them as GPTQWeight.)
+      projection (after the RoPE permutation; not to biases or norms), e.g.
+      ``lambda n, w: w.to_int4()`` for the GPU kernel. (GPTQ act-order weights give
+      ``(Int4Weight, perm)`` there: keep them as GPTQWeight.)
     scan_layers: stacked ``blocks`` (True) or per-layer ``layers_{i}``; also set on the
       returned config.
     progress: a tqdm bar over the tensors read, when tqdm is installed.
@@ -131,11 +155,13 @@ def load_hf_llama(path: str | os.PathLike[str], *,
   Returns:
     ``(cfg, {"params": {"embed", "blocks" | "layers_{i}", "final_norm", ["lm_head"]}})``:
     ``embed`` a GGUFDense ``[K=hidden, N=vocab]``, projections as stored (dense ones as
-    GGUFDense), norms as arrays. ``lm_head`` is absent when ``tie_word_embeddings``.
+    GGUFDense), norms and Qwen2's q / k / v biases as arrays. ``lm_head`` is absent when
+    ``tie_word_embeddings``.
 
   Raises:
-    ValueError: one message naming the tensor that is missing, has a shape or dtype
-      that disagrees with config.json, or whose K the group size does not divide; or
+    ValueError: one message naming the tensor that is missing (a qwen2 bias, a qwen3
+      q / k norm among them), has a shape or dtype that disagrees with config.json, or
+      whose K the group size does not divide, or a bias the model does not add; or
       naming the config key qjax cannot run.
   """
   path = pathlib.Path(path)
@@ -162,31 +188,51 @@ def _read_params(path, config, cfg, quant, convert, progress) -> dict:
       bar.close()
 
 
-def _vector(ckpt: sio.Checkpoint, name: str, size: int) -> jax.Array:
+def _vector(ckpt: sio.Checkpoint, name: str, size: int,
+            why: str = "norm weight of hidden_size={size}") -> jax.Array:
   a = ckpt.get(name)
-  sio._check(name, a, (size,), sio.DENSE_DTYPES, f"norm weight of hidden_size={size}")
+  sio._check(name, a, (size,), sio.DENSE_DTYPES, why.format(size=size))
   return jnp.asarray(a)
 
 
 def _read_params_from(ckpt, config, cfg, quant, convert) -> dict:
-  def linear(prefix, k, n, heads=None):
-    if f"{prefix}.bias" in ckpt:
-      raise ValueError(f"tensor {prefix + '.bias'!r}: projection biases are not supported")
+  model_type = config.get("model_type")
+
+  def need(name):
+    if name not in ckpt:
+      raise ValueError(f"tensor {name!r} is missing from the checkpoint (every layer "
+                       f"of a {model_type} model has one)")
+    return name
+
+  def linear(prefix, k, n, heads=None, bias=False):
+    if not bias and f"{prefix}.bias" in ckpt:
+      raise ValueError(f"tensor {prefix + '.bias'!r}: qjax's {model_type} model has no "
+                       "bias on this projection (projection biases are not supported)")
     w = sio.read_linear(ckpt, prefix, k, n, quant)
     if heads is not None:
       w = sio.permute_output(w, rope_permutation(heads, cfg.head_dim))
     w = sio.to_device(w)
     return w if convert is None else convert(prefix, w)
 
+  biases = QKV_BIASES if cfg.qkv_bias else {}
   layers = []
   for i in range(cfg.num_layers):
     layer: dict = {}
     for module, kpath in LINEARS.items():
       k, n = linear_shape(cfg, module)
-      _set(layer, kpath, linear(f"model.layers.{i}.{module}", k, n,
-                                _rope_heads(cfg, module)))
+      prefix = f"model.layers.{i}.{module}"
+      _set(layer, kpath, linear(prefix, k, n, _rope_heads(cfg, module),
+                                bias=module in biases))
+      if module in biases:  # as stored: a rope_neox model's q / k rows are not permuted
+        _set(layer, biases[module], _vector(ckpt, need(f"{prefix}.bias"), n,
+                                            f"{module} bias of N={{size}} from config.json"))
     for name, npath in NORMS.items():
       _set(layer, npath, _vector(ckpt, f"model.layers.{i}.{name}", cfg.hidden_size))
+    if cfg.qk_norm:
+      for name, npath in QK_NORMS.items():
+        _set(layer, npath, _vector(ckpt, need(f"model.layers.{i}.{name}"), cfg.head_dim,
+                                   "per-head norm weight of head_dim={size} from "
+                                   "config.json"))
     layers.append(layer)
 
   params: dict = {}

@@ -48,7 +48,10 @@ ARCHITECTURE_OPTIONS: dict[str, dict[str, bool]] = {
     "qwen3": dict(rope_neox=True, qkv_bias=False, qk_norm=True),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURE_OPTIONS)
-SUPPORTED_HF_MODEL_TYPES = ("llama", "mistral")
+# Hugging Face config.json model_type -> the architecture (ARCHITECTURE_OPTIONS) it runs as.
+HF_MODEL_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2",
+                          "qwen3": "qwen3"}
+SUPPORTED_HF_MODEL_TYPES = tuple(HF_MODEL_ARCHITECTURES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,29 +180,46 @@ class LlamaConfig:
 
   @classmethod
   def from_hf_config(cls, config: dict[str, Any], **options: Any) -> "LlamaConfig":
-    """The config of a Hugging Face ``config.json`` (a dict) of a Llama-family model;
+    """The config of a Hugging Face ``config.json`` (a dict) of a Llama-family model
+    (``model_type`` one of :data:`SUPPORTED_HF_MODEL_TYPES`, run with the
+    :data:`ARCHITECTURE_OPTIONS` of :data:`HF_MODEL_ARCHITECTURES`' architecture);
     ``options`` sets dtype / implementation / scan_layers.
 
     Reads hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
     head_dim, intermediate_size, rope_theta (or rope_parameters.rope_theta),
     rms_norm_eps, vocab_size and max_position_embeddings. Where absent (or null):
     num_key_value_heads = num_attention_heads, head_dim = hidden_size //
-    num_attention_heads, rope_theta 10000, rms_norm_eps 1e-6, max_position_embeddings
-    2048; the others are required. RoPE rotates the whole head (HF Llama has no partial
-    rotary). Raises ValueError, naming the key, for what the
-    model cannot run: another model_type, rope scaling, attention or MLP biases, an
-    activation other than SiLU, a sliding window.
+    num_attention_heads (qwen3: 128, Qwen3Config's default), rope_theta 10000,
+    rms_norm_eps 1e-6, max_position_embeddings 2048 (qwen2 / qwen3: 32768); the others
+    are required. RoPE rotates the whole head (no partial rotary).
+
+    qwen2 (Qwen2, Qwen2.5) adds q / k / v biases (always, as transformers'
+    Qwen2Attention; attention_bias / mlp_bias are not read); qwen3 normalizes each q / k
+    head (q_norm / k_norm) and has no bias (attention_bias=true would add one to o_proj
+    too: refused). Both rotate ``(i, i + head_dim / 2)`` (rotate_half: ``rope_neox``).
+    Their sliding window applies only with use_sliding_window=true, to the layers from
+    max_window_layers on (default 28) or those layer_types marks "sliding_attention".
+
+    Raises ValueError, naming the key, for what the model cannot run: another
+    model_type, rope scaling, attention or MLP biases qjax has no place for, an
+    activation other than SiLU, a sliding window shorter than max_position_embeddings
+    on some layer.
     """
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_HF_MODEL_TYPES:
       raise ValueError(f"config.json model_type={model_type!r} is not supported; qjax runs "
                        f"{SUPPORTED_HF_MODEL_TYPES}")
+    arch = HF_MODEL_ARCHITECTURES[model_type]
 
     def get(key, default=None):
       v = config.get(key, default)
       if v is None:
         raise ValueError(f"config.json lacks {key!r}, which a {model_type} model needs")
       return v
+
+    def optional(key, default):  # absent or null: the default
+      v = config.get(key)
+      return default if v is None else v
 
     rope = config.get("rope_parameters") or {}
     scaling = config.get("rope_scaling") or {}
@@ -208,35 +228,66 @@ class LlamaConfig:
       key = "rope_scaling" if scaling else "rope_parameters"
       raise ValueError(f"config.json {key} of rope_type {rope_type!r} is not supported "
                        "(only unscaled RoPE)")
-    for key in ("attention_bias", "mlp_bias"):
+    if arch == "llama":
+      bias_keys = ("attention_bias", "mlp_bias")
+    else:  # transformers' Qwen2 / Qwen3 MLPs have no bias whatever mlp_bias says
+      bias_keys = ("attention_bias",) if arch == "qwen3" else ()
+    for key in bias_keys:
       if config.get(key):
+        extra = (" (Qwen3's attention_bias adds an o_proj bias, which qjax's model lacks)"
+                 if arch == "qwen3" else "")
         raise ValueError(f"config.json {key}=true is not supported (projections without "
-                         "bias only)")
+                         f"bias only){extra}")
     act = config.get("hidden_act", "silu")
     if act != "silu":
       raise ValueError(f"config.json hidden_act={act!r} is not supported (only 'silu')")
-    if config.get("sliding_window") is not None and config.get("use_sliding_window", True):
-      raise ValueError(f"config.json sliding_window={config['sliding_window']} is not "
-                       "supported (full attention only)")
+    layers = int(get("num_hidden_layers"))
+    context = int(optional("max_position_embeddings", 2048 if arch == "llama" else 32768))
+    if arch == "llama":
+      if config.get("sliding_window") is not None and config.get("use_sliding_window", True):
+        raise ValueError(f"config.json sliding_window={config['sliding_window']} is not "
+                         "supported (full attention only)")
+    else:
+      _check_qwen_sliding_window(config, layers, context)
     hidden = int(get("hidden_size"))
     heads = int(get("num_attention_heads"))
-    if not config.get("head_dim") and heads and hidden % heads:
+    default_head_dim = 128 if arch == "qwen3" else None
+    if not config.get("head_dim") and default_head_dim is None and heads and hidden % heads:
       raise ValueError(f"config.json hidden_size={hidden} is not a multiple of "
                        f"num_attention_heads={heads}, and it lacks 'head_dim'")
-    head_dim = int(config.get("head_dim") or hidden // max(heads, 1))
-
-    def optional(key, default):  # absent or null: the default
-      v = config.get(key)
-      return default if v is None else v
-
+    head_dim = int(config.get("head_dim") or default_head_dim or hidden // max(heads, 1))
     theta = optional("rope_theta", rope.get("rope_theta") or 10000.0)
     return cls(
-        vocab_size=int(get("vocab_size")), hidden_size=hidden,
-        num_layers=int(get("num_hidden_layers")), num_heads=heads,
-        num_kv_heads=int(config.get("num_key_value_heads") or heads), head_dim=head_dim,
-        ffn_size=int(get("intermediate_size")), rope_base=float(theta), rope_dim=head_dim,
-        rms_eps=float(optional("rms_norm_eps", 1e-6)),
-        context_length=int(optional("max_position_embeddings", 2048)), **options)
+        vocab_size=int(get("vocab_size")), hidden_size=hidden, num_layers=layers,
+        num_heads=heads, num_kv_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=head_dim, ffn_size=int(get("intermediate_size")), rope_base=float(theta),
+        rope_dim=head_dim, rms_eps=float(optional("rms_norm_eps", 1e-6)),
+        context_length=context, **{**ARCHITECTURE_OPTIONS[arch], **options})
+
+
+def _check_qwen_sliding_window(config: dict[str, Any], layers: int, context: int) -> None:
+  """A ValueError naming the keys where a Qwen2 / Qwen3 ``config.json`` slides the window
+  of some layer over less than the context. As transformers' Qwen2Config / Qwen3Config:
+  the window is ``sliding_window`` only with ``use_sliding_window`` (default false), on
+  the layers ``layer_types`` marks "sliding_attention" or, without layer_types, on layers
+  ``i >= max_window_layers`` (default 28)."""
+  window = config.get("sliding_window")
+  if not config.get("use_sliding_window", False) or window is None or int(window) >= context:
+    return
+  layer_types = config.get("layer_types")
+  if layer_types is not None:
+    sliding = [i for i, t in enumerate(layer_types[:layers]) if t == "sliding_attention"]
+    where = "layer_types marks layer(s)"
+  else:
+    first = config.get("max_window_layers")
+    first = 28 if first is None else int(first)
+    sliding = list(range(max(first, 0), layers))
+    where = f"max_window_layers={first} of num_hidden_layers={layers} slides layer(s)"
+  if sliding:
+    raise ValueError(f"config.json use_sliding_window=true with sliding_window={window} "
+                     f"(shorter than max_position_embeddings={context}) is not supported; "
+                     f"{where} {', '.join(map(str, sliding[:4]))}"
+                     f"{', ...' if len(sliding) > 4 else ''}; qjax runs full causal attention")
 
 
 def matmul(x: jax.Array, w: Any, implementation: str | None) -> jax.Array:

@@ -54,14 +54,15 @@ def _add_tokenizer(folder, stop_word: str | None = None) -> None:
 
 
 def _greedy_reference(deq: dict, prompt_ids: list[int], tie: bool, steps: int,
-                      stop: frozenset[int] = frozenset({2})) -> list[int] | None:
+                      stop: frozenset[int] = frozenset({2}), **reference) -> list[int] | None:
   """Greedy tokens of the float64 HF-convention forward pass, recomputed per step; None
   where a step's top logit leads the second by less than 1e-3 of the logits' spread (a
-  near tie that float32 could break the other way)."""
+  near tie that float32 could break the other way). ``reference``: the model options of
+  ``test_hf_checkpoint._hf_reference_logits`` (shapes, biases, q / k norms)."""
   ids = list(prompt_ids)
   out = []
   for _ in range(steps):
-    logits = hfc._hf_reference_logits(deq, np.array([ids]), tie)[0, -1]
+    logits = hfc._hf_reference_logits(deq, np.array([ids]), tie, **reference)[0, -1]
     top2 = np.sort(logits)[-2:]
     if top2[1] - top2[0] <= 1e-3 * np.ptp(logits):
       return None

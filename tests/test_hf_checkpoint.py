@@ -191,37 +191,54 @@ def _write_case(tmp_path, rng, case):
 # ------------------------------------------------------- the independent HF reference
 
 
-def _hf_reference_logits(w: dict, tokens: np.ndarray, tie: bool) -> np.ndarray:
-  """Float64 Llama forward in Hugging Face conventions: ``y = x @ W.T``, rotate_half."""
+def _hf_reference_logits(w: dict, tokens: np.ndarray, tie: bool, *, layers: int = LAYERS,
+                         heads: int = HEADS, kv_heads: int = KV_HEADS,
+                         head_dim: int = HEAD_DIM, rope_theta: float = 10000.0,
+                         eps: float = 1e-5, qkv_bias: bool = False,
+                         qk_norm: bool = False) -> np.ndarray:
+  """Float64 Llama forward in Hugging Face conventions: ``y = x @ W.T``, rotate_half.
+
+  The keyword options default to the tiny Llama's; Qwen2 adds ``{q,k,v}_proj.bias``
+  (``qkv_bias``), Qwen3 normalizes each q and k head with ``q_norm.weight`` /
+  ``k_norm.weight`` before RoPE (``qk_norm``; transformers' Qwen3Attention), with a
+  ``head_dim`` that need not be hidden / heads."""
   f = lambda n: np.asarray(w[n], np.float64)
   x = f("model.embed_tokens.weight")[tokens[0]]
   t = x.shape[0]
-  inv = 10000.0 ** (-np.arange(0, HEAD_DIM, 2) / HEAD_DIM)
+  inv = rope_theta ** (-np.arange(0, head_dim, 2) / head_dim)
   ang = np.arange(t)[:, None] * inv[None]
   cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
 
   def rope(v):  # [T, H, D]
-    half = HEAD_DIM // 2
+    half = head_dim // 2
     rot = np.concatenate([-v[..., half:], v[..., :half]], -1)
     return v * cos[:, None] + rot * sin[:, None]
 
   def norm(v, g):
-    return v / np.sqrt(np.mean(v * v, -1, keepdims=True) + 1e-5) * g
+    return v / np.sqrt(np.mean(v * v, -1, keepdims=True) + eps) * g
+
+  def proj(h, name):
+    y = h @ f(name + ".weight").T
+    return y + f(name + ".bias") if qkv_bias else y
 
   causal = np.tril(np.ones((t, t), bool))
-  for i in range(LAYERS):
+  for i in range(layers):
     p = f"model.layers.{i}."
     h = norm(x, f(p + "input_layernorm.weight"))
-    q = rope((h @ f(p + "self_attn.q_proj.weight").T).reshape(t, HEADS, HEAD_DIM))
-    k = rope((h @ f(p + "self_attn.k_proj.weight").T).reshape(t, KV_HEADS, HEAD_DIM))
-    v = (h @ f(p + "self_attn.v_proj.weight").T).reshape(t, KV_HEADS, HEAD_DIM)
-    k = np.repeat(k, HEADS // KV_HEADS, axis=1)
-    v = np.repeat(v, HEADS // KV_HEADS, axis=1)
-    s = np.einsum("thd,shd->hts", q, k) / np.sqrt(HEAD_DIM)
+    q = proj(h, p + "self_attn.q_proj").reshape(t, heads, head_dim)
+    k = proj(h, p + "self_attn.k_proj").reshape(t, kv_heads, head_dim)
+    v = proj(h, p + "self_attn.v_proj").reshape(t, kv_heads, head_dim)
+    if qk_norm:
+      q = norm(q, f(p + "self_attn.q_norm.weight"))
+      k = norm(k, f(p + "self_attn.k_norm.weight"))
+    q, k = rope(q), rope(k)
+    k = np.repeat(k, heads // kv_heads, axis=1)
+    v = np.repeat(v, heads // kv_heads, axis=1)
+    s = np.einsum("thd,shd->hts", q, k) / np.sqrt(head_dim)
     s = np.where(causal[None], s, -np.inf)
     s = np.exp(s - s.max(-1, keepdims=True))
     s /= s.sum(-1, keepdims=True)
-    o = np.einsum("hts,shd->thd", s, v).reshape(t, HEADS * HEAD_DIM)
+    o = np.einsum("hts,shd->thd", s, v).reshape(t, heads * head_dim)
     x = x + o @ f(p + "self_attn.o_proj.weight").T
     h = norm(x, f(p + "post_attention_layernorm.weight"))
     gate = h @ f(p + "mlp.gate_proj.weight").T
