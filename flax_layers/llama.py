@@ -362,8 +362,9 @@ class RMSNorm(nn.Module):
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, base: float, rope_dim: int, *,
-               neox: bool = False) -> jax.Array:
-  """Rotates the pairs of each head's first ``rope_dim`` dims by ``pos * base**(-2i/rope_dim)``.
+               neox: bool = False, freq_factors: jax.Array | None = None) -> jax.Array:
+  """Rotates the pairs of each head's first ``rope_dim`` dims by ``pos * base**(-2i/rope_dim)``
+  (divided by ``freq_factors[i]`` where given).
 
   Pair ``i`` is ``(x[..., 2i], x[..., 2i+1])`` (llama.cpp's NORM type, llama), or with
   ``neox`` ``(x[..., i], x[..., i + rope_dim/2])`` (NEOX type, Qwen2 / Qwen3, HF's
@@ -375,12 +376,18 @@ def apply_rope(x: jax.Array, positions: jax.Array, base: float, rope_dim: int, *
     base: the frequency base.
     rope_dim: leading dims of each head to rotate (the rest pass through).
     neox: the pairing (see above).
+    freq_factors: optional ``[rope_dim // 2]`` float, each pair's frequency divisor:
+      llama3 RoPE scaling (Llama 3.1 / 3.2), as llama.cpp applies ``rope_freqs.weight``
+      (see :func:`llama3_rope_factors`).
 
   Returns:
     ``[batch, seq, heads, head_dim]`` in x's dtype.
   """
-  inv_freq = base ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
-  angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+  inv_freq = jnp.asarray(base ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim),
+                         jnp.float32)
+  if freq_factors is not None:
+    inv_freq = inv_freq / jnp.asarray(freq_factors, jnp.float32)
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq
   cos = jnp.cos(angles)[:, :, None, :]  # [B, T, 1, rope_dim // 2]
   sin = jnp.sin(angles)[:, :, None, :]
   rot, rest = x[..., :rope_dim].astype(jnp.float32), x[..., rope_dim:]
@@ -400,7 +407,7 @@ class Attention(nn.Module):
   cfg: LlamaConfig
 
   @nn.compact
-  def __call__(self, x, positions, mask, k_cache, v_cache):
+  def __call__(self, x, positions, mask, k_cache, v_cache, rope_freqs=None):
     """One layer's attention.
 
     Args:
@@ -408,6 +415,7 @@ class Attention(nn.Module):
       positions: ``[batch, seq]`` int32, where each token's key and value are written.
       mask: ``[batch, seq, max_len]`` bool, the cache slots each query attends to.
       k_cache, v_cache: ``[batch, max_len, kv_heads, head_dim]``.
+      rope_freqs: optional ``[rope_dim // 2]`` RoPE frequency divisors (llama3 scaling).
 
     Returns:
       ``([batch, seq, hidden], k_cache, v_cache)``.
@@ -422,8 +430,9 @@ class Attention(nn.Module):
     if c.qk_norm:  # over each head's head_dim
       q = RMSNorm(c.rms_eps, name="q_norm")(q)
       k = RMSNorm(c.rms_eps, name="k_norm")(k)
-    q = apply_rope(q, positions, c.rope_base, c.rope_dim, neox=c.rope_neox)
-    k = apply_rope(k, positions, c.rope_base, c.rope_dim, neox=c.rope_neox)
+    rope = functools.partial(apply_rope, base=c.rope_base, rope_dim=c.rope_dim,
+                             neox=c.rope_neox, freq_factors=rope_freqs)
+    q, k = rope(q, positions), rope(k, positions)
     rows = jnp.arange(b)[:, None]
     k_cache = k_cache.at[rows, positions].set(k.astype(k_cache.dtype), mode="drop")
     v_cache = v_cache.at[rows, positions].set(v.astype(v_cache.dtype), mode="drop")
@@ -460,11 +469,13 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x, layer_cache, ctx):
     """x: ``[batch, seq, hidden]``; layer_cache: (k, v) ``[batch, max_len, kv_heads, head_dim]``;
-    ctx: (positions ``[batch, seq]``, mask ``[batch, seq, max_len]``)."""
-    positions, mask = ctx
+    ctx: (positions ``[batch, seq]``, mask ``[batch, seq, max_len]``, RoPE frequency
+    divisors ``[rope_dim // 2]`` or None)."""
+    positions, mask, rope_freqs = ctx
     k_cache, v_cache = layer_cache
     h, k_cache, v_cache = Attention(self.cfg, name="attn")(
-        RMSNorm(self.cfg.rms_eps, name="attn_norm")(x), positions, mask, k_cache, v_cache)
+        RMSNorm(self.cfg.rms_eps, name="attn_norm")(x), positions, mask, k_cache, v_cache,
+        rope_freqs)
     x = x + h
     x = x + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg.rms_eps, name="ffn_norm")(x))
     return x, (k_cache, v_cache)
@@ -473,8 +484,9 @@ class Block(nn.Module):
 class Llama(nn.Module):
   """The decoder: embedding, ``num_layers`` blocks, final norm, output head.
 
-  Params: ``embed`` (quantized ``[hidden, vocab]``), the blocks, ``final_norm``, and
-  ``lm_head`` only when the output is not tied. The blocks are ``blocks`` (every leaf with
+  Params: ``embed`` (quantized ``[hidden, vocab]``), the blocks, ``final_norm``,
+  ``lm_head`` only when the output is not tied, and ``rope_freqs`` (``[rope_dim // 2]``
+  float32, each RoPE pair's frequency divisor) only under llama3 rope scaling. The blocks are ``blocks`` (every leaf with
   a leading ``[layers]`` axis) when ``cfg.scan_layers``, else ``layers_0 ...
   layers_{n-1}`` (one layer's params each).
   """
@@ -507,17 +519,21 @@ class Llama(nn.Module):
     if not self.has_variable("params", layout):
       raise ValueError(f"the params have no {layout!r} (scan_layers={c.scan_layers}); build "
                        f"them with params_from_gguf(..., scan_layers={c.scan_layers})")
+    # llama3 RoPE scaling: the params hold the frequency divisors (rope_freqs.weight).
+    rope_freqs = (self.param("rope_freqs", _pretrained)
+                  if self.has_variable("params", "rope_freqs") else None)
+    ctx = (positions, mask, rope_freqs)
     if c.scan_layers:
       # lax.scan with each quantized weight as qjax.layer_of(stack, i): the kernels read
       # the layer in place, where nn.scan's slices would be copied before every kernel.
       x, (k, v) = scan.scan_layers(Block(c, parent=None), self.param("blocks", _pretrained),
-                                   x, (cache["k"], cache["v"]), (positions, mask))
+                                   x, (cache["k"], cache["v"]), ctx)
     else:
       # Unrolled: each layer reads its static slice of the cache and writes it back in
       # place (dynamic_update_slice on the donated buffer).
       k, v = cache["k"], cache["v"]
       for i in range(c.num_layers):
-        x, (k_i, v_i) = Block(c, name=f"layers_{i}")(x, (k[i], v[i]), (positions, mask))
+        x, (k_i, v_i) = Block(c, name=f"layers_{i}")(x, (k[i], v[i]), ctx)
         k, v = k.at[i].set(k_i), v.at[i].set(v_i)
     x = RMSNorm(c.rms_eps, name="final_norm")(x)
     head = embed
@@ -735,6 +751,54 @@ def stackable_layers(tensor_types: dict[str, str]) -> bool:
   return all(len(k) == 1 for k in kinds.values())
 
 
+def take_rope_freqs(gguf_file: Any, cfg: LlamaConfig, consume: bool = False) -> np.ndarray:
+  """A GGUF file's ``rope_freqs.weight``: ``[rope_dim // 2]`` float32, the divisor of each
+  RoPE pair's frequency (llama.cpp's per-frequency factors; its converter writes them for
+  Llama 3.1 / 3.2's llama3 rope scaling, see :func:`llama3_rope_factors`).
+
+  Raises:
+    ValueError: naming the file, where the shape is not ``[rope_dim // 2]`` or a factor is
+      not finite and positive.
+  """
+  get = gguf_file.tensors.pop if consume else gguf_file.tensors.__getitem__
+  freqs = np.asarray(get("rope_freqs.weight"), np.float32)
+  if freqs.shape != (cfg.rope_dim // 2,):
+    raise ValueError(f"{gguf_file.path}: tensor 'rope_freqs.weight' has shape {freqs.shape}, "
+                     f"want ({cfg.rope_dim // 2},): one factor per RoPE pair (rope_dim "
+                     f"{cfg.rope_dim})")
+  if not (np.isfinite(freqs).all() and (freqs > 0).all()):
+    raise ValueError(f"{gguf_file.path}: tensor 'rope_freqs.weight' holds factors that are "
+                     f"not finite and positive ({freqs[~(np.isfinite(freqs) & (freqs > 0))][:4]})")
+  return freqs
+
+
+def llama3_rope_factors(base: float, rope_dim: int, *, factor: float,
+                        low_freq_factor: float, high_freq_factor: float,
+                        original_context: int) -> np.ndarray:
+  """The divisor of each RoPE pair's frequency under llama3 rope scaling (Llama 3.1 / 3.2;
+  Hugging Face's ``rope_scaling`` of ``rope_type: "llama3"``), as llama.cpp's converter
+  writes them into ``rope_freqs.weight``: 1 for wavelengths shorter than
+  ``original_context / high_freq_factor``, ``factor`` for those longer than
+  ``original_context / low_freq_factor``, and in between the inverse of a linear blend.
+
+  Returns:
+    ``[rope_dim // 2]`` float32.
+  """
+  if not 0 < low_freq_factor < high_freq_factor or factor <= 0 or original_context <= 0:
+    raise ValueError(f"llama3 rope scaling needs factor > 0, 0 < low_freq_factor < "
+                     f"high_freq_factor and original_max_position_embeddings > 0; got "
+                     f"factor={factor}, low_freq_factor={low_freq_factor}, "
+                     f"high_freq_factor={high_freq_factor}, "
+                     f"original_max_position_embeddings={original_context}")
+  wavelen = 2 * np.pi * base ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
+  smooth = ((original_context / wavelen - low_freq_factor)
+            / (high_freq_factor - low_freq_factor))
+  blended = 1 / ((1 - smooth) / factor + smooth)
+  out = np.where(wavelen < original_context / high_freq_factor, 1.0,
+                 np.where(wavelen > original_context / low_freq_factor, factor, blended))
+  return out.astype(np.float32)
+
+
 def params_from_gguf(gguf_file: Any, *, convert=None, consume: bool = False,
                      scan_layers: bool = True) -> dict:
   """The Flax params of :class:`Llama` from a loaded GGUF file.
@@ -759,9 +823,9 @@ def params_from_gguf(gguf_file: Any, *, convert=None, consume: bool = False,
   tensors = gguf_file.tensors
   cfg = LlamaConfig.from_metadata(gguf_file.metadata)
   arch = gguf_file.metadata["general.architecture"]
+  rope_freqs = None
   if "rope_freqs.weight" in tensors:  # llama.cpp's llama3 RoPE scaling (Llama 3.1, 3.2)
-    raise ValueError(f"{gguf_file.path}: tensor 'rope_freqs.weight' (per-frequency RoPE "
-                     "factors, llama3 rope scaling) is not supported (only unscaled RoPE)")
+    rope_freqs = np.asarray(take_rope_freqs(gguf_file, cfg, consume))
   names = block_tensors(cfg)
   unused = [f"blk.{i}.{b}" for i in range(cfg.num_layers) for b in _UNUSED_BIASES
             if b not in names] + ["output.bias"]
@@ -814,6 +878,8 @@ def params_from_gguf(gguf_file: Any, *, convert=None, consume: bool = False,
             "final_norm": {"scale": need("output_norm.weight")}}
   if "output.weight" in tensors:
     params["lm_head"] = take("output.weight")
+  if rope_freqs is not None:
+    params["rope_freqs"] = jnp.asarray(rope_freqs, jnp.float32)
   emb = params["embed"]
   if tuple(emb.shape) != (cfg.hidden_size, cfg.vocab_size):
     raise ValueError(f"token_embd.weight has logical shape {tuple(emb.shape)}, want "

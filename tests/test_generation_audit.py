@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import io
 import json
-import types
 
 import jax
 import jax.numpy as jnp
@@ -69,11 +69,14 @@ def _model(cfg: llama.LlamaConfig, seed: int):
   return {"params": params}, f64
 
 
-def _rope64(x, positions, base, rope_dim, neox=False):
+def _rope64(x, positions, base, rope_dim, neox=False, factors=None):
   """x ``[T, heads, head_dim]`` float64, pairs ``(2i, 2i+1)`` of the first rope_dim dims
   (with ``neox``: ``(i, i + rope_dim/2)``, llama.cpp's NEOX type) rotated as complex
-  numbers by ``pos * base ** (-2i / rope_dim)``."""
+  numbers by ``pos * base ** (-2i / rope_dim)``, divided by ``factors[i]`` where given
+  (llama.cpp's ``rope_freqs``)."""
   freqs = base ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
+  if factors is not None:
+    freqs = freqs / np.asarray(factors, np.float64)
   half = rope_dim // 2
   re, im = ((np.s_[..., :half], np.s_[..., half:rope_dim]) if neox else
             (np.s_[..., 0:rope_dim:2], np.s_[..., 1:rope_dim:2]))
@@ -91,9 +94,14 @@ def _reference_logits(cfg, f64, ids) -> np.ndarray:
   Options of other Llama-style architectures: ``cfg.rope_neox`` (absent: False) pairs
   RoPE's dims NEOX-style; per-layer ``f64["q_bias"]`` / ``"k_bias"`` / ``"v_bias"``, where
   given, are added after the projections (Qwen2); ``f64["q_norm"]`` / ``"k_norm"``
-  ``[head_dim]``, where given, RMSNorm each q and k head before RoPE (Qwen3)."""
+  ``[head_dim]``, where given, RMSNorm each q and k head before RoPE (Qwen3);
+  ``f64["rope_freqs"]`` ``[[rope_dim // 2]]``, where given, divides each RoPE pair's
+  frequency (llama3 scaling)."""
   t, d, g = len(ids), cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
   neox = getattr(cfg, "rope_neox", False)
+  factors = f64["rope_freqs"][0] if "rope_freqs" in f64 else None
+  rope = functools.partial(_rope64, positions=np.arange(t), base=cfg.rope_base,
+                           rope_dim=cfg.rope_dim, neox=neox, factors=factors)
 
   def norm(x, s):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + cfg.rms_eps) * s
@@ -104,12 +112,11 @@ def _reference_logits(cfg, f64, ids) -> np.ndarray:
     return norm(y, w[f"{name}_norm"]) if f"{name}_norm" in w else y
 
   x = f64["embed"][0][:, ids].T  # [T, hidden]
-  pos = np.arange(t)
   for i in range(cfg.num_layers):
     w = {k: v[i] for k, v in f64.items() if len(v) == cfg.num_layers}
     h = norm(x, w["attn_norm"])
-    q = _rope64(project(h, w, "q", cfg.num_heads), pos, cfg.rope_base, cfg.rope_dim, neox)
-    k = _rope64(project(h, w, "k", cfg.num_kv_heads), pos, cfg.rope_base, cfg.rope_dim, neox)
+    q = rope(project(h, w, "q", cfg.num_heads))
+    k = rope(project(h, w, "k", cfg.num_kv_heads))
     v = project(h, w, "v", cfg.num_kv_heads)
     k, v = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)  # head j reads kv head j // g
     s = np.einsum("thd,shd->hts", q, k) / np.sqrt(d)
@@ -365,15 +372,6 @@ def test_config_refuses_non_positive_shapes(field):
   """Before: num_kv_heads=0 was a ZeroDivisionError, the others were accepted."""
   with pytest.raises(ValueError, match=f"{field}=0"):
     dataclasses.replace(_config("gqa3x1"), **{field: 0})
-
-
-def test_params_from_gguf_refuses_llama3_rope_factors():
-  """Llama 3.1 / 3.2 GGUF files carry llama3 RoPE scaling as tensor rope_freqs.weight
-  (llama.cpp divides each frequency by its factor); it was ignored, silently."""
-  f = types.SimpleNamespace(path="m.gguf", metadata=METADATA,
-                            tensors={"rope_freqs.weight": np.ones(32, np.float32)})
-  with pytest.raises(ValueError, match="m.gguf: tensor 'rope_freqs.weight'"):
-    llama.params_from_gguf(f)
 
 
 HF = {"model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30,

@@ -71,6 +71,8 @@ class Arch:
   rope_base: float
   types: dict  # MODEL_TENSOR -> GGUF type name ("weight"; biases are F32)
   key_length: bool  # write {arch}.attention.key_length (Qwen3's converter does)
+  # rope_freqs.weight, one divisor per RoPE pair (llama3 scaling; test_llama3_rope).
+  rope_freqs: tuple[float, ...] | None = None
 
   @property
   def reference_cfg(self):
@@ -78,7 +80,7 @@ class Arch:
     return types.SimpleNamespace(num_layers=LAYERS, num_heads=self.heads,
                                  num_kv_heads=self.kv_heads, head_dim=self.head_dim,
                                  rope_base=self.rope_base, rope_dim=self.head_dim,
-                                 rms_eps=RMS_EPS, rope_neox=True)
+                                 rms_eps=RMS_EPS, rope_neox=self.name != "llama")
 
 
 # Odd head counts and sizes; the projections split over 2 devices (row-parallel o / down
@@ -106,7 +108,7 @@ _REFERENCE_NAMES = {"attn_norm": "attn_norm", "attn_q": "q", "attn_k": "k", "att
                     "attn_output": "o", "ffn_norm": "ffn_norm", "ffn_gate": "gate",
                     "ffn_up": "up", "ffn_down": "down", "attn_q_norm": "q_norm",
                     "attn_k_norm": "k_norm", "token_embd": "embed", "output": "lm_head",
-                    "output_norm": "final_norm"}
+                    "output_norm": "final_norm", "rope_freqs": "rope_freqs"}
 
 
 def _byte_level_vocab(tmp_path) -> tuple[list[str], list[str], list[int], object]:
@@ -199,10 +201,12 @@ def _write_model(path, a: Arch, vocab, seed: int) -> None:
       n, k = shape
       raw, qtype = _rows(rng, kind, n, k, gain.get(t, 1.0) / np.sqrt(k))
       w.add_tensor(_tensor_name(t, i), raw, raw_dtype=qtype)
-      if t in BIASES[a.name]:  # Qwen2: q / k / v biases of order 1 (K's larger)
+      if t in BIASES.get(a.name, ()):  # Qwen2: q / k / v biases of order 1 (K's larger)
         scale = 2.0 if t == MT.ATTN_K else 0.5
         w.add_tensor(_tensor_name(t, i, "bias"),
                      (scale * rng.standard_normal(n)).astype(np.float32))
+  if a.rope_freqs is not None:
+    w.add_tensor("rope_freqs.weight", np.asarray(a.rope_freqs, np.float32))
   w.write_header_to_file()
   w.write_kv_data_to_file()
   w.write_tensors_to_file()
