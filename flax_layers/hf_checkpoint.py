@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flax_layers.llama import LlamaConfig
+from flax_layers.llama import hf_rope_freqs
 from qjax._src import checkpoint_layouts as layouts
 from qjax._src import formats
 from qjax._src import gguf_formats
@@ -156,7 +157,8 @@ def load_hf_llama(path: str | os.PathLike[str], *,
     ``(cfg, {"params": {"embed", "blocks" | "layers_{i}", "final_norm", ["lm_head"]}})``:
     ``embed`` a GGUFDense ``[K=hidden, N=vocab]``, projections as stored (dense ones as
     GGUFDense), norms and Qwen2's q / k / v biases as arrays. ``lm_head`` is absent when
-    ``tie_word_embeddings``.
+    ``tie_word_embeddings``; ``rope_freqs`` (``[head_dim // 2]`` float32) is there under
+    llama3 rope_scaling (:func:`flax_layers.llama.hf_rope_freqs`).
 
   Raises:
     ValueError: one message naming the tensor that is missing (a qwen2 bias, a qwen3
@@ -261,6 +263,9 @@ def _read_params_from(ckpt, config, cfg, quant, convert) -> dict:
       raise ValueError("tensor 'lm_head.weight' is missing from the checkpoint "
                        "(config.json has tie_word_embeddings=false)")
     params["lm_head"] = linear("lm_head", cfg.hidden_size, cfg.vocab_size)
+  rope_freqs = hf_rope_freqs(config, cfg)  # Llama 3.1 / 3.2's llama3 rope scaling
+  if rope_freqs is not None:
+    params["rope_freqs"] = jnp.asarray(rope_freqs)
   return params
 
 
@@ -370,6 +375,10 @@ def save_hf_llama(path: str | os.PathLike[str], params: dict, cfg: LlamaConfig, 
     raise ValueError(f"zero_point_version={zero_point_version!r} must be 1 or 2")
   _check_hf_llama(cfg)
   p = params.get("params", params)
+  if "rope_freqs" in p:
+    raise ValueError("the params hold rope_freqs (llama3 rope scaling), which config.json "
+                     "keeps as rope_scaling's four numbers, not as factors; save_hf_llama "
+                     "writes unscaled models only")
   linears: dict[str, tuple[Any, int | None]] = {}  # HF prefix -> (weight, rope heads)
   norms: dict[str, Any] = {}
   for i, layer in enumerate(_layers_of(p, cfg)):

@@ -200,8 +200,11 @@ class LlamaConfig:
     Their sliding window applies only with use_sliding_window=true, to the layers from
     max_window_layers on (default 28) or those layer_types marks "sliding_attention".
 
+    Llama 3.1 / 3.2's llama3 rope_scaling is accepted; its factors are params
+    (:func:`hf_rope_freqs`, which ``load_hf_llama`` puts in ``rope_freqs``).
+
     Raises ValueError, naming the key, for what the model cannot run: another
-    model_type, rope scaling, attention or MLP biases qjax has no place for, an
+    model_type, rope scaling other than llama3, attention or MLP biases qjax has no place for, an
     activation other than SiLU, a sliding window shorter than max_position_embeddings
     on some layer.
     """
@@ -222,12 +225,7 @@ class LlamaConfig:
       return default if v is None else v
 
     rope = config.get("rope_parameters") or {}
-    scaling = config.get("rope_scaling") or {}
-    rope_type = scaling.get("rope_type", scaling.get("type")) or rope.get("rope_type")
-    if rope_type not in (None, "default"):
-      key = "rope_scaling" if scaling else "rope_parameters"
-      raise ValueError(f"config.json {key} of rope_type {rope_type!r} is not supported "
-                       "(only unscaled RoPE)")
+    _hf_rope_scaling(config, model_type)  # refuses what hf_rope_freqs cannot give
     if arch == "llama":
       bias_keys = ("attention_bias", "mlp_bias")
     else:  # transformers' Qwen2 / Qwen3 MLPs have no bias whatever mlp_bias says
@@ -263,6 +261,48 @@ class LlamaConfig:
         head_dim=head_dim, ffn_size=int(get("intermediate_size")), rope_base=float(theta),
         rope_dim=head_dim, rms_eps=float(optional("rms_norm_eps", 1e-6)),
         context_length=context, **{**ARCHITECTURE_OPTIONS[arch], **options})
+
+
+def _hf_rope_scaling(config: dict[str, Any], model_type: str) -> dict[str, Any] | None:
+  """The llama3 ``rope_scaling`` (or transformers 5's ``rope_parameters``) of a
+  ``config.json``, None where RoPE is unscaled; a ValueError naming the key for another
+  rope_type, or llama3 on a model_type other than llama."""
+  rope = config.get("rope_parameters") or {}
+  scaling = config.get("rope_scaling") or {}
+  rope_type = scaling.get("rope_type", scaling.get("type")) or rope.get("rope_type")
+  key = "rope_scaling" if scaling else "rope_parameters"
+  if rope_type in (None, "default"):
+    return None
+  if rope_type != "llama3" or model_type != "llama":
+    raise ValueError(f"config.json {key} of rope_type {rope_type!r} is not supported "
+                     f"for model_type {model_type!r} (unscaled RoPE, or llama3 for llama)")
+  params = scaling or rope
+  missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor",
+                         "original_max_position_embeddings") if params.get(k) is None]
+  if missing:
+    raise ValueError(f"config.json {key} of rope_type 'llama3' lacks {', '.join(missing)}")
+  return params
+
+
+def hf_rope_freqs(config: dict[str, Any], cfg: LlamaConfig) -> np.ndarray | None:
+  """The RoPE frequency divisors of a Hugging Face ``config.json`` as the params'
+  ``rope_freqs`` (:class:`Llama`): :func:`llama3_rope_factors` of its llama3
+  ``rope_scaling`` (Llama 3.1 / 3.2), None where RoPE is unscaled.
+
+  Returns:
+    ``[rope_dim // 2]`` float32, or None.
+
+  Raises:
+    ValueError: naming the key, for a scaling other than llama3 or llama3's missing keys.
+  """
+  params = _hf_rope_scaling(config, config.get("model_type"))
+  if params is None:
+    return None
+  return llama3_rope_factors(
+      cfg.rope_base, cfg.rope_dim, factor=float(params["factor"]),
+      low_freq_factor=float(params["low_freq_factor"]),
+      high_freq_factor=float(params["high_freq_factor"]),
+      original_context=int(params["original_max_position_embeddings"]))
 
 
 def _check_qwen_sliding_window(config: dict[str, Any], layers: int, context: int) -> None:

@@ -195,17 +195,20 @@ def _hf_reference_logits(w: dict, tokens: np.ndarray, tie: bool, *, layers: int 
                          heads: int = HEADS, kv_heads: int = KV_HEADS,
                          head_dim: int = HEAD_DIM, rope_theta: float = 10000.0,
                          eps: float = 1e-5, qkv_bias: bool = False,
-                         qk_norm: bool = False) -> np.ndarray:
+                         qk_norm: bool = False,
+                         inv_freq: np.ndarray | None = None) -> np.ndarray:
   """Float64 Llama forward in Hugging Face conventions: ``y = x @ W.T``, rotate_half.
 
   The keyword options default to the tiny Llama's; Qwen2 adds ``{q,k,v}_proj.bias``
   (``qkv_bias``), Qwen3 normalizes each q and k head with ``q_norm.weight`` /
   ``k_norm.weight`` before RoPE (``qk_norm``; transformers' Qwen3Attention), with a
-  ``head_dim`` that need not be hidden / heads."""
+  ``head_dim`` that need not be hidden / heads. ``inv_freq`` ``[head_dim // 2]``, where
+  given, replaces RoPE's ``rope_theta ** (-2i / head_dim)`` (scaled RoPE)."""
   f = lambda n: np.asarray(w[n], np.float64)
   x = f("model.embed_tokens.weight")[tokens[0]]
   t = x.shape[0]
-  inv = rope_theta ** (-np.arange(0, head_dim, 2) / head_dim)
+  inv = (rope_theta ** (-np.arange(0, head_dim, 2) / head_dim) if inv_freq is None
+         else np.asarray(inv_freq, np.float64))
   ang = np.arange(t)[:, None] * inv[None]
   cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
 

@@ -217,9 +217,12 @@ def test_from_hf_config_names_a_missing_key(key):
 
 
 @pytest.mark.parametrize("extra,match", [
-    ({"model_type": "qwen2"}, "model_type='qwen2'"),
+    ({"model_type": "gpt2"}, "model_type='gpt2'"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
-     "rope_scaling of rope_type 'llama3'"),
+     "rope_scaling of rope_type 'llama3' lacks low_freq_factor, high_freq_factor, "
+     "original_max_position_embeddings"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+     "rope_scaling of rope_type 'linear' is not supported"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}},
      "rope_parameters of rope_type 'yarn'"),
     ({"attention_bias": True}, "attention_bias=true"), ({"mlp_bias": True}, "mlp_bias=true"),

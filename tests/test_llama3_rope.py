@@ -167,3 +167,54 @@ def test_tensor_parallel_matches_the_float64_reference(model):
     got = tp.tp_forward(sharded, jnp.asarray([prompt_ids + generated], jnp.int32), cfg=cfg,
                         mesh=mesh)[0]
   audit._close(got, want)
+
+
+# --- Hugging Face config.json's rope_scaling. ----------------------------------------------
+
+
+def _hf_llama3_inv_freq(base, dim, factor, low_freq_factor, high_freq_factor,
+                        original_max_position_embeddings):
+  """transformers' ``_compute_llama3_parameters`` (rope_utils), in numpy."""
+  inv_freq = 1.0 / base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+  old = original_max_position_embeddings
+  wavelen = 2 * math.pi / inv_freq
+  scaled = np.where(wavelen > old / low_freq_factor, inv_freq / factor, inv_freq)
+  smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+  smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+  medium = ~(wavelen < old / high_freq_factor) & ~(wavelen > old / low_freq_factor)
+  return np.where(medium, smoothed, scaled)
+
+
+HF_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+
+@pytest.mark.parametrize("key", ["rope_scaling", "rope_parameters"])
+def test_hf_checkpoint_with_llama3_rope_scaling(tmp_path, rng, key):
+  """A Llama 3.1-style config.json (``rope_scaling``, or transformers 5's
+  ``rope_parameters`` with rope_theta inside) loads with the factors of its scaling, and
+  the logits are those of the float64 HF-convention forward with transformers' scaled
+  inverse frequencies."""
+  import test_hf_checkpoint as hfc  # pylint: disable=g-import-not-at-top
+  from flax_layers import hf_checkpoint  # pylint: disable=g-import-not-at-top
+  _, folder, deq = hfc._write_case(tmp_path, rng, "ct_sym")
+  config = json.loads((folder / "config.json").read_text())
+  if key == "rope_parameters":
+    config[key] = {**HF_SCALING, "rope_theta": config.pop("rope_theta")}
+  else:
+    config[key] = HF_SCALING
+  (folder / "config.json").write_text(json.dumps(config))
+  inv = _hf_llama3_inv_freq(10000.0, hfc.HEAD_DIM, **{k: v for k, v in HF_SCALING.items()
+                                                        if k != "rope_type"})
+  plain = 10000.0 ** (-np.arange(0, hfc.HEAD_DIM, 2) / hfc.HEAD_DIM)
+  assert (inv == plain).any() and (inv < plain).sum() >= 2  # all three kinds of pairs
+  cfg, params = hf_checkpoint.load_hf_llama(folder, progress=False)
+  np.testing.assert_allclose(params["params"]["rope_freqs"], plain / inv, rtol=1e-6)
+  with jax.default_matmul_precision("highest"):
+    got = np.asarray(llama.forward(params, jnp.asarray(hfc.TOKENS), cfg=cfg))
+  want = hfc._hf_reference_logits(deq, hfc.TOKENS, tie=False, inv_freq=inv)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+  unscaled = hfc._hf_reference_logits(deq, hfc.TOKENS, tie=False)
+  assert np.abs(unscaled - want).max() > 1e-2  # the scaling shows in the logits
+  with pytest.raises(ValueError, match="params hold rope_freqs"):
+    hf_checkpoint.save_hf_llama(tmp_path / "out", params, cfg)
