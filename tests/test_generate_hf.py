@@ -24,6 +24,7 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
 
 import test_hf_checkpoint as hfc  # noqa: E402  (the tiny Llama's writers and reference)
+from conftest import needs_gpu  # noqa: E402
 
 PROMPT = "t3 t17 t42 t5 t88 t60 t9"
 NEW_TOKENS = 6
@@ -132,6 +133,19 @@ def test_kernels_in_interpret_mode(checkpoint):
   assert rc == 0, err
   assert json.loads(out)["generated_ids"] == want
   assert "matmul implementation: pallas" in err
+
+
+@needs_gpu
+@pytest.mark.parametrize("implementation", ["pallas", "auto"])
+def test_compiled_kernels(checkpoint, implementation):
+  """On the GPU: the projections converted by ``qjax.kernel_layouts`` at load run the
+  compiled kernels (float32 x at highest precision), with the reference's tokens."""
+  folder, _, _, want, _ = checkpoint
+  rc, out, err = _generate(folder, "--json", "--implementation", implementation)
+  assert rc == 0, err
+  assert json.loads(out)["generated_ids"] == want
+  if implementation == "pallas":
+    assert "matmul implementation: pallas" in err, err
 
 
 def test_printed_text_and_summary(checkpoint):
