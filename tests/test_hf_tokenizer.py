@@ -217,3 +217,37 @@ def test_is_hf_folder(tmp_path):
   (tmp_path / "config.json").write_text("{}")
   assert hf_tokenizer.is_hf_folder(tmp_path)
   assert not hf_tokenizer.is_hf_folder(tmp_path / "config.json")
+
+
+FEATURE_TEMPLATE = (
+    "{%- set ns = namespace(n=0) -%}"
+    "{{ bos_token }}Date: {{ strftime_now('%Y') }}\n"
+    "{%- for m in messages %}"
+    "{%- if loop.index > 3 %}{% break %}{% endif %}"
+    "{%- if m['role'] == 'system' %}{% continue %}{% endif %}"
+    "{%- set ns.n = ns.n + 1 %}"
+    "\n{{ m['role'] }}#{{ ns.n }}: {{ m['content'] | trim }} {{ m | tojson }}"
+    " {{ m | tojson(indent=2, sort_keys=true) }}"
+    "{%- endfor %}"
+    "{%- if tools %}TOOLS{% endif %}"
+    "{%- if add_generation_prompt %}\nassistant:{% endif %}")
+
+
+def test_template_features_render_as_transformers_does(tmp_path):
+  """transformers' template environment: tojson without HTML escaping (and its indent /
+  sort_keys), {% break %} / {% continue %}, namespace, strftime_now, undefined tools."""
+  folder = _llama3_folder(tmp_path)
+  config = json.loads((folder / "tokenizer_config.json").read_text())
+  config["chat_template"] = FEATURE_TEMPLATE
+  (folder / "tokenizer_config.json").write_text(json.dumps(config))
+  ours = hf_tokenizer.tokenizer_from_hf(folder)
+  ref = transformers.AutoTokenizer.from_pretrained(folder)
+  messages = [{"role": "system", "content": "skip me"},
+              {"role": "user", "content": " <b>café</b> & \"quotes\" "},
+              {"role": "assistant", "content": "日本語"},
+              {"role": "user", "content": "past the break"}]
+  for gen in (True, False):
+    got = ours.apply_chat_template(messages, add_generation_prompt=gen)
+    assert got == ref.apply_chat_template(messages, add_generation_prompt=gen,
+                                          tokenize=False)
+  assert "<b>café</b>" in got and "past the break" not in got and "skip me" not in got

@@ -24,6 +24,8 @@ The chat template is rendered with jinja2.
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import json
 import warnings
 from typing import Any, Sequence
 
@@ -194,8 +196,18 @@ class GGUFTokenizer:
     def raise_exception(message):
       raise jinja2.exceptions.TemplateError(message)
 
-    env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+      # As transformers' chat templates: json.dumps, not jinja2's HTML-escaping filter.
+      return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                        sort_keys=sort_keys)
+
+    # The environment transformers renders chat templates in (Llama 3.x's reads the date
+    # with strftime_now; tool templates use tojson and loop controls).
+    env = sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     tmpl = env.from_string(self.chat_template)
     tok = self.tokenizer
     bos = tok.id_to_token(self.bos_id) if self.bos_id is not None else ""
