@@ -77,6 +77,20 @@ cpu_only = pytest.mark.skipif(jax.devices()[0].platform != "cpu",
                               reason="checks what a CPU run prints and routes")
 
 
+def run_cli(argv: list[str]) -> tuple[int, str, str]:
+  """``(exit code, stdout, stderr)`` of ``qjax ARGV`` run in this process, its float32 dots
+  at highest precision (a GPU's default is one TF32 product) as float64 references
+  expect."""
+  import contextlib  # pylint: disable=g-import-not-at-top
+  import io  # pylint: disable=g-import-not-at-top
+  from qjax._src import cli  # pylint: disable=g-import-not-at-top
+  out, err = io.StringIO(), io.StringIO()
+  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+      jax.default_matmul_precision("highest"):
+    rc = cli.main(argv)
+  return rc, out.getvalue(), err.getvalue()
+
+
 def rel_err(y, ref) -> float:
   y = np.asarray(y, np.float64)
   ref = np.asarray(ref, np.float64)

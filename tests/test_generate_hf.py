@@ -11,11 +11,8 @@ weights, each step's top token ahead of the next by a clear margin.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 
-import jax
 import numpy as np
 import pytest
 
@@ -25,6 +22,7 @@ pytest.importorskip("jinja2")
 
 import test_hf_checkpoint as hfc  # noqa: E402  (the tiny Llama's writers and reference)
 from conftest import needs_gpu  # noqa: E402
+from conftest import run_cli  # noqa: E402
 
 PROMPT = "t3 t17 t42 t5 t88 t60 t9"
 NEW_TOKENS = 6
@@ -100,14 +98,7 @@ def checkpoint(request, tmp_path_factory):
   return _write(tmp_path_factory.mktemp(request.param), request.param)
 
 
-def _cli(argv: list[str]) -> tuple[int, str, str]:
-  from qjax._src import cli  # pylint: disable=g-import-not-at-top
-  out, err = io.StringIO(), io.StringIO()
-  # float32 dots on a GPU too (its default is one TF32 product), as the reference expects.
-  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
-      jax.default_matmul_precision("highest"):
-    rc = cli.main(argv)
-  return rc, out.getvalue(), err.getvalue()
+_cli = run_cli
 
 
 def _generate(folder, *extra: str) -> tuple[int, str, str]:

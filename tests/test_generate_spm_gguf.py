@@ -25,8 +25,6 @@ It proves that ``qjax generate --temperature 0`` on that file
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import types
 
@@ -40,6 +38,7 @@ pytest.importorskip("tokenizers")
 
 import test_generation_audit as audit  # noqa: E402
 import test_tokenizer_spm as spm_helpers  # noqa: E402
+from conftest import run_cli  # noqa: E402
 from qjax._src import check  # noqa: E402
 from qjax._src import gguf_formats  # noqa: E402
 from qjax._src import tokenizer as tokenizer_lib  # noqa: E402
@@ -228,14 +227,7 @@ def reference(model):
   return _greedy_reference(sp, f64)
 
 
-def _cli(argv: list[str]) -> tuple[int, str, str]:
-  from qjax._src import cli  # pylint: disable=g-import-not-at-top
-  out, err = io.StringIO(), io.StringIO()
-  # float32 dots on a GPU too (its default is one TF32 product), as the reference expects.
-  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
-      jax.default_matmul_precision("highest"):
-    rc = cli.main(argv)
-  return rc, out.getvalue(), err.getvalue()
+_cli = run_cli
 
 
 def _generate(path, *extra: str) -> tuple[int, str, str]:
