@@ -34,7 +34,7 @@ def _module(name: str):
 
 
 def test_the_list_of_examples_is_complete():
-  assert set(GPU_ONLY) < set(EXAMPLES) and len(EXAMPLES) == 7, EXAMPLES
+  assert set(GPU_ONLY) < set(EXAMPLES) and len(EXAMPLES) == 8, EXAMPLES
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
@@ -116,4 +116,25 @@ def test_xla_fallback_bench_bad_shapes_and_ms_are_one_line(option):
   mod = _module("xla_fallback_bench.py")
   with pytest.raises(SystemExit) as e:
     mod.parse_args(["--tiny", *option])
+  assert e.value.code == 2
+
+
+def test_hf_generate_bench_runs_tiny_on_the_cpu(tmp_path):
+  """Both folders written and generated from, one row per run, the folders kept in --out."""
+  proc = _run("hf_generate_bench.py", "--tiny", "--tokens", "2", "--implementations", "xla",
+              "--out", str(tmp_path))
+  assert proc.returncode == 0, proc.stderr
+  rows = [line for line in proc.stdout.splitlines() if line.startswith("| gptq")
+          or line.startswith("| float16")]
+  assert [r.split(" | ")[:2] for r in rows] == [["| gptq", "xla"], ["| float16", "xla"]]
+  assert all("generated 2 tokens" in r and "device memory" in r for r in rows), rows
+  assert (tmp_path / "gptq" / "config.json").exists()
+  assert (tmp_path / "float16" / "tokenizer.json").exists()
+
+
+def test_hf_generate_bench_options():
+  mod = _module("hf_generate_bench.py")
+  assert (mod.parse_args([]).tokens, mod.parse_args(["--tiny"]).tokens) == (96, 8)
+  with pytest.raises(SystemExit) as e:
+    mod.parse_args(["--tokens", "0"])
   assert e.value.code == 2

@@ -193,3 +193,26 @@ def test_folder_errors(tmp_path):
   # A prompt longer than the context (max_position_embeddings = 128).
   rc, _, err = _cli(["generate", "--model", str(folder), "--prompt", "t3 " * 200])
   assert rc == 2 and "exceeds the context length 128" in err, err
+
+
+def test_checkpoint_layouts_load_as_int4(tmp_path):
+  """generate reads GPTQ / AWQ / compressed-tensors projections as their lossless
+  Int4Weight (whose XLA path multiplies one row on the packed words instead of
+  dequantizing W every call); GPTQ act-order stays as it is."""
+  from qjax._src import checkpoint_layouts as cl  # pylint: disable=g-import-not-at-top
+  from qjax._src import generate  # pylint: disable=g-import-not-at-top
+  from qjax._src import int4  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  w4 = hfc._random_int4(rng, 64, 96, 32, symmetric=False)
+  layouts = {"gptq": cl.GPTQWeight.from_int4(w4, zero_point_version=2),
+             "awq": cl.AWQWeight.from_int4(w4),
+             "ct": cl.CompressedTensorsWeight.from_int4(w4)}
+  for name, w in layouts.items():
+    got = generate._as_int4(w)
+    assert isinstance(got, int4.Int4Weight), name
+    np.testing.assert_array_equal(np.asarray(got.dequantize()), np.asarray(w.dequantize()))
+  act_order = cl.GPTQWeight.from_int4(w4, zero_point_version=2,
+                                      g_idx=np.asarray(rng.permutation(np.arange(64) // 32),
+                                                       np.int32))
+  assert generate._as_int4(act_order) is act_order
+  assert generate._as_int4(w4) is w4

@@ -226,6 +226,21 @@ def _load_gguf_model(args, path: str, dtype: Any, implementation: str | None):
   return plan, params, impl_name, file_bytes
 
 
+def _as_int4(w: Any) -> Any:
+  """A GPTQ / AWQ / compressed-tensors weight as its lossless :class:`qjax.Int4Weight`
+  (bit-identical ``dequantize()``), any other weight (and GPTQ act-order, whose Int4Weight
+  needs x's columns permuted on every call) as it is. Their own XLA path dequantizes W
+  on every call; Int4Weight's multiplies one row on the packed words: on an H100,
+  ``--implementation xla`` decodes a Llama-3.2-1B-shaped GPTQ model at 165 tokens/s the
+  first way and 455 the second (float16: 261-307; the kernels: 549-566; BENCHMARKS.md,
+  session 33)."""
+  from qjax._src import checkpoint_layouts  # pylint: disable=g-import-not-at-top
+  if not isinstance(w, checkpoint_layouts.LAYOUT_FORMATS):
+    return w
+  w4 = w.to_int4()
+  return w if isinstance(w4, tuple) else w4
+
+
 def _safetensors_data_bytes(folder: str) -> int:
   """The tensor bytes of a checkpoint folder's ``*.safetensors`` files (each file's size
   less its 8-byte length and JSON header)."""
@@ -254,9 +269,13 @@ def _load_hf_model(args, folder: str, dtype: Any, implementation: str | None):
   cfg = llama.LlamaConfig.from_hf_config(safetensors_io.read_config(folder), dtype=dtype,
                                          implementation=implementation)
   plan = _prompt_plan(args, cfg, hf_tokenizer.tokenizer_from_hf(folder))
-  convert = None
-  if _kernel_layouts(implementation) is not None:
-    convert = lambda name, w: qjax.kernel_layouts(w, dtype=cfg.dtype)
+  kernels = _kernel_layouts(implementation) is not None
+
+  def convert(name, w):
+    del name
+    w = _as_int4(w)
+    return qjax.kernel_layouts(w, dtype=cfg.dtype) if kernels else w
+
   cfg_loaded, params = hf_checkpoint.load_hf_llama(
       folder, convert=convert, progress=not args.json, dtype=dtype,
       implementation=implementation)
