@@ -1,9 +1,14 @@
 """Device time of qjax.matmul's XLA path at M = 1 / 16: GPTQ / AWQ / CT as stored (dequantize
 W then dot) against the same weight as Int4Weight, and through repack_for_int4_kernel."""
-import functools, jax, jax.numpy as jnp, numpy as np
+import functools
+
+import jax
+import jax.numpy as jnp
+
 import qjax
-from qjax._src import checkpoint_layouts as cl, devtime, int4
-from qjax._src import dispatch
+from qjax._src import checkpoint_layouts as cl
+from qjax._src import devtime
+
 for k, n in ((4096, 4096), (4096, 14336), (14336, 4096)):
   w = jax.random.normal(jax.random.key(0), (k, n)) / 64
   w4 = qjax.quantize(w, group_size=128, symmetric=True, scale_dtype=jnp.float16)
