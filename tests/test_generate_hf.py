@@ -92,7 +92,8 @@ def _write(tmp_path, case: str):
   raise AssertionError(f"no seed of 20 gives {case} clear greedy references")
 
 
-@pytest.fixture(scope="module", params=["gptq_v1_sym", "ct_asym", "awq"])
+@pytest.fixture(scope="module",
+                params=["gptq_v1_sym", "ct_asym", "awq", "gptq_v2_sym_actorder"])
 def checkpoint(request, tmp_path_factory):
   """:func:`_write`'s folder of the case: its weights are read, not changed, by the tests."""
   return _write(tmp_path_factory.mktemp(request.param), request.param)
@@ -216,3 +217,21 @@ def test_checkpoint_layouts_load_as_int4(tmp_path):
                                                        np.int32))
   assert generate._as_int4(act_order) is act_order
   assert generate._as_int4(w4) is w4
+
+
+def test_act_order_with_some_trivial_g_idx_still_stacks(tmp_path):
+  """An act-order checkpoint where layer 0's g_idx happen to be the trivial k // G (whose
+  GPTQWeight alone would have an Int4Weight): the layers still stack for the scan, and
+  generate runs (the weights, changed, have no reference here)."""
+  from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
+  folder, _, _ = hfc._write_case(tmp_path, np.random.default_rng(1), "gptq_v2_sym_actorder")
+  _add_tokenizer(folder)
+  tensors = {k: v for f in folder.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+  layer0 = [k for k in tensors if k.startswith("model.layers.0.") and k.endswith(".g_idx")]
+  assert layer0
+  for k in layer0:
+    tensors[k] = (np.arange(tensors[k].size) // hfc.GROUP).astype(np.int32)
+  hfc._rewrite(folder, tensors=tensors)
+  rc, out, err = _generate(folder, "--json")
+  assert rc == 0, err
+  assert len(json.loads(out)["generated_ids"]) >= 1

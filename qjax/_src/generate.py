@@ -128,8 +128,9 @@ def _model_steps(devices: int, params: dict, cfg: Any, max_len: int):
 
 def _needed_tensors(cfg: Any) -> list[str]:
   """The GGUF tensors :func:`flax_layers.llama.params_from_gguf` takes for ``cfg`` (its
-  architecture's, ``flax_layers.llama.block_tensors``), in the order it takes them (so the first missing one is the one it
-  would name), after ``blk.0.attn_q.weight``, which generate reads first."""
+  architecture's, ``flax_layers.llama.block_tensors``), in the order it takes them (so
+  the first missing one is the one it would name), after ``blk.0.attn_q.weight``, which
+  generate reads first."""
   from flax_layers import llama  # pylint: disable=g-import-not-at-top
 
   suffixes = list(llama.block_tensors(cfg))
@@ -263,23 +264,30 @@ def _load_hf_model(args, folder: str, dtype: Any, implementation: str | None):
   import qjax  # pylint: disable=g-import-not-at-top
   from flax_layers import hf_checkpoint  # pylint: disable=g-import-not-at-top
   from flax_layers import llama  # pylint: disable=g-import-not-at-top
+  from qjax._src import checkpoint_layouts  # pylint: disable=g-import-not-at-top
   from qjax._src import hf_tokenizer  # pylint: disable=g-import-not-at-top
   from qjax._src import safetensors_io  # pylint: disable=g-import-not-at-top
 
-  cfg = llama.LlamaConfig.from_hf_config(safetensors_io.read_config(folder), dtype=dtype,
-                                         implementation=implementation)
+  config = safetensors_io.read_config(folder)
+  cfg = llama.LlamaConfig.from_hf_config(config, dtype=dtype, implementation=implementation)
   plan = _prompt_plan(args, cfg, hf_tokenizer.tokenizer_from_hf(folder))
   kernels = _kernel_layouts(implementation) is not None
+  quant = safetensors_io.parse_quantization(config)
+  # Under act-order a layer whose g_idx is trivial has an Int4Weight and the others not:
+  # GPTQ weights stay as stored there, so that the layers stack alike for the scan.
+  act_order = quant is not None and (quant.desc_act or any(
+      dict(o).get("desc_act") for _, o in quant.dynamic))
 
   def convert(name, w):
     del name
+    if act_order and isinstance(w, checkpoint_layouts.GPTQWeight):
+      return w
     w = _as_int4(w)
     return qjax.kernel_layouts(w, dtype=cfg.dtype) if kernels else w
 
-  cfg_loaded, params = hf_checkpoint.load_hf_llama(
-      folder, convert=convert, progress=not args.json, dtype=dtype,
-      implementation=implementation)
-  assert cfg_loaded == cfg, (cfg_loaded, cfg)
+  # The same config.json gives load_hf_llama the same config.
+  _, params = hf_checkpoint.load_hf_llama(folder, convert=convert, progress=not args.json,
+                                          dtype=dtype, implementation=implementation)
   q = params["params"]["blocks"]["attn"]["q"]["kernel"]
   impl_name = _impl_name(qjax.layer_of(q, 0), implementation, cfg.dtype)
   return plan, params, impl_name, _safetensors_data_bytes(folder)
