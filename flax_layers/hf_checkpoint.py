@@ -4,8 +4,9 @@
 mistral, qwen2 or qwen3 (:data:`flax_layers.llama.SUPPORTED_HF_MODEL_TYPES`), dense or
 INT4 (GPTQ v1 / v2 with or without act-order, AWQ GEMM, compressed-tensors pack-quantized,
 picked by ``config.json``'s ``quantization_config``), into the params
-:class:`flax_layers.llama.Llama` consumes (the tree :func:`flax_layers.llama.params_from_gguf` builds). Projections stay in
-their checkpoint layout (GPTQWeight, AWQWeight, CompressedTensorsWeight; dense ones as
+:class:`flax_layers.llama.Llama` consumes (the tree
+:func:`flax_layers.llama.params_from_gguf` builds). Projections stay in their checkpoint
+layout (GPTQWeight, AWQWeight, CompressedTensorsWeight; dense ones as
 GGUFDense ``[N, K]``), read one tensor at a time and never dequantized; ``convert`` can
 turn them into :class:`qjax.Int4Weight` for the GPU kernel.
 

@@ -526,9 +526,9 @@ class Llama(nn.Module):
 
   Params: ``embed`` (quantized ``[hidden, vocab]``), the blocks, ``final_norm``,
   ``lm_head`` only when the output is not tied, and ``rope_freqs`` (``[rope_dim // 2]``
-  float32, each RoPE pair's frequency divisor) only under llama3 rope scaling. The blocks are ``blocks`` (every leaf with
-  a leading ``[layers]`` axis) when ``cfg.scan_layers``, else ``layers_0 ...
-  layers_{n-1}`` (one layer's params each).
+  float32, each RoPE pair's frequency divisor) only under llama3 rope scaling. The blocks
+  are ``blocks`` (every leaf with a leading ``[layers]`` axis) when ``cfg.scan_layers``,
+  else ``layers_0 ... layers_{n-1}`` (one layer's params each).
   """
   cfg: LlamaConfig
 
@@ -791,7 +791,7 @@ def stackable_layers(tensor_types: dict[str, str]) -> bool:
   return all(len(k) == 1 for k in kinds.values())
 
 
-def take_rope_freqs(gguf_file: Any, cfg: LlamaConfig, consume: bool = False) -> np.ndarray:
+def _take_rope_freqs(gguf_file: Any, cfg: LlamaConfig, consume: bool = False) -> np.ndarray:
   """A GGUF file's ``rope_freqs.weight``: ``[rope_dim // 2]`` float32, the divisor of each
   RoPE pair's frequency (llama.cpp's per-frequency factors; its converter writes them for
   Llama 3.1 / 3.2's llama3 rope scaling, see :func:`llama3_rope_factors`).
@@ -848,7 +848,8 @@ def params_from_gguf(gguf_file: Any, *, convert=None, consume: bool = False,
       :data:`SUPPORTED_ARCHITECTURES` (the block tensors :func:`block_tensors` names; a
       bias the architecture does not add is refused).
     convert: optional ``fn(name, weight) -> weight`` applied to each 2-D projection weight
-      of the blocks (before stacking, if stacked) (e.g. ``lambda n, w: w.to_int4()`` for the GPU kernel).
+      of the blocks (before stacking, if stacked) (e.g. ``lambda n, w: w.to_int4()`` for
+      the GPU kernel).
     consume: remove the tensors from ``gguf_file.tensors`` as they are stacked, so the
       per-layer copies can be freed.
     scan_layers: the layout, which must equal the ``LlamaConfig.scan_layers`` the params
@@ -858,14 +859,16 @@ def params_from_gguf(gguf_file: Any, *, convert=None, consume: bool = False,
     ``{"params": {"embed", "blocks", "final_norm", ["lm_head"]}}`` with block leaves that
     carry a leading ``[layers]`` axis (scan_layers) or ``{"params": {"embed", "layers_0",
     ..., "layers_{n-1}", "final_norm", ["lm_head"]}}`` (not scan_layers); ``lm_head``
-    only where the file has ``output.weight`` (else the head is the embedding, tied).
+    only where the file has ``output.weight`` (else the head is the embedding, tied), and
+    ``rope_freqs`` ``[rope_dim // 2]`` float32 where it has ``rope_freqs.weight`` (Llama
+    3.1 / 3.2's llama3 rope scaling).
   """
   tensors = gguf_file.tensors
   cfg = LlamaConfig.from_metadata(gguf_file.metadata)
   arch = gguf_file.metadata["general.architecture"]
   rope_freqs = None
   if "rope_freqs.weight" in tensors:  # llama.cpp's llama3 RoPE scaling (Llama 3.1, 3.2)
-    rope_freqs = np.asarray(take_rope_freqs(gguf_file, cfg, consume))
+    rope_freqs = _take_rope_freqs(gguf_file, cfg, consume)
   names = block_tensors(cfg)
   unused = [f"blk.{i}.{b}" for i in range(cfg.num_layers) for b in _UNUSED_BIASES
             if b not in names] + ["output.bias"]
