@@ -760,6 +760,19 @@ def block_tensors(cfg: LlamaConfig) -> dict[str, tuple[str, ...]]:
           **(_QK_NORM_TENSORS if cfg.qk_norm else {})}
 
 
+def needed_tensors(cfg: LlamaConfig, scan_layers: bool | None = None) -> list[str]:
+  """The GGUF tensors :func:`params_from_gguf` takes for ``cfg`` (:func:`block_tensors` in
+  every layer, then ``token_embd.weight`` and ``output_norm.weight``; not the optional
+  ``output.weight`` and ``rope_freqs.weight``), in the order it takes them: per tensor
+  name across the layers for stacked params, per layer otherwise. ``scan_layers``
+  defaults to ``cfg.scan_layers``."""
+  scan = cfg.scan_layers if scan_layers is None else scan_layers
+  suffixes, layers = list(block_tensors(cfg)), range(cfg.num_layers)
+  blocks = ([f"blk.{i}.{s}" for s in suffixes for i in layers] if scan else
+            [f"blk.{i}.{s}" for i in layers for s in suffixes])
+  return [*blocks, "token_embd.weight", "output_norm.weight"]
+
+
 def _vector_sizes(cfg: LlamaConfig) -> dict[str, int]:
   """The length of each 1-D block tensor of ``cfg``."""
   kv = cfg.num_kv_heads * cfg.head_dim
@@ -876,17 +889,15 @@ def params_from_gguf(gguf_file: Any, *, convert=None, consume: bool = False,
     if name in tensors:
       raise ValueError(f"{gguf_file.path}: tensor {name!r} is not supported: qjax's "
                        f"{arch} model has no such bias")
+  missing = [n for n in needed_tensors(cfg, scan_layers) if n not in tensors]
+  if missing:
+    raise ValueError(f"{gguf_file.path}: the {arch} model needs tensor {missing[0]!r}, "
+                     f"which the file lacks ({len(missing)} missing in all)")
   sizes = _vector_sizes(cfg)
   take = tensors.pop if consume else tensors.__getitem__
 
-  def need(name):
-    if name not in tensors:
-      raise ValueError(f"{gguf_file.path}: the {arch} model needs tensor {name!r}, which "
-                       "the file lacks")
-    return take(name)
-
   def layer_weight(i, suffix, path):
-    w = need(f"blk.{i}.{suffix}")
+    w = take(f"blk.{i}.{suffix}")
     if convert is not None and path[-1] == "kernel":
       w = convert(f"blk.{i}.{suffix}", w)
     elif suffix in sizes and tuple(w.shape) != (sizes[suffix],):
@@ -917,8 +928,8 @@ def params_from_gguf(gguf_file: Any, *, convert=None, consume: bool = False,
       for suffix, path in names.items():
         _set(layer, path, layer_weight(i, suffix, path))
       blocks[f"layers_{i}"] = layer
-  params = {"embed": need("token_embd.weight"), **blocks,
-            "final_norm": {"scale": need("output_norm.weight")}}
+  params = {"embed": take("token_embd.weight"), **blocks,
+            "final_norm": {"scale": take("output_norm.weight")}}
   if "output.weight" in tensors:
     params["lm_head"] = take("output.weight")
   if rope_freqs is not None:

@@ -121,7 +121,7 @@ def test_what_the_metadata_rules_out_is_refused_before_the_load(tmp_path, sp, me
 def test_missing_tensor_is_refused_before_the_load(tmp_path, sp):
   path = _write(tmp_path / "m.gguf", sp, drop=["blk.1.ffn_up.weight"])
   assert _error(path) == (f"qjax generate: error: {path}: the llama model needs tensor "
-                          "'blk.1.ffn_up.weight', which the file lacks")
+                          "'blk.1.ffn_up.weight', which the file lacks (1 missing in all)")
 
 
 @pytest.mark.skipif(jax.device_count() < 3, reason="needs 3 devices")

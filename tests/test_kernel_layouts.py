@@ -251,3 +251,25 @@ def test_gptq_with_the_trivial_g_idx_converts():
       w4, g_idx=jnp.asarray(rng.permutation(np.arange(256) // 64), jnp.int32))
   new, choice = one(shuffled, device=HOPPER)
   assert new is shuffled and "act-order" in choice.reason
+
+
+@pytest.mark.parametrize("name", sorted(ON_HOPPER))
+def test_convert_to_applies_the_registered_conversion_on_any_device(name):
+  """``convert_to(w, target)`` is each registered conversion without the kernel check
+  (generate's GPTQ / AWQ / compressed-tensors -> Int4Weight on the CPU too), bit-exact,
+  and ``w`` itself for a target it has no conversion to or one that refuses it."""
+  w = build(name)
+  w = w[0] if isinstance(w, tuple) else w
+  convs = kl._CONVERSIONS.get(type(w), [])  # pylint: disable=protected-access
+  for conv in convs:
+    new = kl.convert_to(w, conv.target)
+    if conv.refuses(w) is None:
+      assert type(new) is conv.target
+      assert_same_values(new, w)
+    else:
+      assert new is w, name
+  assert kl.convert_to(w, StandInHopper) is w  # not a format: nothing registered
+  if name == "gptq-v1-actorder-g32":
+    assert kl.convert_to(w, qjax.Int4Weight) is w
+  elif name.startswith(("gptq", "awq", "compressed", "marlin")):
+    assert type(kl.convert_to(w, qjax.Int4Weight)) is qjax.Int4Weight

@@ -459,6 +459,41 @@ def _gfile(path, **tensors):
   return f
 
 
+class _TakeOrder(dict):
+  """A tensor dict that records the names popped from it, in order."""
+
+  def __init__(self, *args):
+    super().__init__(*args)
+    self.taken = []
+
+  def pop(self, name, *default):
+    self.taken.append(name)
+    return super().pop(name, *default)
+
+
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["scan", "unrolled"])
+def test_needed_tensors_are_what_params_from_gguf_takes(model, scan_layers):
+  """``llama.needed_tensors`` (which generate checks the header against) is the list
+  params_from_gguf takes, in its order; a file lacking some is refused naming the first
+  of them and how many."""
+  a, path, *_ = model
+  f = _gfile(path)
+  cfg = llama.LlamaConfig.from_metadata(f.metadata)
+  needed = llama.needed_tensors(cfg, scan_layers)
+  assert len(needed) == len(set(needed)) == len(llama.block_tensors(cfg)) * LAYERS + 2
+  f.tensors = _TakeOrder(f.tensors)
+  llama.params_from_gguf(f, consume=True, scan_layers=scan_layers)
+  optional = {"output.weight", "rope_freqs.weight"}
+  assert [n for n in f.tensors.taken if n not in optional] == needed
+  assert not f.tensors, sorted(f.tensors)  # everything in the file was taken
+  f = _gfile(path)
+  for name in (needed[-1], needed[3]):
+    del f.tensors[name]
+  with pytest.raises(ValueError, match=rf"the {a.name} model needs tensor '{needed[3]}', "
+                     r"which the file lacks \(2 missing in all\)"):
+    llama.params_from_gguf(f, scan_layers=scan_layers)
+
+
 def test_params_from_gguf_names_what_the_file_lacks_or_has_too_many(model):
   """A missing bias or q / k norm, a bias this architecture does not add (llama.cpp's
   llama graph would add an attn_output bias; this model has none), and a q / k norm of

@@ -126,20 +126,6 @@ def _model_steps(devices: int, params: dict, cfg: Any, max_len: int):
           tp.init_tp_cache(cfg, 1, max_len, mesh))
 
 
-def _needed_tensors(cfg: Any) -> list[str]:
-  """The GGUF tensors :func:`flax_layers.llama.params_from_gguf` takes for ``cfg`` (its
-  architecture's, ``flax_layers.llama.block_tensors``), in the order it takes them (so
-  the first missing one is the one it would name), after ``blk.0.attn_q.weight``, which
-  generate reads first."""
-  from flax_layers import llama  # pylint: disable=g-import-not-at-top
-
-  suffixes = list(llama.block_tensors(cfg))
-  layers = range(cfg.num_layers)
-  blocks = ([f"blk.{i}.{s}" for s in suffixes for i in layers] if cfg.scan_layers else
-            [f"blk.{i}.{s}" for i in layers for s in suffixes])
-  return ["blk.0.attn_q.weight", *blocks, "token_embd.weight", "output_norm.weight"]
-
-
 class _Plan(NamedTuple):
   """What a run needs besides the weights, known before any tensor data is read."""
   cfg: Any  # flax_layers.llama.LlamaConfig
@@ -183,10 +169,12 @@ def _plan(args, metadata: dict, tensor_types: dict[str, str], path: str, dtype: 
       metadata, dtype=dtype, implementation=implementation,
       scan_layers=llama.stackable_layers(tensor_types))
   tok = tokenizer_lib.tokenizer_from_gguf(metadata)
-  for name in _needed_tensors(cfg):
-    if name not in tensor_types:
-      raise ValueError(f"{path}: the {metadata['general.architecture']} model needs tensor "
-                       f"{name!r}, which the file lacks")
+  # blk.0.attn_q.weight first: generate reads it before the others.
+  needed = dict.fromkeys(["blk.0.attn_q.weight", *llama.needed_tensors(cfg)])
+  missing = [name for name in needed if name not in tensor_types]
+  if missing:
+    raise ValueError(f"{path}: the {metadata['general.architecture']} model needs tensor "
+                     f"{missing[0]!r}, which the file lacks ({len(missing)} missing in all)")
   return _prompt_plan(args, cfg, tok)
 
 
@@ -235,11 +223,9 @@ def _as_int4(w: Any) -> Any:
   ``--implementation xla`` decodes a Llama-3.2-1B-shaped GPTQ model at 165 tokens/s the
   first way and 455 the second (float16: 261-307; the kernels: 549-566; BENCHMARKS.md,
   session 33)."""
-  from qjax._src import checkpoint_layouts  # pylint: disable=g-import-not-at-top
-  if not isinstance(w, checkpoint_layouts.LAYOUT_FORMATS):
-    return w
-  w4 = w.to_int4()
-  return w if isinstance(w4, tuple) else w4
+  from qjax._src import int4  # pylint: disable=g-import-not-at-top
+  from qjax._src import kernel_layouts  # pylint: disable=g-import-not-at-top
+  return kernel_layouts.convert_to(w, int4.Int4Weight)
 
 
 def _safetensors_data_bytes(folder: str) -> int:

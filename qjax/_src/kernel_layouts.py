@@ -142,6 +142,17 @@ for _cls in (checkpoint_layouts.AWQWeight, checkpoint_layouts.CompressedTensorsW
 del _cls, _target
 
 
+def convert_to(w: Any, target: type) -> Any:
+  """``w`` in format ``target`` by its registered lossless conversion, on any device
+  (no kernel check, unlike :func:`kernel_layouts`), or ``w`` as it is where its format has
+  no conversion to ``target`` or the conversion refuses it (e.g. GPTQ act-order to
+  :class:`~qjax.Int4Weight`)."""
+  for conv in _CONVERSIONS.get(type(w), []):
+    if conv.target is target and conv.refuses(w) is None:
+      return conv.convert(w)
+  return w
+
+
 def _kernel_on(backends: list[dispatch.Backend], device: Any) -> dispatch.Backend | None:
   """The first of ``backends`` that compiles for ``device`` (the one ``qjax.matmul`` runs)."""
   return next((b for b in backends if b.supported_on(device)), None)

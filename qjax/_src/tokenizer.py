@@ -46,6 +46,7 @@ class TokenizerSource:
   eos_key: str = "tokenizer.ggml.eos_token_id"
   chat_key: str = "tokenizer.chat_template"
 
+
 # GPT-2's pre-tokenizer regex (also what ByteLevel(use_regex=True) applies).
 GPT2_REGEX = (r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+")
 
