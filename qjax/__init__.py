@@ -92,16 +92,19 @@ from qjax._src.split_rules import register_split_rule as register_split_rule
 
 from qjax._src import codebook as _codebook
 from qjax._src import fp4 as _fp4
+from qjax._src import gguf_formats as _gguf_formats
 from qjax._src import int4 as _int4
 from qjax._src import moe as _moe
 
 register_xla(Int4Weight, _int4.matmul_xla)
 register_xla(MXFP4Weight, _fp4.matmul_xla)
 register_xla(NVFP4Weight, _fp4.matmul_xla)
-for _moe_format in _moe.MOE_FORMATS:
+# GGUF expert stacks (MoE GGUF files: [K, N, E] tensors) have the generic XLA path too.
+for _moe_format in (*_moe.MOE_FORMATS, *_gguf_formats.BLOCK_FORMATS.values(),
+                    _gguf_formats.GGUFDense):
   _moe.register_moe_xla(_moe_format, _moe.moe_matmul_xla)
 del _moe_format
 register_xla(CodebookWeight, _codebook.matmul_xla)
-del _int4, _fp4, _moe, _codebook
+del _int4, _fp4, _moe, _codebook, _gguf_formats
 
 __version__ = "0.1.0"

@@ -595,16 +595,9 @@ def test_mxfp4_experts_file(tmp_path):
       assert err < 1e-2, (impl, t, err)
 
 
-def test_leading_axes_other_types_raise(tmp_path):
-  from qjax._src import gguf_io
+def test_fields_with_different_leading_axes_raise():
+  """(Stacks of every type load: tests/test_gguf_expert_stacks.py.)"""
   rng = np.random.default_rng(3)
-  raw = gguf.quants.quantize(rng.standard_normal((2, 3, 64)).astype(np.float32), QT.Q4_0)
-  path = tmp_path / "q4_0_3d.gguf"
-  _write_gguf(path, {"w": (raw, "Q4_0")}, metadata=False)
-  with pytest.raises(ValueError, match="3-D Q4_0 tensor .* only for types MXFP4"):
-    gguf_io.load_gguf(path, progress=False)
-  with pytest.raises(ValueError, match="only for types MXFP4"):
-    gf.from_gguf_bytes(raw, "Q4_0", (64, 3), leading=(2,))
   with pytest.raises(ValueError, match="different leading axes"):
     w = gf.from_gguf_bytes(gguf.quants.quantize(rng.standard_normal((2, 3, 64)).astype(
         np.float32), QT.MXFP4), "MXFP4", (64, 3), leading=(2,))

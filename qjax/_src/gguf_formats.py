@@ -168,6 +168,13 @@ class GGUFBlockWeight(formats.QuantizedWeight):
              for f in self.block_fields]
     return np.concatenate(parts, axis=-1).reshape(*lead, n, nb * self.type_size)
 
+  def _single_matrix(self, what: str) -> None:
+    """Raises for a stack (leading axes): ``what`` converts one matrix."""
+    if self.leading_axes:
+      raise ValueError(f"{type(self).__name__}.{what} needs a single matrix; this one has "
+                       f"leading axes {self.leading_axes} (an expert stack, which "
+                       "qjax.moe_matmul takes as it is; index one matrix first)")
+
   def _fields(self) -> dict[str, jax.Array]:
     return {f.name: getattr(self, f.name) for f in self.block_fields}
 
@@ -258,6 +265,7 @@ class GGUFQ4_0(GGUFBlockWeight):
 
   def to_int4(self, tile_k: int = packing.NATIVE_TILE_K) -> int4.Int4Weight:
     """Lossless :class:`Int4Weight` (symmetric, group 32, f16 scales); jittable."""
+    self._single_matrix("to_int4")
     k, n = self.shape
     codes = self._codes(self.qs).reshape(n, k).T
     return int4.Int4Weight(
@@ -297,6 +305,7 @@ class GGUFQ4_1(GGUFBlockWeight):
 
   def to_int4(self, tile_k: int = packing.NATIVE_TILE_K) -> int4.Int4Weight:
     """Lossless :class:`Int4Weight` with ``W = q * s + b`` (f16 scales and biases)."""
+    self._single_matrix("to_int4")
     k, n = self.shape
     codes = GGUFQ4_0._codes(self.qs).reshape(n, k).T
     return int4.Int4Weight(
@@ -582,8 +591,9 @@ class GGUFDense(formats.QuantizedWeight):
   """A GGUF F32, F16 or BF16 matrix of logical shape ``[K, N]``, stored as in the file.
 
   Attributes:
-    data: ``[N, K]`` float32, float16 or bfloat16 (``W = data.T``).
-    shape: the logical ``(K, N)``.
+    data: ``[*leading, N, K]`` float32, float16 or bfloat16 (``W = data.T``; leading
+      axes for a stack of matrices, e.g. ``[E, N, K]`` for MoE experts).
+    shape: the logical ``(K, N)`` (of each matrix).
   """
 
   format_name = "gguf_dense"
@@ -604,21 +614,31 @@ class GGUFDense(formats.QuantizedWeight):
           f"(shape={self.shape})")
 
   @property
+  def leading_axes(self) -> tuple[int, ...]:
+    """The leading (expert) axes before ``[N, K]``; ``()`` for a single matrix."""
+    return tuple(self.data.shape[:-2])
+
+  @property
   def ggml_type(self) -> str:
     """The GGUF type name of ``data``'s dtype: "F32", "F16" or "BF16"."""
     return {jnp.dtype(v): k for k, v in _DENSE_TYPES.items()}[jnp.dtype(self.data.dtype)]
 
   @classmethod
-  def from_bytes(cls, raw: Any, shape: tuple[int, int], ggml_type: str) -> "GGUFDense":
-    """From the stored ``[N, K]`` elements (or their bytes) of type F32, F16 or BF16."""
+  def from_bytes(cls, raw: Any, shape: tuple[int, int], ggml_type: str,
+                 leading: tuple[int, ...] = ()) -> "GGUFDense":
+    """From the stored ``[*leading, N, K]`` elements (or their bytes) of type F32, F16 or
+    BF16; ``leading`` as :meth:`GGUFBlockWeight.from_bytes`."""
     if ggml_type not in _DENSE_TYPES:
       raise ValueError(f"{ggml_type=} must be one of {sorted(_DENSE_TYPES)}")
     k, n = (int(d) for d in shape)
+    leading = tuple(int(d) for d in leading)
+    count = k * n * int(np.prod(leading, dtype=np.int64))
     a = _as_bytes(raw).view(_DENSE_TYPES[ggml_type])
-    if a.size != k * n:
-      raise ValueError(f"GGUFDense of shape (K={k}, N={n}) needs {k * n} {ggml_type} values, "
-                       f"got {a.size}")
-    return cls(data=jnp.asarray(a.reshape(n, k)), shape=(k, n))
+    if a.size != count:
+      what = f"{leading} x " if leading else ""
+      raise ValueError(f"GGUFDense of shape {what}(K={k}, N={n}) needs {count} {ggml_type} "
+                       f"values, got {a.size}")
+    return cls(data=jnp.asarray(a.reshape(*leading, n, k)), shape=(k, n))
 
   def to_bytes(self) -> np.ndarray:
     """``[*leading, N, K * itemsize]`` uint8: the tensor's bytes as GGUF stores them."""
@@ -639,11 +659,14 @@ class GGUFDense(formats.QuantizedWeight):
     return data.astype(jnp.float32)
 
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
-    """``[K, N]`` in ``dtype`` (float32 by default)."""
-    return self._rows_f32(self.data).T.astype(dtype)
+    """``[*leading, K, N]`` in ``dtype`` (float32 by default)."""
+    return jnp.swapaxes(self._rows_f32(self.data), -1, -2).astype(dtype)
 
   def take_rows(self, ids: jax.Array) -> jax.Array:
     """Stored rows ``ids`` (columns of W): ``[*ids.shape, K]`` float32."""
+    if self.leading_axes:
+      raise ValueError(f"take_rows needs a single matrix; this GGUFDense has leading axes "
+                       f"{self.leading_axes} (index one expert first)")
     return self._rows_f32(self.data, jnp.asarray(ids))
 
 
@@ -654,9 +677,6 @@ BLOCK_FORMATS: dict[str, type[GGUFBlockWeight]] = {
 
 DENSE_TYPES = tuple(_DENSE_TYPES)
 SUPPORTED_TYPES = (*BLOCK_FORMATS, *DENSE_TYPES)
-# Types that load from tensors of more than 2 dims (GPT-OSS's MoE experts, GGUF dims
-# ``[K, N, E]``) as one pytree whose fields carry the leading axes.
-LEADING_AXES_TYPES = ("MXFP4",)
 
 
 def from_gguf_bytes(raw: Any, ggml_type: str, shape: tuple[int, int],
@@ -665,21 +685,16 @@ def from_gguf_bytes(raw: Any, ggml_type: str, shape: tuple[int, int],
 
   Args:
     raw: the tensor's stored data (``[*leading, N, row_bytes]`` uint8 for block types,
-      ``[N, K]`` elements or their bytes for F32 / F16 / BF16).
+      ``[*leading, N, K]`` elements or their bytes for F32 / F16 / BF16).
     ggml_type: the GGUF type name, e.g. "Q4_K".
     shape: the logical ``(K, N)`` (GGUF's ``ne0, ne1``).
     leading: leading axes in numpy order (GGUF's ``ne3, ne2``; ``(E,)`` for the MoE
-      experts of a ``[K, N, E]`` tensor), for the types of ``LEADING_AXES_TYPES`` only.
+      experts of a ``[K, N, E]`` tensor).
   """
-  leading = tuple(int(d) for d in leading)
-  if leading and ggml_type not in LEADING_AXES_TYPES:
-    raise ValueError(
-        f"GGUF type {ggml_type} with leading axes {leading}: qjax reads quantized tensors "
-        f"of more than 2 dims only for types {', '.join(LEADING_AXES_TYPES)}")
   if ggml_type in BLOCK_FORMATS:
     return BLOCK_FORMATS[ggml_type].from_bytes(raw, shape, leading)
   if ggml_type in _DENSE_TYPES:
-    return GGUFDense.from_bytes(raw, shape, ggml_type)
+    return GGUFDense.from_bytes(raw, shape, ggml_type, leading)
   raise ValueError(f"GGUF type {ggml_type} is not supported; supported: {list(SUPPORTED_TYPES)}")
 
 

@@ -134,9 +134,10 @@ def _load_tensor(t, path: str, dequantize_unsupported: bool) -> Any:
   qname = t.tensor_type.name
   shape = _logical_shape(t)
   data = t.data
+  if len(shape) >= 2 and qname in gguf_formats.SUPPORTED_TYPES:
+    # More than 2 dims (MoE experts, GGUF dims [K, N, E]): one pytree, leading axes first.
+    return gguf_formats.from_gguf_bytes(data, qname, shape[:2], tuple(reversed(shape[2:])))
   if len(shape) == 2:
-    if qname in gguf_formats.SUPPORTED_TYPES:
-      return gguf_formats.from_gguf_bytes(data, qname, shape)
     if dequantize_unsupported:
       try:
         rows = gguf.quants.dequantize(np.asarray(data), t.tensor_type)
@@ -148,9 +149,6 @@ def _load_tensor(t, path: str, dequantize_unsupported: bool) -> Any:
         f"{path}: tensor {t.name!r} has GGUF type {qname}, which qjax does not support "
         f"(supported: {', '.join(gguf_formats.SUPPORTED_TYPES)}); pass "
         "dequantize_unsupported=True to load it as float32")
-  if len(shape) > 2 and qname in gguf_formats.LEADING_AXES_TYPES:
-    # Stacked matrices (MoE experts, GGUF dims [K, N, E]): one pytree, leading axes first.
-    return gguf_formats.from_gguf_bytes(data, qname, shape[:2], tuple(reversed(shape[2:])))
   # 1-D (norms, biases) and other ranks: plain arrays in numpy (reversed ne) order.
   np_shape = tuple(reversed(shape))
   if qname == "BF16":
@@ -161,8 +159,8 @@ def _load_tensor(t, path: str, dequantize_unsupported: bool) -> Any:
   if len(shape) > 2:
     raise ValueError(
         f"{path}: tensor {t.name!r} is a {len(shape)}-D {qname} tensor of shape {shape}; "
-        "qjax reads quantized GGUF tensors of more than 2 dims only for types "
-        f"{', '.join(gguf_formats.LEADING_AXES_TYPES)} (as one pytree with leading axes)")
+        "qjax reads tensors of more than 2 dims only for types "
+        f"{', '.join(gguf_formats.SUPPORTED_TYPES)} (as one pytree with leading axes)")
   try:
     return jnp.asarray(gguf.quants.dequantize(np.asarray(data), t.tensor_type).reshape(np_shape))
   except NotImplementedError:
@@ -214,10 +212,12 @@ def load_gguf(path: str | os.PathLike[str] | GGUFHeader, *, progress: bool = Tru
               dequantize_unsupported: bool = False) -> GGUFFile:
   """Reads a GGUF file into qjax pytrees (2-D) and arrays (1-D) on the default device.
 
-  MXFP4 tensors of more than 2 dims (GPT-OSS's MoE experts, dims ``[K, N, E]``) load as
-  one :class:`~qjax._src.gguf_formats.GGUFMXFP4` with a leading expert axis on its
-  fields (``.to_mxfp4()`` feeds :func:`qjax.moe_matmul`); other quantized types of more
-  than 2 dims raise.
+  Tensors of more than 2 dims (MoE experts, GGUF dims ``[K, N, E]``) of the supported
+  types load as one pytree with a leading expert axis on its fields (e.g. a
+  :class:`~qjax._src.gguf_formats.GGUFQ4_K` of logical shape ``(K, N)`` whose
+  ``dequantize()`` is ``[E, K, N]``), which :func:`qjax.moe_matmul` takes as it is
+  (GPT-OSS's MXFP4 experts: ``.to_mxfp4()`` for the MoE kernels); other types of more than
+  2 dims raise.
 
   Args:
     path: the ``.gguf`` file, or its :func:`read_header` (whose parse is reused).

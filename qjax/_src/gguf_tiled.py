@@ -195,6 +195,7 @@ class GGUFTiledWeight(formats.QuantizedWeight):
       raise ValueError(f"GGUFTiledWeight.from_gguf: {type(w).__name__} ({t}) is not one of "
                        f"{list(_SPECS)}; Q4_0 and Q4_1 convert to Int4Weight (to_int4), MXFP4 to "
                        "MXFP4Weight (to_mxfp4)")
+    w._single_matrix("from_gguf")  # pylint: disable=protected-access
     k, n = w.shape
     kp = packing.padded_rows(k, TILE_K)
     d = w.d.T if t == "Q8_0" else _columns(w.d)
@@ -270,7 +271,10 @@ class GGUFTiledWeight(formats.QuantizedWeight):
 def kernel_layout(w: Any) -> Any:
   """The layout a GGUF weight's kernel reads: Int4Weight for Q4_0 / Q4_1, MXFP4Weight
   for MXFP4, the tiled layout for Q8_0 / Q4_K / Q5_K / Q6_K, anything else unchanged.
-  Lossless, jittable."""
+  Expert stacks (leading axes) stay as they are, but MXFP4's, whose ``to_mxfp4()`` is the
+  stack the MoE kernels read: no other MoE kernel reads GGUF types. Lossless, jittable."""
+  if getattr(w, "leading_axes", ()) and not isinstance(w, gf.GGUFMXFP4):
+    return w
   if isinstance(w, (gf.GGUFQ4_0, gf.GGUFQ4_1)):
     return w.to_int4()
   if isinstance(w, gf.GGUFMXFP4):

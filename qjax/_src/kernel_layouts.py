@@ -123,15 +123,24 @@ register_layout_conversion(fp4.MXFP4Weight, LayoutConversion(
     fp4_nk.MXFP4NKWeight, fp4_nk.to_mxfp4_nk, _fp4_nk_refuses))
 register_layout_conversion(fp4.NVFP4Weight, LayoutConversion(
     fp4_nk.NVFP4NKWeight, fp4_nk.to_nvfp4_nk, _fp4_nk_refuses))
+def _gguf_stack_refuses(w: gguf_formats.GGUFBlockWeight) -> str | None:
+  if w.leading_axes:
+    return (f"a stack of {w.leading_axes} matrices (MoE experts): the layout's kernel reads "
+            "one matrix, and no MoE kernel reads it")
+  return None
+
+
 # GGUF blocks: the layout each type's kernel reads, as gguf_tiled.kernel_layout gives it.
+register_layout_conversion(gguf_formats.GGUFMXFP4, LayoutConversion(
+    fp4.MXFP4Weight, gguf_tiled.kernel_layout))  # stacks too: the MoE kernels read them
 for _cls, _target in ((gguf_formats.GGUFQ4_0, int4.Int4Weight),
                       (gguf_formats.GGUFQ4_1, int4.Int4Weight),
-                      (gguf_formats.GGUFMXFP4, fp4.MXFP4Weight),
                       (gguf_formats.GGUFQ8_0, gguf_tiled.GGUFTiledWeight),
                       (gguf_formats.GGUFQ4_K, gguf_tiled.GGUFTiledWeight),
                       (gguf_formats.GGUFQ5_K, gguf_tiled.GGUFTiledWeight),
                       (gguf_formats.GGUFQ6_K, gguf_tiled.GGUFTiledWeight)):
-  register_layout_conversion(_cls, LayoutConversion(_target, gguf_tiled.kernel_layout))
+  register_layout_conversion(_cls, LayoutConversion(_target, gguf_tiled.kernel_layout,
+                                                    _gguf_stack_refuses))
 register_layout_conversion(gpt_oss_layout.GptOssMXFP4Weight,
                            LayoutConversion(fp4.MXFP4Weight, lambda w: w.to_mxfp4()))
 register_layout_conversion(checkpoint_layouts.GPTQWeight, LayoutConversion(

@@ -303,7 +303,7 @@ def moe_matmul_xla(rows: jax.Array, w: Any, pair_rows: jax.Array, pair_experts: 
   dequantized (``[P, K, N]``). Otherwise every expert is dequantized once and the pairs,
   sorted by expert, go through ``jax.lax.ragged_dot``. Both compute the same products.
   """
-  num_experts = w.codes.shape[0]
+  num_experts = jax.tree.leaves(w)[0].shape[0]  # every field's leading axis (_check)
   pair_experts, valid = checked_experts(pair_experts, num_experts)
   x = rows[pair_rows]                                           # [P, K]
   precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
@@ -337,8 +337,9 @@ def _check(x: jax.Array, w: Any, expert_ids: jax.Array) -> None:
   if not takes_format(w):
     registered = {**_MOE_XLA, **_MOE_KERNELS}
     raise NotImplementedError(
-        f"moe_matmul takes an MXFP4Weight, MXFP4NKWeight or NVFP4NKWeight with a leading "
-        f"expert axis, or a format with a registered MoE path, got {type(w).__name__}"
+        f"moe_matmul takes an MXFP4Weight, MXFP4NKWeight, NVFP4NKWeight or GGUF block "
+        f"weight with a leading expert axis, or a format with a registered MoE path, got "
+        f"{type(w).__name__}"
         f"{dispatch.not_inherited(type(w), registered, 'register_moe_xla')}; "
         "convert GPT-OSS checkpoints with .to_mxfp4()")
   if isinstance(w, MOE_FORMATS) and w.codes.ndim != 3:
@@ -346,6 +347,11 @@ def _check(x: jax.Array, w: Any, expert_ids: jax.Array) -> None:
         f"w.codes has shape {tuple(w.codes.shape)}: moe_matmul needs exactly one leading "
         "expert axis ([E, Kp // 8, N], or [E, N, K // 8] for the NK formats); stack the "
         "experts' weights")
+  lead = getattr(w, "leading_axes", None)  # GGUF blocks: the axes before each field's own
+  if lead is not None and len(lead) != 1:
+    raise ValueError(
+        f"{type(w).__name__} with leading axes {tuple(lead)}: moe_matmul needs exactly one "
+        "leading expert axis ([E, ...] on every field); stack the experts' weights")
   experts = {int(a.shape[0]) if a.ndim else None for a in jax.tree.leaves(w)}
   if len(experts) != 1 or None in experts:
     raise ValueError(f"the arrays of {type(w).__name__} must share one leading expert axis; "
@@ -461,7 +467,9 @@ def moe_matmul(x: jax.Array, w: Any, expert_ids: jax.Array, *,
     w: :class:`qjax.MXFP4Weight` of E experts: codes ``[E, Kp // 8, N]``, scales
       ``[E, K // 32, N]``, logical shape ``(K, N)``. Or, for Hopper's wgmma kernel,
       :class:`qjax.MXFP4NKWeight` / :class:`qjax.NVFP4NKWeight` of E experts (codes
-      ``[E, N, K // 8]``; ``qjax.to_mxfp4_nk(w)`` converts an MXFP4Weight exactly).
+      ``[E, N, K // 8]``; ``qjax.to_mxfp4_nk(w)`` converts an MXFP4Weight exactly). Or a
+      GGUF expert stack as :func:`qjax.load_gguf` reads a ``[K, N, E]`` tensor (e.g. a
+      :class:`qjax.GGUFQ4_K` whose fields carry a leading ``[E]`` axis): XLA path only.
     expert_ids: ``[T, top_k]`` integers in ``[0, E)``; an expert may appear for any
       number of tokens, or none. Concrete ids out of range raise ValueError; traced ones
       (under ``jax.jit``) cannot be checked, and each such pair's output row is NaN

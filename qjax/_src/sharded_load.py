@@ -139,8 +139,8 @@ def load_gguf_sharded(path: str | os.PathLike, mesh: jax.sharding.Mesh, axis: An
   Block-quantized 2-D tensors (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4) stay in their
   block layout (:class:`qjax.GGUFQ4_K`, ...); each device's slice (whole block rows
   column-wise, whole blocks row-wise) is read straight from the memory-mapped file. So are
-  MXFP4 tensors of more than 2 dims (GPT-OSS's MoE experts, one stacked
-  :class:`qjax.GGUFMXFP4`): split by "expert", each device reads only its experts. Other
+  block tensors of more than 2 dims (MoE experts, one stacked :class:`qjax.GGUFMXFP4`,
+  :class:`qjax.GGUFQ4_K`, ...): split by "expert", each device reads only its experts. Other
   tensors are read as :func:`qjax.load_gguf` reads them and placed by their mode.
 
   Args:
@@ -163,7 +163,7 @@ def load_gguf_sharded(path: str | os.PathLike, mesh: jax.sharding.Mesh, axis: An
     try:
       if len(shape) == 2 and qname in gf.BLOCK_FORMATS:
         value = _lazy_block_weight(t, qname, shape)
-      elif len(shape) > 2 and qname in gf.LEADING_AXES_TYPES:
+      elif len(shape) > 2 and qname in gf.BLOCK_FORMATS:
         # Stacked experts (GGUF dims [K, N, E]): an expert split reads only its experts.
         value = _lazy_block_weight(t, qname, shape[:2], tuple(reversed(shape[2:])))
       else:
