@@ -16,6 +16,18 @@ Qwen2.5: biases on q / k / v) and ``qwen3`` (Qwen3: RMSNorm of each q and k head
 RoPE, a head size that need not be ``hidden / heads``); :class:`LlamaConfig` holds what
 differs (``rope_neox``, ``qkv_bias``, ``qk_norm``).
 
+Mixtures of experts: ``qwen3moe`` (Qwen3-30B-A3B style: Qwen3's attention, an MoE FFN in
+every block) and ``llama`` files with ``llama.expert_count`` > 0 (Mixtral). Each block's
+FFN is then :class:`MoE`, llama.cpp's ``build_moe_ffn`` for these two: router logits
+``x @ ffn_gate_inp`` in float32, the top ``experts_per_token`` of a softmax over all
+experts with their weights renormalized to sum 1 (a softmax over the k selected logits),
+each selected expert's SwiGLU ``down_e(silu(x @ gate_e) * (x @ up_e))``, the weighted sum.
+The experts are GGUF expert stacks (``blk.N.ffn_{gate,up,down}_exps.weight``, one pytree
+with a leading ``[E]`` axis each) multiplied by :func:`qjax.moe_matmul`. Shared experts,
+other gating functions, scaled expert weights, leading dense layers and the old Mixtral
+layout (one 2-D tensor per expert) are refused (:meth:`LlamaConfig.from_metadata`,
+:func:`check_tensor_names`).
+
 Layout notes: llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` of a
 ``llama`` model so that RoPE rotates adjacent pairs ``(x[2i], x[2i+1])`` of each head
 (``LLAMA_ROPE_TYPE_NORM``); Qwen2 / Qwen3 files are not permuted and rotate the pairs
@@ -36,7 +48,9 @@ import numpy as np
 
 import qjax
 from qjax._src import dispatch
+from qjax._src import moe as moe_lib
 from qjax._src.gguf_formats import embedding_rows
+from flax_layers import moe as moe_layers
 from flax_layers import scan
 
 # general.architecture -> the LlamaConfig fields it sets (llama.cpp: LLM_ARCH_LLAMA uses
@@ -46,6 +60,8 @@ ARCHITECTURE_OPTIONS: dict[str, dict[str, bool]] = {
     "llama": dict(rope_neox=False, qkv_bias=False, qk_norm=False),
     "qwen2": dict(rope_neox=True, qkv_bias=True, qk_norm=False),
     "qwen3": dict(rope_neox=True, qkv_bias=False, qk_norm=True),
+    # llm_build_qwen3moe: Qwen3's attention, an MoE FFN (LlamaConfig.num_experts > 0).
+    "qwen3moe": dict(rope_neox=True, qkv_bias=False, qk_norm=True),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURE_OPTIONS)
 # Hugging Face config.json model_type -> the architecture (ARCHITECTURE_OPTIONS) it runs as.
@@ -77,6 +93,16 @@ class LlamaConfig:
       Qwen2), in float32 after the matmul.
     qk_norm: each head of q and k goes through an RMSNorm (params ``attn/q_norm`` and
       ``attn/k_norm``, scale ``[head_dim]``, epsilon ``rms_eps``) before RoPE (Qwen3).
+    num_experts: E, the experts of each block's MoE FFN (``{arch}.expert_count``); 0 (the
+      default) for a dense model, whose blocks run :class:`MLP`. With experts every block
+      runs :class:`MoE` instead (params ``moe/router`` float32 ``[hidden, E]``, ``moe/gate``
+      and ``moe/up`` expert stacks of per-expert shape ``(hidden, expert_ffn_size)``,
+      ``moe/down`` of ``(expert_ffn_size, hidden)``) and ``ffn_size`` is not used.
+    experts_per_token: k, the experts each token is routed to (``{arch}.expert_used_count``),
+      in ``[1, num_experts]``; 0 without experts.
+    expert_ffn_size: F, each expert's hidden width (Qwen3-MoE:
+      ``{arch}.expert_feed_forward_length``; Mixtral's experts are ``feed_forward_length``
+      wide); None (the default) is ``ffn_size``. None without experts.
   """
   vocab_size: int
   hidden_size: int
@@ -95,6 +121,9 @@ class LlamaConfig:
   rope_neox: bool = False
   qkv_bias: bool = False
   qk_norm: bool = False
+  num_experts: int = 0
+  experts_per_token: int = 0
+  expert_ffn_size: int | None = None
 
   def __post_init__(self):
     sizes = {k: getattr(self, k) for k in ("vocab_size", "hidden_size", "num_layers",
@@ -111,6 +140,29 @@ class LlamaConfig:
     if rd % 2 or rd > self.head_dim:
       raise ValueError(f"rope_dim={rd} must be even and at most head_dim={self.head_dim}")
     object.__setattr__(self, "rope_dim", rd)
+    self._check_experts()
+
+  def _check_experts(self) -> None:
+    """Validates the MoE fields and resolves ``expert_ffn_size`` (None: ffn_size)."""
+    e, k, f = self.num_experts, self.experts_per_token, self.expert_ffn_size
+    if not (isinstance(e, (int, np.integer)) and e >= 0):
+      raise ValueError(f"num_experts={e!r} must be an int >= 0 (0: a dense model)")
+    if e == 0:
+      if k or f is not None:
+        raise ValueError(f"experts_per_token={k!r}, expert_ffn_size={f!r} without experts "
+                         "(num_experts=0); set num_experts for an MoE model")
+      return
+    if not (isinstance(k, (int, np.integer)) and 1 <= k <= e):
+      raise ValueError(f"experts_per_token={k!r} must be an int in [1, num_experts={e}]")
+    f = self.ffn_size if f is None else f
+    if not (isinstance(f, (int, np.integer)) and f >= 1):
+      raise ValueError(f"expert_ffn_size={f!r} must be a positive int")
+    object.__setattr__(self, "expert_ffn_size", int(f))
+
+  @property
+  def moe(self) -> bool:
+    """Whether the blocks' FFN is a mixture of experts (:class:`MoE`)."""
+    return self.num_experts > 0
 
   @classmethod
   def from_metadata(cls, metadata: dict[str, Any], **options: Any) -> "LlamaConfig":
@@ -119,9 +171,16 @@ class LlamaConfig:
     rope_neox / qkv_bias / qk_norm); ``options`` sets dtype / implementation /
     scan_layers.
 
+    Experts (:func:`_expert_options`): ``{arch}.expert_count`` (required > 0 for
+    ``qwen3moe``; a ``llama`` file with it > 0 is Mixtral), ``{arch}.expert_used_count``
+    and the experts' width (qwen3moe: ``expert_feed_forward_length``, else llama.cpp's
+    ``feed_forward_length / expert_used_count``; llama: ``feed_forward_length``).
+
     Raises ValueError, naming the key, for what the model cannot run: another
     architecture, RoPE scaling, a value head size other than the key head size, a sliding
-    window shorter than the context, non-causal attention."""
+    window shorter than the context, non-causal attention; and of MoE models shared
+    experts, a gating function other than softmax, expert weights that are scaled or not
+    renormalized, leading dense layers."""
     arch = metadata.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
       raise ValueError(f"general.architecture={arch!r} is not supported; qjax runs "
@@ -169,14 +228,18 @@ class LlamaConfig:
     if not metadata.get(f"{arch}.attention.causal", True):
       raise ValueError(f"{arch}.attention.causal=False (an embedding model) is not "
                        "supported; qjax runs causal attention")
+    experts = _expert_options(metadata, arch)
+    ffn = metadata.get(f"{arch}.feed_forward_length")
+    if ffn is None and experts.get("expert_ffn_size") is not None:
+      ffn = experts["expert_ffn_size"]  # an MoE file without the (unused) dense width
     return cls(
         vocab_size=int(vocab), hidden_size=hidden, num_layers=int(get("block_count")),
         num_heads=heads, num_kv_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=head_dim, ffn_size=int(get("feed_forward_length")),
+        head_dim=head_dim, ffn_size=int(get("feed_forward_length", ffn)),
         rope_base=float(get("rope.freq_base", 10000.0)),
         rope_dim=int(get("rope.dimension_count", head_dim)),
         rms_eps=float(get("attention.layer_norm_rms_epsilon")),
-        context_length=context, **{**ARCHITECTURE_OPTIONS[arch], **options})
+        context_length=context, **{**ARCHITECTURE_OPTIONS[arch], **experts, **options})
 
   @classmethod
   def from_hf_config(cls, config: dict[str, Any], **options: Any) -> "LlamaConfig":
@@ -261,6 +324,75 @@ class LlamaConfig:
         head_dim=head_dim, ffn_size=int(get("intermediate_size")), rope_base=float(theta),
         rope_dim=head_dim, rms_eps=float(optional("rms_norm_eps", 1e-6)),
         context_length=context, **{**ARCHITECTURE_OPTIONS[arch], **options})
+
+
+# Architectures whose every block is an MoE FFN (``{arch}.expert_count`` required).
+MOE_ARCHITECTURES = ("qwen3moe",)
+# llama.cpp's llama_expert_gating_func_type (``{arch}.expert_gating_func``).
+_GATING_FUNCS = {0: "none", 1: "softmax", 2: "sigmoid", 3: "softmax_weight"}
+
+
+def _expert_options(metadata: dict[str, Any], arch: str) -> dict[str, Any]:
+  """The MoE fields of :class:`LlamaConfig` (``num_experts``, ``experts_per_token``,
+  ``expert_ffn_size``) of a GGUF file's metadata; ``{}`` for a dense model.
+
+  What is read is what llama.cpp's ``build_moe_ffn`` runs for qwen3moe and llama
+  (Mixtral): softmax over all experts, the top k, their weights renormalized, no scale.
+
+  Raises:
+    ValueError: naming the key and its value, for an MoE the model does not implement:
+      shared experts (``expert_shared_count`` > 0), ``expert_gating_func`` other than
+      softmax (1), ``expert_weights_scale`` other than 1, ``expert_weights_norm`` false,
+      leading dense layers (``leading_dense_block_count`` > 0); a qwen3moe file without
+      experts; ``expert_used_count`` missing or outside ``[1, expert_count]``.
+  """
+  def value(key):
+    return metadata.get(f"{arch}.{key}")
+
+  count = int(value("expert_count") or 0)
+  if count <= 0:
+    if arch in MOE_ARCHITECTURES:
+      raise ValueError(f"{arch}.expert_count={value('expert_count')!r}: a {arch} model has "
+                       "experts; the file's metadata does not say how many")
+    return {}
+  shared = value("expert_shared_count")
+  if shared is not None and int(shared) > 0:
+    raise ValueError(f"{arch}.expert_shared_count={shared} is not supported: qjax's MoE "
+                     "blocks have routed experts only, no shared expert")
+  gating = value("expert_gating_func")
+  if gating is not None and int(gating) != 1:
+    raise ValueError(f"{arch}.expert_gating_func={gating} "
+                     f"({_GATING_FUNCS.get(int(gating), 'unknown')}) is not supported; "
+                     "qjax's MoE routes with softmax (1)")
+  scale = value("expert_weights_scale")
+  if scale is not None and float(scale) != 1.0:
+    raise ValueError(f"{arch}.expert_weights_scale={scale} is not supported; qjax's MoE "
+                     "weighs the selected experts by their renormalized probabilities "
+                     "(scale 1)")
+  norm = value("expert_weights_norm")
+  if norm is not None and not norm:
+    raise ValueError(f"{arch}.expert_weights_norm={norm} is not supported; qjax's MoE "
+                     "renormalizes the selected experts' weights to sum 1")
+  dense = value("leading_dense_block_count")
+  if dense is not None and int(dense) > 0:
+    raise ValueError(f"{arch}.leading_dense_block_count={dense} is not supported; qjax's "
+                     "MoE models have experts in every block")
+  used = value("expert_used_count")
+  if used is None or not 1 <= int(used) <= count:
+    raise ValueError(f"{arch}.expert_used_count={used!r} must be in [1, {arch}.expert_count="
+                     f"{count}]: the experts each token is routed to")
+  used = int(used)
+  if arch == "llama":  # Mixtral: llama.cpp's n_ff_exp is n_ff
+    width = value("feed_forward_length")
+  else:  # llama.cpp's qwen3moe: n_ff_exp, else n_ff / n_expert_used
+    width = value("expert_feed_forward_length")
+    if width is None and value("feed_forward_length") is not None:
+      width = int(value("feed_forward_length")) // used
+  if width is None:
+    raise ValueError(f"the GGUF metadata lacks {arch}."
+                     f"{'feed_forward_length' if arch == 'llama' else 'expert_feed_forward_length'}"
+                     ", the experts' hidden width")
+  return dict(num_experts=count, experts_per_token=used, expert_ffn_size=int(width))
 
 
 def _hf_rope_scaling(config: dict[str, Any], model_type: str) -> dict[str, Any] | None:
@@ -502,8 +634,83 @@ class MLP(nn.Module):
     return dense(c.hidden_size, name="down")(h)
 
 
+def _moe_matmul(x: jax.Array, w: Any, ids: jax.Array, implementation: str | None
+                ) -> jax.Array:
+  """``qjax.moe_matmul``; an expert stack whose format has no MoE kernel (the GGUF block
+  formats) runs XLA even when ``implementation`` is "pallas" or "interpret", as
+  :func:`matmul` does. ``w`` may be a :class:`qjax.LayerOf` (a layer of stacked experts)."""
+  fmt = w.format_cls if isinstance(w, (qjax.ShardedWeight, qjax.LayerOf)) else type(w)
+  if implementation in ("pallas", "interpret") and not moe_lib.moe_kernels_for_format(fmt):
+    implementation = "xla"
+  return qjax.moe_matmul(x, w, ids, implementation=implementation)
+
+
+def _expert_count(w: Any) -> int | None:
+  """The experts of an expert stack: its one leading axis (``leading_axes`` of a GGUF
+  pytree; the axis before an MXFP4 stack's ``[Kp // 8, N]`` codes), past the ``[layers]``
+  axis of a :class:`qjax.LayerOf`; None for a single matrix or more leading axes."""
+  stack, skip = (w.stack, 1) if isinstance(w, qjax.LayerOf) else (w, 0)
+  lead = getattr(stack, "leading_axes", None)
+  if lead is None:
+    codes = getattr(stack, "codes", None)
+    lead = () if codes is None else tuple(codes.shape[:codes.ndim - 2])
+  lead = tuple(lead)[skip:]
+  return int(lead[0]) if len(lead) == 1 else None
+
+
+class MoE(nn.Module):
+  """Top-k routed SwiGLU experts: llama.cpp's ``build_moe_ffn`` for Qwen3-MoE and Mixtral.
+
+  Per token ``x [hidden]``: router logits ``x @ router`` in float32 (``[E]``); the
+  ``k = experts_per_token`` largest, weighted by a softmax over those k logits (the same as
+  llama.cpp's softmax over all E, top k, weights divided by their sum); each selected
+  expert's ``down_e(silu(x @ gate_e) * (x @ up_e))`` (the SwiGLU in float32, its product
+  in x's dtype); the weighted sum, in float32, rounded once to x's dtype.
+
+  Params: ``router`` float ``[hidden, E]`` (GGUF ``ffn_gate_inp``, dequantized to float32
+  at load where the file stores it quantized); ``gate``, ``up`` expert stacks of logical
+  shape ``(hidden, F)`` and ``down`` of ``(F, hidden)`` with a leading ``[E]`` axis on
+  their arrays (GGUF ``ffn_{gate,up,down}_exps``; any format :func:`qjax.moe_matmul`
+  takes, e.g. an MXFP4 stack), or a :class:`qjax.LayerOf` of a ``[layers, E, ...]`` stack.
+  """
+  cfg: LlamaConfig
+
+  def _experts(self, name: str, shape: tuple[int, int]) -> Any:
+    w = _loaded_param(self, name)
+    e = _expert_count(w)
+    if tuple(w.shape) != shape or e != self.cfg.num_experts:
+      raise ValueError(f"{self.name}: {name} holds experts of logical shape "
+                       f"{tuple(w.shape)} with {e} experts; the config needs "
+                       f"{self.cfg.num_experts} experts of {shape}")
+    return w
+
+  @nn.compact
+  def __call__(self, x):
+    """x: ``[batch, seq, hidden]`` -> ``[batch, seq, hidden]`` in x's dtype."""
+    c = self.cfg
+    b, t, d = x.shape
+    e, f = c.num_experts, c.expert_ffn_size
+    router = _loaded_param(self, "router")
+    if tuple(router.shape) != (d, e):
+      raise ValueError(f"{self.name}: router of shape {tuple(router.shape)}, want "
+                       f"(hidden={d}, experts={e})")
+    tokens = x.reshape(b * t, d)                                        # [T, hidden]
+    logits = jnp.dot(tokens.astype(jnp.float32), router.astype(jnp.float32),
+                     precision=jax.lax.Precision.HIGHEST)               # [T, E]
+    weights, ids = moe_layers.route(logits, c.experts_per_token, "topk_softmax")  # [T, k]
+    run = functools.partial(_moe_matmul, ids=ids, implementation=c.implementation)
+    gate = run(tokens, self._experts("gate", (d, f))).astype(jnp.float32)  # [T, k, F]
+    up = run(tokens, self._experts("up", (d, f))).astype(jnp.float32)
+    h = (jax.nn.silu(gate) * up).astype(x.dtype)
+    y = run(h, self._experts("down", (f, d)))                           # [T, k, hidden]
+    out = jnp.einsum("tk,tkd->td", weights, y.astype(jnp.float32),
+                     precision=jax.lax.Precision.HIGHEST)
+    return out.astype(x.dtype).reshape(b, t, d)
+
+
 class Block(nn.Module):
-  """A pre-norm decoder layer (the scan body over layers, or one unrolled layer)."""
+  """A pre-norm decoder layer (the scan body over layers, or one unrolled layer); its FFN
+  is :class:`MLP` (``mlp``), or :class:`MoE` (``moe``) where ``cfg.num_experts`` > 0."""
   cfg: LlamaConfig
 
   @nn.compact
@@ -517,7 +724,8 @@ class Block(nn.Module):
         RMSNorm(self.cfg.rms_eps, name="attn_norm")(x), positions, mask, k_cache, v_cache,
         rope_freqs)
     x = x + h
-    x = x + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg.rms_eps, name="ffn_norm")(x))
+    ffn = MoE(self.cfg, name="moe") if self.cfg.moe else MLP(self.cfg, name="mlp")
+    x = x + ffn(RMSNorm(self.cfg.rms_eps, name="ffn_norm")(x))
     return x, (k_cache, v_cache)
 
 
@@ -747,17 +955,69 @@ _QK_NORM_TENSORS = {
     "attn_q_norm.weight": ("attn", "q_norm", "scale"),
     "attn_k_norm.weight": ("attn", "k_norm", "scale"),
 }
+# The MoE FFN (cfg.num_experts > 0) in place of ffn_gate / ffn_up / ffn_down: the router
+# (numpy [E, hidden], logical (hidden, E)) and the expert stacks (numpy [E, F, hidden] for
+# gate / up, logical (hidden, F) per expert; [E, hidden, F] for down, (F, hidden)).
+_DENSE_FFN_TENSORS = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+_MOE_TENSORS = {
+    "ffn_gate_inp.weight": ("moe", "router"),
+    "ffn_gate_exps.weight": ("moe", "gate"),
+    "ffn_up_exps.weight": ("moe", "up"),
+    "ffn_down_exps.weight": ("moe", "down"),
+}
 # Biases llama.cpp's llama graph would add where present (or other architectures have);
 # this model has none of them, so a file holding one is refused, not run without it.
 _UNUSED_BIASES = ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias",
-                  "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias")
+                  "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias", "ffn_gate_inp.bias",
+                  "ffn_gate_exps.bias", "ffn_up_exps.bias", "ffn_down_exps.bias",
+                  "exp_probs_b.bias")
 
 
 def block_tensors(cfg: LlamaConfig) -> dict[str, tuple[str, ...]]:
   """GGUF tensor name in block i (without ``blk.{i}.``) -> its path in the block params,
-  for ``cfg``'s architecture options."""
-  return {**_BLOCK_TENSORS, **(_BIAS_TENSORS if cfg.qkv_bias else {}),
+  for ``cfg``'s architecture options (and its experts: ``ffn_gate_inp``,
+  ``ffn_{gate,up,down}_exps`` in place of ``ffn_{gate,up,down}``)."""
+  base = dict(_BLOCK_TENSORS)
+  if cfg.moe:
+    for name in _DENSE_FFN_TENSORS:
+      del base[name]
+    base.update(_MOE_TENSORS)
+  return {**base, **(_BIAS_TENSORS if cfg.qkv_bias else {}),
           **(_QK_NORM_TENSORS if cfg.qk_norm else {})}
+
+
+def check_tensor_names(cfg: LlamaConfig, names: Any, path: str = "the file") -> None:
+  """Refuses a file's tensor ``names`` (an iterable, e.g. the header's) holding FFN tensors
+  that ``cfg`` would not run, before any tensor data is read.
+
+  Raises:
+    ValueError: naming the first such tensor: one expert of the old Mixtral layout
+      (``blk.N.ffn_gate.E.weight``, a 2-D tensor per expert), a shared expert
+      (``ffn_*_shexp``), an expert tensor in a dense model (``{arch}.expert_count`` 0 or
+      absent), or a dense FFN tensor in an MoE model (leading dense layers).
+  """
+  moe_names = {n.split(".")[0] for n in _MOE_TENSORS}
+  dense_names = {n.split(".")[0] for n in _DENSE_FFN_TENSORS}
+  for name in names:
+    parts = name.split(".")
+    if len(parts) < 4 or parts[0] != "blk":
+      continue
+    base = parts[2]
+    if len(parts) == 5 and base in dense_names and parts[3].isdigit():
+      raise ValueError(f"{path}: tensor {name!r} is one expert of the old Mixtral layout (a "
+                       "2-D tensor per expert), which qjax does not read; convert the model "
+                       "again with a current llama.cpp convert_hf_to_gguf.py (it writes "
+                       "the experts stacked, ffn_gate_exps / ffn_up_exps / ffn_down_exps)")
+    if "shexp" in base:
+      raise ValueError(f"{path}: tensor {name!r} is a shared expert, which qjax's MoE "
+                       "blocks do not have (routed experts only)")
+    if not cfg.moe and base in moe_names:
+      raise ValueError(f"{path}: tensor {name!r} belongs to a mixture of experts, but the "
+                       "metadata's expert_count is 0 or absent (a dense model)")
+    if cfg.moe and base in dense_names:
+      raise ValueError(f"{path}: tensor {name!r} is a dense FFN weight in an MoE model "
+                       f"({cfg.num_experts} experts); qjax runs experts in every block (no "
+                       "dense layers)")
 
 
 def needed_tensors(cfg: LlamaConfig, scan_layers: bool | None = None) -> list[str]:
@@ -779,6 +1039,36 @@ def _vector_sizes(cfg: LlamaConfig) -> dict[str, int]:
   return {"attn_norm.weight": cfg.hidden_size, "ffn_norm.weight": cfg.hidden_size,
           "attn_q.bias": cfg.num_heads * cfg.head_dim, "attn_k.bias": kv, "attn_v.bias": kv,
           "attn_q_norm.weight": cfg.head_dim, "attn_k_norm.weight": cfg.head_dim}
+
+
+def _expert_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, int]]:
+  """The logical ``(K, N)`` of each MoE tensor of ``cfg`` (per expert for the stacks)."""
+  if not cfg.moe:
+    return {}
+  d, e, f = cfg.hidden_size, cfg.num_experts, cfg.expert_ffn_size
+  return {"ffn_gate_inp.weight": (d, e), "ffn_gate_exps.weight": (d, f),
+          "ffn_up_exps.weight": (d, f), "ffn_down_exps.weight": (f, d)}
+
+
+def _expert_tensor(path: str, name: str, w: Any, cfg: LlamaConfig,
+                   shape: tuple[int, int]) -> Any:
+  """An MoE tensor of a GGUF file, checked against the config: the router
+  (``ffn_gate_inp``) as float32 ``[hidden, E]`` (dequantized where the file stores it
+  quantized: the routing stays float), an expert stack as it was loaded (a pytree with a
+  leading ``[E]`` axis, which :func:`qjax.moe_matmul` takes)."""
+  router = name.endswith("ffn_gate_inp.weight")
+  lead = () if router else (cfg.num_experts,)
+  got = tuple(w.shape)
+  experts = None if router else _expert_count(w)
+  if got != shape or (not router and experts != cfg.num_experts):
+    what = ("a router" if router else f"{experts} experts" if experts else
+            "a single matrix (no expert axis)")
+    raise ValueError(f"{path}: tensor {name!r} holds {what} of logical shape {got}; the "
+                     f"metadata (hidden {cfg.hidden_size}, {cfg.num_experts} experts of "
+                     f"width {cfg.expert_ffn_size}) needs {(*lead, *shape)}")
+  if router:
+    return jnp.asarray(w.dequantize(jnp.float32) if qjax.is_quantized(w) else w, jnp.float32)
+  return w
 
 
 def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
@@ -862,7 +1152,8 @@ def params_from_gguf(gguf_file: Any, *, convert=None, consume: bool = False,
       bias the architecture does not add is refused).
     convert: optional ``fn(name, weight) -> weight`` applied to each 2-D projection weight
       of the blocks (before stacking, if stacked) (e.g. ``lambda n, w: w.to_int4()`` for
-      the GPU kernel).
+      the GPU kernel); not to the MoE router and expert stacks, which are kept as loaded
+      (the router as float32 ``[hidden, E]``).
     consume: remove the tensors from ``gguf_file.tensors`` as they are stacked, so the
       per-layer copies can be freed.
     scan_layers: the layout, which must equal the ``LlamaConfig.scan_layers`` the params
@@ -883,6 +1174,7 @@ def params_from_gguf(gguf_file: Any, *, convert=None, consume: bool = False,
   if "rope_freqs.weight" in tensors:  # llama.cpp's llama3 RoPE scaling (Llama 3.1, 3.2)
     rope_freqs = _take_rope_freqs(gguf_file, cfg, consume)
   names = block_tensors(cfg)
+  check_tensor_names(cfg, tensors, gguf_file.path)
   unused = [f"blk.{i}.{b}" for i in range(cfg.num_layers) for b in _UNUSED_BIASES
             if b not in names] + ["output.bias"]
   for name in unused:
@@ -896,8 +1188,12 @@ def params_from_gguf(gguf_file: Any, *, convert=None, consume: bool = False,
   sizes = _vector_sizes(cfg)
   take = tensors.pop if consume else tensors.__getitem__
 
+  experts = _expert_shapes(cfg)
+
   def layer_weight(i, suffix, path):
     w = take(f"blk.{i}.{suffix}")
+    if suffix in experts:
+      return _expert_tensor(gguf_file.path, f"blk.{i}.{suffix}", w, cfg, experts[suffix])
     if convert is not None and path[-1] == "kernel":
       w = convert(f"blk.{i}.{suffix}", w)
     elif suffix in sizes and tuple(w.shape) != (sizes[suffix],):

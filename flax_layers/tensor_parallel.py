@@ -52,7 +52,12 @@ def _valid_counts(*sizes: int) -> list[int]:
 
 def local_config(cfg: llama.LlamaConfig, n: int) -> llama.LlamaConfig:
   """The config one of ``n`` devices runs: ``num_heads / n`` heads, ``num_kv_heads / n``
-  KV heads, ``ffn_size / n`` hidden units."""
+  KV heads, ``ffn_size / n`` hidden units. A mixture-of-experts model (``cfg.num_experts``
+  > 0) is refused: its experts are not split or replicated here."""
+  if cfg.moe:
+    raise ValueError(f"tensor parallel over {n} devices does not run mixture-of-experts "
+                     f"models ({cfg.num_experts} experts, {cfg.experts_per_token} per token) "
+                     "yet; run it on one device (--devices 1)")
   sizes = {"num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads,
            "ffn_size": cfg.ffn_size}
   bad = {k: v for k, v in sizes.items() if v % n}

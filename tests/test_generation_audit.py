@@ -87,7 +87,29 @@ def _rope64(x, positions, base, rope_dim, neox=False, factors=None):
   return out
 
 
-def _reference_logits(cfg, f64, ids) -> np.ndarray:
+def _moe_ffn64(h, w, top_k: int, router_logits: list | None = None) -> np.ndarray:
+  """A mixture of SwiGLU experts on ``h [T, hidden]`` float64 (llama.cpp's build_moe_ffn
+  of Qwen3-MoE and Mixtral): ``w["router"] [hidden, E]``, ``w["gate_exps"]`` /
+  ``w["up_exps"]`` ``[E, hidden, F]``, ``w["down_exps"] [E, F, hidden]``; softmax over all
+  E logits, the ``top_k`` most probable, their probabilities divided by their sum, the
+  weighted sum of the selected experts' outputs. Each call's logits ``[T, E]`` are appended
+  to ``router_logits`` where given."""
+  logits = h @ w["router"]
+  if router_logits is not None:
+    router_logits.append(logits)
+  p = np.exp(logits - logits.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  out = np.zeros_like(h)
+  for t in range(h.shape[0]):
+    chosen = np.argsort(-p[t], kind="stable")[:top_k]
+    for e in chosen:
+      gate, up = h[t] @ w["gate_exps"][e], h[t] @ w["up_exps"][e]
+      out[t] += p[t, e] / p[t, chosen].sum() * (
+          (gate / (1 + np.exp(-gate)) * up) @ w["down_exps"][e])
+  return out
+
+
+def _reference_logits(cfg, f64, ids, router_logits: list | None = None) -> np.ndarray:
   """Logits ``[T, vocab]`` float64 of ``ids`` with no cache (causal attention); the head is
   ``f64["lm_head"]`` where given (untied), else the embedding.
 
@@ -96,7 +118,10 @@ def _reference_logits(cfg, f64, ids) -> np.ndarray:
   given, are added after the projections (Qwen2); ``f64["q_norm"]`` / ``"k_norm"``
   ``[head_dim]``, where given, RMSNorm each q and k head before RoPE (Qwen3);
   ``f64["rope_freqs"]`` ``[[rope_dim // 2]]``, where given, divides each RoPE pair's
-  frequency (llama3 scaling)."""
+  frequency (llama3 scaling); per-layer ``f64["router"]`` (with ``"gate_exps"``,
+  ``"up_exps"``, ``"down_exps"``), where given, make the FFN a mixture of
+  ``cfg.experts_per_token`` of the experts (:func:`_moe_ffn64`, whose router logits go to
+  ``router_logits``)."""
   t, d, g = len(ids), cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
   neox = getattr(cfg, "rope_neox", False)
   factors = f64["rope_freqs"][0] if "rope_freqs" in f64 else None
@@ -125,6 +150,9 @@ def _reference_logits(cfg, f64, ids) -> np.ndarray:
     p /= p.sum(-1, keepdims=True)
     x = x + np.einsum("hts,shd->thd", p, v).reshape(t, -1) @ w["o"]
     h = norm(x, w["ffn_norm"])
+    if "router" in w:
+      x = x + _moe_ffn64(h, w, cfg.experts_per_token, router_logits)
+      continue
     gate = h @ w["gate"]
     x = x + (gate / (1 + np.exp(-gate)) * (h @ w["up"])) @ w["down"]
   return norm(x, f64["final_norm"][0]) @ f64.get("lm_head", f64["embed"])[0]

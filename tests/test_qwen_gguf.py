@@ -146,9 +146,26 @@ def _rows(rng, kind: str, n: int, k: int, std: float) -> tuple[np.ndarray, QT]:
   return w.astype(np.float16 if kind == "F16" else np.float32), None
 
 
+def _add_byte_level_vocab(w, vocab) -> None:
+  """Writes :func:`_byte_level_vocab`'s tokenizer into the GGUFWriter ``w`` as
+  ``_set_vocab_gpt2`` / ``gguf.SpecialVocab`` do for a Qwen2 tokenizer (ChatML template,
+  no BOS added)."""
+  tokens, merges, kinds, _ = vocab
+  w.add_tokenizer_model("gpt2")
+  w.add_tokenizer_pre("qwen2")
+  w.add_token_list(tokens)
+  w.add_token_types(kinds)
+  w.add_token_merges(merges)
+  w.add_eos_token_id(tokens.index("<|im_end|>"))
+  w.add_pad_token_id(tokens.index("<|endoftext|>"))
+  w.add_bos_token_id(tokens.index("<|endoftext|>"))
+  w.add_add_bos_token(False)
+  w.add_chat_template(CHATML)
+
+
 def _write_model(path, a: Arch, vocab, seed: int) -> None:
   """The Qwen2 / Qwen3-style GGUF file of ``a`` with random weights."""
-  tokens, merges, kinds, _ = vocab
+  tokens = vocab[0]
   rng = np.random.default_rng(seed)
   w = gguf.GGUFWriter(str(path), a.name)
   # convert_hf_to_gguf.py's TextModel.set_gguf_parameters (no rope.dimension_count: the
@@ -167,17 +184,7 @@ def _write_model(path, a: Arch, vocab, seed: int) -> None:
     w.add_value_length(a.head_dim)
   w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
   w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-  # _set_vocab_gpt2 / gguf.SpecialVocab of a Qwen2 tokenizer.
-  w.add_tokenizer_model("gpt2")
-  w.add_tokenizer_pre("qwen2")
-  w.add_token_list(tokens)
-  w.add_token_types(kinds)
-  w.add_token_merges(merges)
-  w.add_eos_token_id(tokens.index("<|im_end|>"))
-  w.add_pad_token_id(tokens.index("<|endoftext|>"))
-  w.add_bos_token_id(tokens.index("<|endoftext|>"))
-  w.add_add_bos_token(False)
-  w.add_chat_template(CHATML)
+  _add_byte_level_vocab(w, vocab)
 
   kv, q = a.kv_heads * a.head_dim, a.heads * a.head_dim
   shapes = {MT.TOKEN_EMBD: (len(tokens), a.hidden), MT.OUTPUT: (len(tokens), a.hidden),
@@ -439,7 +446,7 @@ def test_from_metadata_of_qwen2_5_0_5b():
 
 @pytest.mark.parametrize("extra,match", [
     ({"general.architecture": "phi3"}, r"general.architecture='phi3' is not supported; qjax "
-     r"runs \('llama', 'qwen2', 'qwen3'\)"),
+     r"runs \('llama', 'qwen2', 'qwen3', 'qwen3moe'\)"),
     ({"qwen2.attention.sliding_window": 4096}, r"qwen2.attention.sliding_window=4096 "
      r"\(shorter than the context 32768\) is not supported"),
     ({"qwen2.attention.sliding_window": 4096,
@@ -531,7 +538,7 @@ def test_generate_refuses_an_unsupported_architecture(model, tmp_path):
   assert rc == 2 and not out
   assert err.strip().splitlines()[-1] == (
       "qjax generate: error: general.architecture='phi3' is not supported; qjax runs "
-      "('llama', 'qwen2', 'qwen3')")
+      "('llama', 'qwen2', 'qwen3', 'qwen3moe')")
 
 
 def test_hf_llama_export_refuses_qwen_params(model, tmp_path):

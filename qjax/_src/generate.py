@@ -138,7 +138,7 @@ class _Plan(NamedTuple):
 def _prompt_plan(args, cfg: Any, tok: Any) -> _Plan:
   """The :class:`_Plan` of ``cfg`` and ``tok``: raises for a chat template that is absent,
   an empty prompt, a prompt and --max-new-tokens beyond the context, or a --devices count
-  that does not divide the heads."""
+  that does not divide the heads (or > 1 for a mixture of experts)."""
   prompt_ids = prompt_token_ids(tok, args.prompt, chat=args.chat)
   if not prompt_ids:
     raise UsageError("the prompt is empty; pass --prompt TEXT")
@@ -158,8 +158,9 @@ def _prompt_plan(args, cfg: Any, tok: Any) -> _Plan:
 def _plan(args, metadata: dict, tensor_types: dict[str, str], path: str, dtype: Any,
           implementation: str | None) -> _Plan:
   """The :class:`_Plan` of a GGUF file, from its metadata and tensor names and types alone
-  (no tensor data): raises for a file the model cannot run, a missing tensor, and what
-  :func:`_prompt_plan` refuses."""
+  (no tensor data): raises for a file the model cannot run (its metadata, or FFN tensors
+  it would not run: ``llama.check_tensor_names``), a missing tensor, and what
+  :func:`_prompt_plan` refuses (a mixture of experts over --devices > 1 among them)."""
   from flax_layers import llama  # pylint: disable=g-import-not-at-top
   from qjax._src import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
 
@@ -169,6 +170,7 @@ def _plan(args, metadata: dict, tensor_types: dict[str, str], path: str, dtype: 
       metadata, dtype=dtype, implementation=implementation,
       scan_layers=llama.stackable_layers(tensor_types))
   tok = tokenizer_lib.tokenizer_from_gguf(metadata)
+  llama.check_tensor_names(cfg, tensor_types, path)  # e.g. the old Mixtral layout
   # blk.0.attn_q.weight first: generate reads it before the others.
   needed = dict.fromkeys(["blk.0.attn_q.weight", *llama.needed_tensors(cfg)])
   missing = [name for name in needed if name not in tensor_types]
