@@ -229,13 +229,12 @@ class LlamaConfig:
       raise ValueError(f"{arch}.attention.causal=False (an embedding model) is not "
                        "supported; qjax runs causal attention")
     experts = _expert_options(metadata, arch)
-    ffn = metadata.get(f"{arch}.feed_forward_length")
-    if ffn is None and experts.get("expert_ffn_size") is not None:
-      ffn = experts["expert_ffn_size"]  # an MoE file without the (unused) dense width
+    # An MoE file may lack the dense width, which its blocks do not use: the experts'.
+    ffn = int(get("feed_forward_length", experts.get("expert_ffn_size")))
     return cls(
         vocab_size=int(vocab), hidden_size=hidden, num_layers=int(get("block_count")),
         num_heads=heads, num_kv_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=head_dim, ffn_size=int(get("feed_forward_length", ffn)),
+        head_dim=head_dim, ffn_size=ffn,
         rope_base=float(get("rope.freq_base", 10000.0)),
         rope_dim=int(get("rope.dimension_count", head_dim)),
         rms_eps=float(get("attention.layer_norm_rms_epsilon")),
@@ -634,15 +633,21 @@ class MLP(nn.Module):
     return dense(c.hidden_size, name="down")(h)
 
 
-def _moe_matmul(x: jax.Array, w: Any, ids: jax.Array, implementation: str | None
-                ) -> jax.Array:
-  """``qjax.moe_matmul``; an expert stack whose format has no MoE kernel (the GGUF block
-  formats) runs XLA even when ``implementation`` is "pallas" or "interpret", as
-  :func:`matmul` does. ``w`` may be a :class:`qjax.LayerOf` (a layer of stacked experts)."""
+def moe_implementation(w: Any, implementation: str | None) -> str | None:
+  """The ``qjax.moe_matmul`` implementation :class:`MoE` asks for with ``w``: "xla" for an
+  expert stack whose format has no MoE kernel (the GGUF formats) where ``implementation``
+  is "pallas" or "interpret" (as :func:`matmul` does for the dense weights), else
+  ``implementation``. ``w`` may be a :class:`qjax.LayerOf` (a layer of stacked experts)."""
   fmt = w.format_cls if isinstance(w, (qjax.ShardedWeight, qjax.LayerOf)) else type(w)
   if implementation in ("pallas", "interpret") and not moe_lib.moe_kernels_for_format(fmt):
-    implementation = "xla"
-  return qjax.moe_matmul(x, w, ids, implementation=implementation)
+    return "xla"
+  return implementation
+
+
+def _moe_matmul(x: jax.Array, w: Any, ids: jax.Array, implementation: str | None
+                ) -> jax.Array:
+  """``qjax.moe_matmul`` with :func:`moe_implementation`."""
+  return qjax.moe_matmul(x, w, ids, implementation=moe_implementation(w, implementation))
 
 
 def _expert_count(w: Any) -> int | None:
@@ -679,9 +684,10 @@ class MoE(nn.Module):
     w = _loaded_param(self, name)
     e = _expert_count(w)
     if tuple(w.shape) != shape or e != self.cfg.num_experts:
-      raise ValueError(f"{self.name}: {name} holds experts of logical shape "
-                       f"{tuple(w.shape)} with {e} experts; the config needs "
-                       f"{self.cfg.num_experts} experts of {shape}")
+      held = f"{e} experts" if e else "a single matrix (no expert axis)"
+      raise ValueError(f"{self.name or 'MoE'}: {name} holds {held} of logical shape "
+                       f"{tuple(w.shape)}; the config needs {self.cfg.num_experts} experts "
+                       f"of {shape}")
     return w
 
   @nn.compact
@@ -692,7 +698,7 @@ class MoE(nn.Module):
     e, f = c.num_experts, c.expert_ffn_size
     router = _loaded_param(self, "router")
     if tuple(router.shape) != (d, e):
-      raise ValueError(f"{self.name}: router of shape {tuple(router.shape)}, want "
+      raise ValueError(f"{self.name or 'MoE'}: router of shape {tuple(router.shape)}, want "
                        f"(hidden={d}, experts={e})")
     tokens = x.reshape(b * t, d)                                        # [T, hidden]
     logits = jnp.dot(tokens.astype(jnp.float32), router.astype(jnp.float32),

@@ -430,6 +430,24 @@ def test_greedy_generation_matches_the_float64_reference(model):
   got = json.loads(out)
   assert got["prompt_ids"] == prompt_ids
   assert got["generated_ids"] == generated
+  assert "matmul implementation: xla; experts: xla," in err, err
+
+
+def test_gguf_expert_stacks_run_xla_under_the_kernel_implementations(model):
+  """``implementation="interpret"`` (or "pallas"): the GGUF expert stacks have no MoE
+  kernel, so :class:`llama.MoE` runs them on XLA (as ``llama.matmul`` does for a dense
+  weight without a kernel) instead of failing; the same values."""
+  a, path, *_ = model
+  cfg, params = _load(path, False, implementation="interpret")
+  moe = params["params"]["layers_0"]["moe"]
+  assert llama.moe_implementation(moe["gate"], "interpret") == "xla"
+  assert llama.moe_implementation(moe["gate"], "pallas") == "xla"
+  assert llama.moe_implementation(moe["gate"], None) is None
+  x = jnp.asarray(np.random.default_rng(seed_from(a.name + "interpret")).standard_normal(
+      (1, 3, a.hidden)), jnp.float32)
+  got = llama.MoE(cfg).apply({"params": moe}, x)
+  want = llama.MoE(dataclasses.replace(cfg, implementation="xla")).apply({"params": moe}, x)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def _moe64(x, router, gate, up, down, top_k):
@@ -469,6 +487,19 @@ def test_moe_block_on_mxfp4_expert_stacks(tokens, layered):
   want = _moe64(x[0], np.asarray(layers[1]["router"], np.float64), w["gate"], w["up"],
                 w["down"], k)
   audit._close(got[0], want, rel=1e-5)
+
+
+def test_moe_block_names_experts_that_disagree_with_the_config():
+  """Params whose expert count or shape is not the config's: a ValueError naming both."""
+  cfg = llama.LlamaConfig(vocab_size=10, hidden_size=64, num_layers=2, num_heads=2,
+                          num_kv_heads=1, head_dim=32, ffn_size=96, num_experts=6,
+                          experts_per_token=2)
+  stack = qjax.quantize_mxfp4(jnp.ones((4, 64, 96), jnp.float32))
+  params = {"router": jnp.ones((64, 6)), "gate": stack, "up": stack,
+            "down": qjax.quantize_mxfp4(jnp.ones((6, 96, 64), jnp.float32))}
+  with pytest.raises(ValueError, match=r"^MoE: gate holds 4 experts of logical shape \(64, 96\); "
+                     r"the config needs 6 experts of \(64, 96\)"):
+    llama.MoE(cfg).apply({"params": params}, jnp.ones((1, 2, 64)))
 
 
 # --- Loading: the tensors generate checks, the ones the model takes. ----------------------

@@ -189,6 +189,18 @@ def _impl_name(w: Any, implementation: str | None, dtype: Any) -> str:
   return decode if decode == prefill else f"{decode} (decode), {prefill} (prefill)"
 
 
+def _moe_impl_name(tensors: dict, cfg: Any, implementation: str | None) -> str:
+  """What ``qjax.moe_matmul`` runs for the first layer's experts (``ffn_gate_exps``) at
+  decode (one token's pairs) and at prefill (more pairs), as :func:`_impl_name`."""
+  import qjax  # pylint: disable=g-import-not-at-top
+  from flax_layers import llama  # pylint: disable=g-import-not-at-top
+  w = tensors["blk.0.ffn_gate_exps.weight"]
+  impl = llama.moe_implementation(w, implementation)
+  decode = qjax.moe_implementation_name(w, impl, cfg.experts_per_token)
+  prefill = qjax.moe_implementation_name(w, impl, PROMPT_BUCKET_MIN * cfg.experts_per_token)
+  return decode if decode == prefill else f"{decode} (decode), {prefill} (prefill)"
+
+
 def _load_gguf_model(args, path: str, dtype: Any, implementation: str | None):
   """``(plan, params, implementation name, file tensor bytes)`` of a GGUF file."""
   from flax_layers import llama  # pylint: disable=g-import-not-at-top
@@ -207,6 +219,8 @@ def _load_gguf_model(args, path: str, dtype: Any, implementation: str | None):
   impl_name = _impl_name(q_weight if convert is None else convert(q_name, q_weight),
                          implementation, plan.cfg.dtype)
   del q_weight
+  if plan.cfg.moe:  # the expert stacks are not converted: their own implementation
+    impl_name += f"; experts: {_moe_impl_name(gfile.tensors, plan.cfg, implementation)}"
   file_bytes = gfile.file_tensor_bytes
   params = llama.params_from_gguf(gfile, convert=convert, consume=True,
                                   scan_layers=plan.cfg.scan_layers)
