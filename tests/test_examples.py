@@ -34,7 +34,7 @@ def _module(name: str):
 
 
 def test_the_list_of_examples_is_complete():
-  assert set(GPU_ONLY) < set(EXAMPLES) and len(EXAMPLES) == 8, EXAMPLES
+  assert set(GPU_ONLY) < set(EXAMPLES) and len(EXAMPLES) == 9, EXAMPLES
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
@@ -138,3 +138,26 @@ def test_hf_generate_bench_options():
   with pytest.raises(SystemExit) as e:
     mod.parse_args(["--tokens", "0"])
   assert e.value.code == 2
+
+
+def test_moe_decode_bench_runs_tiny_on_the_cpu():
+  """One row per (type, implementation) and the bf16 baseline, each with its rate."""
+  proc = _run("moe_decode_bench.py", "--tiny", "--steps", "2", "--types", "Q4_K",
+              "--implementations", "xla")
+  assert proc.returncode == 0, proc.stderr
+  rows = [line.split(" | ") for line in proc.stdout.splitlines()
+          if line.startswith("| Q4_K") or line.startswith("| BF16")]
+  assert [r[:2] for r in rows] == [["| Q4_K", "xla"], ["| BF16", "xla"]], proc.stdout
+  assert float(rows[0][2]) > 0 and rows[1][3] == "1.00x", rows
+
+
+def test_moe_decode_bench_options():
+  mod = _module("moe_decode_bench.py")
+  args = mod.parse_args([])
+  assert (args.layers, args.steps, args.types) == (8, 64, ["Q4_0", "Q4_K"])
+  assert args.shape["experts"] == 128 and mod.parse_args(["--tiny"]).layers == 2
+  for bad in (["--types", "Q4_0,Q3_K"], ["--steps", "0"], ["--layers", "-1"],
+              ["--implementations", "triton"]):
+    with pytest.raises(SystemExit) as e:
+      mod.parse_args(bad)
+    assert e.value.code == 2, bad
