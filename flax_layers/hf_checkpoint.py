@@ -318,6 +318,9 @@ def _check_hf_llama(cfg: LlamaConfig) -> None:
   if cfg.rope_dim != cfg.head_dim:
     raise ValueError(f"rope_dim={cfg.rope_dim} != head_dim={cfg.head_dim}: HF Llama rotates "
                      "whole heads, so this model has no HF config")
+  if cfg.moe:  # a Mixtral / Qwen3-MoE GGUF's params: expert stacks, no mlp
+    raise ValueError(f"num_experts={cfg.num_experts}: a mixture-of-experts model; the HF "
+                     "Llama export writes dense llama models only")
   other = [k for k in ("rope_neox", "qkv_bias", "qk_norm") if getattr(cfg, k)]
   if other:  # a Qwen2 / Qwen3 GGUF's params: unpermuted q / k, biases or q / k norms
     raise ValueError(f"{', '.join(f'{k}=True' for k in other)}: not a Llama model (e.g. "

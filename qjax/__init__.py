@@ -90,6 +90,8 @@ from qjax._src.split_rules import check_split as check_split
 from qjax._src.split_rules import partition_specs as partition_specs
 from qjax._src.split_rules import register_split_rule as register_split_rule
 
+import functools as _functools
+
 from qjax._src import codebook as _codebook
 from qjax._src import fp4 as _fp4
 from qjax._src import gguf_formats as _gguf_formats
@@ -99,12 +101,15 @@ from qjax._src import moe as _moe
 register_xla(Int4Weight, _int4.matmul_xla)
 register_xla(MXFP4Weight, _fp4.matmul_xla)
 register_xla(NVFP4Weight, _fp4.matmul_xla)
-# GGUF expert stacks (MoE GGUF files: [K, N, E] tensors) have the generic XLA path too.
-for _moe_format in (*_moe.MOE_FORMATS, *_gguf_formats.BLOCK_FORMATS.values(),
-                    _gguf_formats.GGUFDense):
+for _moe_format in _moe.MOE_FORMATS:
   _moe.register_moe_xla(_moe_format, _moe.moe_matmul_xla)
+# GGUF expert stacks (MoE GGUF files' [K, N, E] tensors): the same path, its decode route
+# one fused reduction.
+for _moe_format in (*_gguf_formats.BLOCK_FORMATS.values(), _gguf_formats.GGUFDense):
+  _moe.register_moe_xla(_moe_format, _functools.partial(_moe.moe_matmul_xla,
+                                                        gathered_sum=True))
 del _moe_format
 register_xla(CodebookWeight, _codebook.matmul_xla)
-del _int4, _fp4, _moe, _codebook, _gguf_formats
+del _int4, _fp4, _moe, _codebook, _gguf_formats, _functools
 
 __version__ = "0.1.0"

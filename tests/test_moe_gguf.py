@@ -107,6 +107,18 @@ ARCHS = {
                            MT.FFN_NORM: "F32", MT.FFN_GATE_INP: "F16",
                            MT.FFN_GATE_EXP: "Q4_0", MT.FFN_UP_EXP: "F32",
                            MT.FFN_DOWN_EXP: "Q5_K", MT.OUTPUT_NORM: "F32"}),
+    # llama.cpp's MXFP4_MOE file type: the experts in MXFP4, the rest Q8_0.
+    "qwen3moe-mxfp4": MoEArch("qwen3moe-mxfp4", "qwen3moe", hidden=256, heads=4, kv_heads=2,
+                              head_dim=64, experts=8, top_k=2, expert_ffn=256, ffn=768,
+                              rope_base=1e6, types={
+                                  MT.TOKEN_EMBD: "Q8_0", MT.ATTN_NORM: "F32",
+                                  MT.ATTN_Q: "Q8_0", MT.ATTN_Q_NORM: "F32",
+                                  MT.ATTN_K: "Q8_0", MT.ATTN_K_NORM: "F32",
+                                  MT.ATTN_V: "Q8_0", MT.ATTN_OUT: "Q8_0",
+                                  MT.FFN_NORM: "F32", MT.FFN_GATE_INP: "F32",
+                                  MT.FFN_GATE_EXP: "MXFP4", MT.FFN_UP_EXP: "MXFP4",
+                                  MT.FFN_DOWN_EXP: "MXFP4", MT.OUTPUT_NORM: "F32",
+                                  MT.OUTPUT: "Q8_0"}),
 }
 
 # GGUF tensor base name -> the key of _reference_logits' weights.
@@ -157,7 +169,7 @@ def _weights(rng, kind: str, shape: tuple[int, ...], std: float):
   if kind in _KQUANTS:
     return _kquant_blocks(rng, kind, shape, std), QT[kind]
   w = (rng.standard_normal(shape) * std).astype(np.float32)
-  if kind in ("Q4_0", "Q8_0"):
+  if kind in ("Q4_0", "Q8_0", "MXFP4"):
     rows = gguf.quants.quantize(w.reshape(-1, shape[-1]), QT[kind])
     return rows.reshape(*shape[:-1], -1), QT[kind]
   return w.astype(np.float16 if kind == "F16" else np.float32), None
@@ -289,8 +301,8 @@ def _load(path, scan_layers: bool, **options):
 
 
 def test_the_files_hold_what_the_tests_claim(model):
-  """gguf-py's tensor list of each architecture, 3-D expert tensors of several types, no
-  dense FFN; a config that reads the experts."""
+  """gguf-py's tensor list of each architecture, 3-D expert tensors of several types (or
+  all MXFP4: llama.cpp's MXFP4_MOE), no dense FFN; a config that reads the experts."""
   a, path, *_ = model
   reader = gguf.GGUFReader(str(path))
   kinds = {t.name: t.tensor_type.name for t in reader.tensors}
@@ -305,7 +317,10 @@ def test_the_files_hold_what_the_tests_claim(model):
   for t in EXPERT_TENSORS:
     assert dims[qwen._tensor_name(t, 1)] == 3
   expert_kinds = {kinds[qwen._tensor_name(t, 0)] for t in EXPERT_TENSORS}
-  assert len(expert_kinds) == 3 and expert_kinds & {"Q4_K", "Q5_K", "Q6_K"}
+  if a.name.endswith("mxfp4"):
+    assert expert_kinds == {"MXFP4"}
+  else:
+    assert len(expert_kinds) == 3 and expert_kinds & {"Q4_K", "Q5_K", "Q6_K"}
   cfg = llama.LlamaConfig.from_metadata(gguf_io.read_metadata(path))
   assert (cfg.num_experts, cfg.experts_per_token, cfg.expert_ffn_size) == (
       a.experts, a.top_k, a.expert_ffn)
@@ -686,3 +701,60 @@ def test_config_checks_the_expert_fields():
   with pytest.raises(ValueError, match=r"experts_per_token=2, expert_ffn_size=None without "
                      r"experts"):
     llama.LlamaConfig(**base, experts_per_token=2)
+
+
+def _mxfp4_model(model):
+  if not model[0].name.endswith("mxfp4"):
+    pytest.skip("the MXFP4-expert file's case")
+  return model
+
+
+def test_mxfp4_expert_stacks_take_the_moe_kernels_layout(model):
+  """Where kernels run, generate gives GGUF MXFP4 expert stacks (llama.cpp's MXFP4_MOE)
+  the stacked MXFP4Weight the MoE kernels read (``expert_kernel_layouts``, lossless; the
+  other types' stacks are kept); the MoE block through the interpreted MoE kernel on
+  them equals the XLA path on the GGUF stacks."""
+  from qjax._src import generate  # pylint: disable=g-import-not-at-top
+  a, path, *_ = _mxfp4_model(model)
+  cfg, params = _load(path, True)
+  converted = generate.expert_kernel_layouts(params)
+  before, after = params["params"]["blocks"]["moe"], converted["params"]["blocks"]["moe"]
+  for name in ("gate", "up", "down"):
+    assert isinstance(before[name], qjax.GGUFMXFP4), name
+    assert isinstance(after[name], qjax.MXFP4Weight), name
+    np.testing.assert_array_equal(np.asarray(after[name].dequantize()),
+                                  np.asarray(before[name].dequantize()))
+  assert after["router"] is before["router"]
+  assert qjax.moe_implementation_name(after["gate"], "interpret", 2) != "xla"
+  x = jnp.asarray(np.random.default_rng(seed_from("mxfp4 layouts")).standard_normal(
+      (1, 3, a.hidden)), jnp.float32)
+
+  def block(moe, implementation):
+    layer = jax.tree.map(lambda w: qjax.layer_of(w, 1) if qjax.is_quantized(w) else w[1], moe,
+                         is_leaf=qjax.is_quantized)
+    c = dataclasses.replace(cfg, implementation=implementation)
+    return np.asarray(llama.MoE(c).apply({"params": layer}, x), np.float64)
+
+  want, got = block(before, "xla"), block(after, "interpret")
+  assert np.max(np.abs(got - want)) < 1e-5 * np.max(np.abs(want))
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled MoE kernels need "
+                    "an NVIDIA GPU")
+def test_generate_runs_mxfp4_experts_on_the_moe_kernels(model):
+  """On a GPU, ``--implementation pallas`` runs an MXFP4_MOE file's experts on the MoE
+  kernels (named on generate's stderr line), and its prefill logits match the float64
+  reference (float32 activations: the kernels' TF32 products)."""
+  from qjax._src import generate  # pylint: disable=g-import-not-at-top
+  a, path, _, prompt_ids, _, ref_logits = _mxfp4_model(model)
+  rc, _, err = spm_gguf._cli(["generate", "--model", str(path), "--prompt", PROMPT,
+                              "--max-new-tokens", "2", "--implementation", "pallas"])
+  assert rc == 0, err
+  assert "experts: pallas_triton" in err, err
+  cfg, params = _load(path, True, implementation="pallas", dtype=jnp.float32)
+  params = generate.expert_kernel_layouts(params)
+  tokens = jnp.asarray([prompt_ids], jnp.int32)
+  logits, _ = llama.prefill(params, tokens, llama.init_cache(cfg, 1, 64), cfg=cfg)
+  ref = np.asarray(ref_logits)[:len(prompt_ids)]
+  err = np.max(np.abs(np.asarray(logits[0], np.float64) - ref)) / np.max(np.abs(ref))
+  assert err < 2e-2, err

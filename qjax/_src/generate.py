@@ -189,16 +189,34 @@ def _impl_name(w: Any, implementation: str | None, dtype: Any) -> str:
   return decode if decode == prefill else f"{decode} (decode), {prefill} (prefill)"
 
 
-def _moe_impl_name(tensors: dict, cfg: Any, implementation: str | None) -> str:
-  """What ``qjax.moe_matmul`` runs for the first layer's experts (``ffn_gate_exps``) at
-  decode (one token's pairs) and at prefill (more pairs), as :func:`_impl_name`."""
+def _moe_impl_name(params: dict, cfg: Any, implementation: str | None) -> str:
+  """What ``qjax.moe_matmul`` runs for the first layer's experts (``moe/gate``) at decode
+  (one token's pairs) and at prefill (more pairs), as :func:`_impl_name`."""
   import qjax  # pylint: disable=g-import-not-at-top
   from flax_layers import llama  # pylint: disable=g-import-not-at-top
-  w = tensors["blk.0.ffn_gate_exps.weight"]
+  p = params["params"]
+  w = (qjax.layer_of(p["blocks"]["moe"]["gate"], 0) if "blocks" in p else
+       p["layers_0"]["moe"]["gate"])
   impl = llama.moe_implementation(w, implementation)
   decode = qjax.moe_implementation_name(w, impl, cfg.experts_per_token)
   prefill = qjax.moe_implementation_name(w, impl, PROMPT_BUCKET_MIN * cfg.experts_per_token)
   return decode if decode == prefill else f"{decode} (decode), {prefill} (prefill)"
+
+
+def expert_kernel_layouts(params: dict) -> dict:
+  """``params`` with each GGUF MXFP4 expert stack (``GGUFMXFP4`` with leading axes, e.g.
+  llama.cpp's MXFP4_MOE files) as the stacked :class:`qjax.MXFP4Weight` the MoE kernels
+  read (lossless, ``gguf_tiled.kernel_layout``); the other GGUF types' stacks have no MoE
+  kernel and stay as they are. For a run whose kernels run (:func:`_kernel_layouts`)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from qjax._src import gguf_formats  # pylint: disable=g-import-not-at-top
+  from qjax._src import gguf_tiled  # pylint: disable=g-import-not-at-top
+
+  def is_stack(w):
+    return isinstance(w, gguf_formats.GGUFMXFP4) and bool(w.leading_axes)
+
+  return jax.tree.map(lambda w: gguf_tiled.kernel_layout(w) if is_stack(w) else w, params,
+                      is_leaf=is_stack)
 
 
 def _load_gguf_model(args, path: str, dtype: Any, implementation: str | None):
@@ -219,8 +237,6 @@ def _load_gguf_model(args, path: str, dtype: Any, implementation: str | None):
   impl_name = _impl_name(q_weight if convert is None else convert(q_name, q_weight),
                          implementation, plan.cfg.dtype)
   del q_weight
-  if plan.cfg.moe:  # the expert stacks are not converted: their own implementation
-    impl_name += f"; experts: {_moe_impl_name(gfile.tensors, plan.cfg, implementation)}"
   file_bytes = gfile.file_tensor_bytes
   params = llama.params_from_gguf(gfile, convert=convert, consume=True,
                                   scan_layers=plan.cfg.scan_layers)
@@ -228,6 +244,10 @@ def _load_gguf_model(args, path: str, dtype: Any, implementation: str | None):
     for name in ("embed", "lm_head"):
       if name in params["params"]:
         params["params"][name] = convert(name, params["params"][name])
+    if plan.cfg.moe:  # not given to convert (2-D weights only): MXFP4 stacks' own layout
+      params = expert_kernel_layouts(params)
+  if plan.cfg.moe:
+    impl_name += f"; experts: {_moe_impl_name(params, plan.cfg, implementation)}"
   return plan, params, impl_name, file_bytes
 
 

@@ -294,14 +294,20 @@ def _pair_rows(tokens: int, top_k: int, *, shared_row: bool) -> jax.Array:
     return jnp.asarray(index // top_k if shared_row else index, dtype=jnp.int32)
 
 
-def moe_matmul_xla(rows: jax.Array, w: Any, pair_rows: jax.Array, pair_experts: jax.Array
-                   ) -> jax.Array:
+def moe_matmul_xla(rows: jax.Array, w: Any, pair_rows: jax.Array, pair_experts: jax.Array,
+                   *, gathered_sum: bool = False) -> jax.Array:
   """Reference of the canonical form: weights dequantized in the rows' dtype, f32
   accumulation.
 
   Fewer pairs than experts (decode): the selected experts' weights are gathered and
   dequantized (``[P, K, N]``). Otherwise every expert is dequantized once and the pairs,
   sorted by expert, go through ``jax.lax.ragged_dot``. Both compute the same products.
+
+  ``gathered_sum`` (the GGUF stacks' registration): the decode route as one XLA reduction
+  instead, the dequantization, the float32 products and the sum over K fused, so that
+  only the selected experts' stored bytes are read (H100, 128 experts of 2048 x 768,
+  top-8, one token: Q4_0 14.7 -> 11.3 us, Q8_0 10.3 -> 9.2, Q4_K 14.5 -> 13.4, Q6_K 19.8
+  -> 19.4; BENCHMARKS.md, session 34).
   """
   num_experts = jax.tree.leaves(w)[0].shape[0]  # every field's leading axis (_check)
   pair_experts, valid = checked_experts(pair_experts, num_experts)
@@ -309,6 +315,10 @@ def moe_matmul_xla(rows: jax.Array, w: Any, pair_rows: jax.Array, pair_experts: 
   precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
   if pair_experts.shape[0] < num_experts:
     selected = jax.tree.map(lambda a: a[pair_experts], w)
+    if gathered_sum:
+      wf = selected.dequantize(jnp.float32)                     # [P, K, N], fused
+      y = jnp.sum(x.astype(jnp.float32)[:, :, None] * wf, axis=1)
+      return nan_rows(y.astype(x.dtype), valid)
     # Element by element (float32, then x's dtype in the same fusion): the two-columns-
     # per-word form of dequantize(x.dtype) made this gathered path slower on the H100
     # (T = 1, 128 experts of 2880 x 2880, top-4: 54 -> 94 us).
