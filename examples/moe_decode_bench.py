@@ -10,7 +10,7 @@ program per token, as ``qjax generate`` runs) for ``--steps`` tokens after a war
 batch 1, and the model's weight bytes on the device. The bf16 model is the same tensors
 stored as GGUF BF16 (``GGUFDense``). Prints a Markdown table last.
 
-  python examples/moe_decode_bench.py                 # GPU: 8 layers, Q4_0 and Q4_K vs bf16
+  python examples/moe_decode_bench.py           # GPU: 8 layers, Q4_0, Q4_K, MXFP4 vs bf16
   python examples/moe_decode_bench.py --tiny          # a 2-layer small model, any device
 """
 
@@ -40,8 +40,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "experts (CPU tests) instead of Qwen3-30B-A3B's shapes")
   p.add_argument("--layers", type=int, default=None, help="decoder blocks (default 8, 2 "
                  "with --tiny; the real model has 48)")
-  p.add_argument("--types", default="Q4_0,Q4_K", help="comma-separated GGUF block types "
-                 f"of the weights, of {list(gf.BLOCK_FORMATS)} (default Q4_0,Q4_K)")
+  p.add_argument("--types", default="Q4_0,Q4_K,MXFP4", help="comma-separated GGUF block "
+                 f"types of the weights, of {list(gf.BLOCK_FORMATS)} (default Q4_0,Q4_K,"
+                 "MXFP4: MXFP4 experts run the MoE kernels where kernels run)")
   p.add_argument("--implementations", default=None, help="comma-separated LlamaConfig "
                  "implementations for the quantized models (default xla,auto; auto is "
                  "the kernels for the dense projections where a GPU has them)")
@@ -163,9 +164,10 @@ def main(argv=None) -> int:
       params = llama.params_from_gguf(
           gguf_io.GGUFFile(**{**vars(gfile), "tensors": dict(gfile.tensors)}),
           convert=convert, scan_layers=cfg.scan_layers)
-      if convert is not None:
+      if convert is not None:  # as qjax generate loads a file
         for name in ("embed", "lm_head"):
           params["params"][name] = convert(name, params["params"][name])
+        params = generate.expert_kernel_layouts(params)
       rate = decode_rate(params, cfg, args.steps)
       rows.append((ggml_type, impl, rate, weight_bytes(params) / 2**30))
       print(f"{ggml_type} {impl}: {rate:.1f} tokens/s", flush=True)

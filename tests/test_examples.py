@@ -154,7 +154,7 @@ def test_moe_decode_bench_runs_tiny_on_the_cpu():
 def test_moe_decode_bench_options():
   mod = _module("moe_decode_bench.py")
   args = mod.parse_args([])
-  assert (args.layers, args.steps, args.types) == (8, 64, ["Q4_0", "Q4_K"])
+  assert (args.layers, args.steps, args.types) == (8, 64, ["Q4_0", "Q4_K", "MXFP4"])
   assert args.shape["experts"] == 128 and mod.parse_args(["--tiny"]).layers == 2
   for bad in (["--types", "Q4_0,Q3_K"], ["--steps", "0"], ["--layers", "-1"],
               ["--implementations", "triton"]):
