@@ -297,6 +297,20 @@ def _load(path, scan_layers: bool, **options):
   return cfg, llama.params_from_gguf(gfile, scan_layers=scan_layers)
 
 
+def _decoded_logits(cfg, params, prompt_ids, generated) -> np.ndarray:
+  """``[len(generated), vocab]``: the prompt's last logits from ``llama.prefill``, then
+  those of each cached ``llama.decode_step`` on ``generated[:-1]``."""
+  n = len(prompt_ids)
+  logits, cache = llama.prefill(params, jnp.asarray([prompt_ids], jnp.int32),
+                                llama.init_cache(cfg, 1, n + NEW_TOKENS), cfg=cfg)
+  got = [np.asarray(logits[0, -1])]
+  for j, token in enumerate(generated[:-1]):
+    step, cache = llama.decode_step(params, jnp.asarray([token], jnp.int32), n + j, cache,
+                                    cfg=cfg)
+    got.append(np.asarray(step[0]))
+  return np.stack(got)
+
+
 # --- The files. ----------------------------------------------------------------------------
 
 
@@ -378,14 +392,8 @@ def test_cached_decoding_matches_the_float64_reference(model):
   n = len(prompt_ids)
   assert n * a.top_k > a.experts > a.top_k
   with jax.default_matmul_precision("highest"):
-    logits, cache = llama.prefill(params, jnp.asarray([prompt_ids], jnp.int32),
-                                  llama.init_cache(cfg, 1, n + NEW_TOKENS), cfg=cfg)
-    got = [np.asarray(logits[0, -1])]
-    for j, token in enumerate(generated[:-1]):
-      step, cache = llama.decode_step(params, jnp.asarray([token], jnp.int32), n + j, cache,
-                                      cfg=cfg)
-      got.append(np.asarray(step[0]))
-  audit._close(np.stack(got), want[n - 1:-1], rel=1e-5)
+    got = _decoded_logits(cfg, params, prompt_ids, generated)
+  audit._close(got, want[n - 1:-1], rel=1e-5)
 
 
 def test_bfloat16_model_runs_near_the_float64_reference(model):
@@ -399,14 +407,8 @@ def test_bfloat16_model_runs_near_the_float64_reference(model):
   a, path, _, prompt_ids, generated, want = model
   cfg, params = _load(path, True, dtype=jnp.bfloat16)
   n = len(prompt_ids)
-  logits, cache = llama.prefill(params, jnp.asarray([prompt_ids], jnp.int32),
-                                llama.init_cache(cfg, 1, n + NEW_TOKENS), cfg=cfg)
-  got = [np.asarray(logits[0, -1])]
-  for j, token in enumerate(generated[:-1]):
-    step, cache = llama.decode_step(params, jnp.asarray([token], jnp.int32), n + j, cache,
-                                    cfg=cfg)
-    got.append(np.asarray(step[0]))
-  got, ref = np.stack(got).astype(np.float64), want[n - 1:-1]
+  got = _decoded_logits(cfg, params, prompt_ids, generated).astype(np.float64)
+  ref = want[n - 1:-1]
   assert np.isfinite(got).all()
   assert np.mean(got.argmax(-1) == ref.argmax(-1)) >= 0.75
 
