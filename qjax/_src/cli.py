@@ -346,8 +346,11 @@ def _add_generate(sub) -> None:
   p = sub.add_parser(
       "generate", help="generate text with a GGUF Llama model (default: SmolLM2-135M) or a "
       "Hugging Face checkpoint folder",
-      description="Loads a Llama-architecture GGUF file or Hugging Face checkpoint folder "
-      "(its 4-bit weights stay quantized; every projection runs through qjax.matmul), "
+      description="Loads a Llama-style GGUF file (architectures llama, Mixtral's llama "
+      "with experts, qwen2, qwen3, qwen3moe) or Hugging Face checkpoint folder (llama, "
+      "mistral, qwen2, qwen3) (its 4-bit weights stay quantized; every projection runs "
+      "through qjax.matmul, and a mixture of experts' expert stacks through "
+      "qjax.moe_matmul), "
       "tokenizes the prompt with the model's own tokenizer, and streams the continuation "
       "to stdout. What the file's header or the folder's config.json and tokenizer files "
       "show (an unsupported model, a missing chat template, a prompt beyond the context) is "
