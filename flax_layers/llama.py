@@ -56,18 +56,86 @@ from flax_layers import scan
 # general.architecture -> the LlamaConfig fields it sets (llama.cpp: LLM_ARCH_LLAMA uses
 # LLAMA_ROPE_TYPE_NORM, LLM_ARCH_QWEN2 / QWEN3 LLAMA_ROPE_TYPE_NEOX; llm_build_qwen2 adds
 # bq / bk / bv, llm_build_qwen3 normalizes Qcur / Kcur with attn_q_norm / attn_k_norm).
-ARCHITECTURE_OPTIONS: dict[str, dict[str, bool]] = {
+ARCHITECTURE_OPTIONS: dict[str, dict[str, Any]] = {
     "llama": dict(rope_neox=False, qkv_bias=False, qk_norm=False),
     "qwen2": dict(rope_neox=True, qkv_bias=True, qk_norm=False),
     "qwen3": dict(rope_neox=True, qkv_bias=False, qk_norm=True),
     # llm_build_qwen3moe: Qwen3's attention, an MoE FFN (LlamaConfig.num_experts > 0).
     "qwen3moe": dict(rope_neox=True, qkv_bias=False, qk_norm=True),
+    # llama.cpp's LLM_ARCH_OPENAI_MOE (GPT-OSS): NEOX RoPE; q / k / v / output biases;
+    # per-head attention sinks; router and expert biases; the clamped SwiGLU
+    # (LLM_FFN_SWIGLU_OAI_MOE); top-k, then a softmax over the k logits (SOFTMAX_WEIGHT).
+    "gpt-oss": dict(rope_neox=True, qkv_bias=True, qk_norm=False, o_bias=True,
+                    attn_sinks=True, moe_bias=True, expert_activation="gpt_oss",
+                    ffn_norm_name="post_attention_norm"),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURE_OPTIONS)
 # Hugging Face config.json model_type -> the architecture (ARCHITECTURE_OPTIONS) it runs as.
 HF_MODEL_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2",
                           "qwen3": "qwen3"}
 SUPPORTED_HF_MODEL_TYPES = tuple(HF_MODEL_ARCHITECTURES)
+
+
+@dataclasses.dataclass(frozen=True)
+class YarnScaling:
+  """YaRN RoPE scaling (``{arch}.rope.scaling.type = "yarn"``) as llama.cpp runs it.
+
+  ggml's ``rope_yarn``: pair ``i``'s angle blends the interpolated ``theta / factor`` and
+  the original ``theta`` by ``mix_i = ext_factor * (1 - clip((i - low) / max(0.001, high -
+  low), 0, 1))``, where ``ggml_rope_yarn_corr_dims`` gives ``low = max(0, floor(c(beta_fast)))``
+  and ``high = min(rope_dim - 1, ceil(c(beta_slow)))`` with ``c(b) = rope_dim *
+  ln(original_context / (2 pi b)) / (2 ln base)``; cos and sin are scaled by
+  :meth:`magnitude` (llama.cpp's net ``attn_factor * mscale``: ``1 + 0.1 ln factor``).
+
+  Attributes:
+    factor: ``rope.scaling.factor`` (> 0; llama.cpp's ``freq_scale = 1 / factor``).
+    original_context: ``rope.scaling.original_context_length`` (llama.cpp's
+      ``n_ctx_orig_yarn``; the training context where the file lacks it).
+    beta_fast, beta_slow: the ramp's ends in rotations (llama.cpp's defaults 32 and 1).
+    ext_factor: the blend's weight (llama.cpp: 1 under YaRN unless set; 0 is linear
+      interpolation with no magnitude scaling).
+    attn_factor: ``rope.scaling.attn_factor`` (llama.cpp's ``rope_attn_factor``), a
+      further factor on cos and sin.
+  """
+  factor: float
+  original_context: int
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  ext_factor: float = 1.0
+  attn_factor: float = 1.0
+
+  def __post_init__(self):
+    if not (self.factor > 0 and self.original_context > 0):
+      raise ValueError(f"YaRN factor={self.factor} and original_context="
+                       f"{self.original_context} must be positive")
+
+  def corr_dims(self, base: float, rope_dim: int) -> tuple[float, float]:
+    """``(low, high)``: ggml_rope_yarn_corr_dims (in float32, as ggml)."""
+    def dim(beta):
+      f32 = np.float32
+      return f32(rope_dim) * np.log(f32(self.original_context) / (f32(beta) * f32(2 * np.pi))
+                                    ) / (f32(2) * np.log(f32(base)))
+    low = max(0.0, float(np.floor(dim(self.beta_fast))))
+    high = min(float(rope_dim - 1), float(np.ceil(dim(self.beta_slow))))
+    return low, high
+
+  def freq_factors(self, base: float, rope_dim: int) -> np.ndarray:
+    """``[rope_dim // 2]`` float64: the divisor of each pair's frequency that gives
+    ``rope_yarn``'s blended angle ``theta * ((1 - mix_i) / factor + mix_i)``."""
+    low, high = self.corr_dims(base, rope_dim)
+    i = np.arange(rope_dim // 2, dtype=np.float64)
+    ramp = 1 - np.clip((i - low) / max(0.001, high - low), 0, 1)
+    mix = ramp * self.ext_factor
+    return 1 / ((1 - mix) / self.factor + mix)
+
+  def magnitude(self) -> float:
+    """The factor on cos and sin: llama.cpp's ``attn_factor`` times ``rope_yarn``'s
+    ``mscale`` (``get_mscale(factor) = 1 + 0.1 ln factor`` above factor 1, else 1, where
+    ext_factor != 0; since llama.cpp PR 17945 the context's attn_factor cancels
+    rope_yarn's own ``1 + 0.1 ln(1 / freq_scale)``, with the same product)."""
+    if self.ext_factor == 0:
+      return self.attn_factor
+    return (1 + 0.1 * np.log(self.factor) if self.factor > 1 else 1.0) * self.attn_factor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +171,24 @@ class LlamaConfig:
     expert_ffn_size: F, each expert's hidden width (Qwen3-MoE:
       ``{arch}.expert_feed_forward_length``; Mixtral's experts are ``feed_forward_length``
       wide); None (the default) is ``ffn_size``. None without experts.
+    o_bias: the output projection adds a bias (param ``attn/o/bias`` ``[hidden]``; GPT-OSS).
+    attn_sinks: each head's softmax has one more logit, ``attn/sinks[h]`` (``[num_heads]``
+      float, GGUF ``attn_sinks``), in its denominator and no value (GPT-OSS; llama.cpp's
+      ``ggml_soft_max_add_sinks``).
+    sliding_window: W > 0: the layers ``sliding_layers`` marks attend to the keys of the
+      last W positions only (query ``p`` sees key ``s`` where ``p - W < s <= p``;
+      llama.cpp's LLAMA_SWA_TYPE_STANDARD); 0 (the default): full causal attention.
+    sliding_layers: one bool per layer, True where the layer slides (with a window; empty
+      otherwise).
+    yarn: :class:`YarnScaling` of RoPE, or None (unscaled).
+    moe_bias: the router adds a bias ``moe/router_bias [E]`` and the experts theirs
+      (``moe/gate_bias``, ``moe/up_bias`` ``[E, F]``, ``moe/down_bias`` ``[E, hidden]``)
+      after their products (GPT-OSS).
+    expert_activation: "swiglu" (``silu(gate) * up``) or "gpt_oss" (GPT-OSS's clamped
+      SwiGLU, :func:`flax_layers.moe.gated_activation`).
+    ffn_norm_name: the GGUF name of the FFN's pre-norm (param ``ffn_norm``): "ffn_norm",
+      or GPT-OSS's "post_attention_norm" (llama.cpp's ``attn_post_norm``, the norm after
+      the attention's residual add, before the MoE).
   """
   vocab_size: int
   hidden_size: int
@@ -124,6 +210,14 @@ class LlamaConfig:
   num_experts: int = 0
   experts_per_token: int = 0
   expert_ffn_size: int | None = None
+  o_bias: bool = False
+  attn_sinks: bool = False
+  sliding_window: int = 0
+  sliding_layers: tuple[bool, ...] = ()
+  yarn: YarnScaling | None = None
+  moe_bias: bool = False
+  expert_activation: str = "swiglu"
+  ffn_norm_name: str = "ffn_norm"
 
   def __post_init__(self):
     sizes = {k: getattr(self, k) for k in ("vocab_size", "hidden_size", "num_layers",
@@ -141,12 +235,33 @@ class LlamaConfig:
       raise ValueError(f"rope_dim={rd} must be even and at most head_dim={self.head_dim}")
     object.__setattr__(self, "rope_dim", rd)
     self._check_experts()
+    self._check_window()
+
+  def _check_window(self) -> None:
+    """Validates ``sliding_window`` / ``sliding_layers`` (stored as a tuple of bools)."""
+    w, layers = self.sliding_window, tuple(bool(b) for b in self.sliding_layers)
+    if not (isinstance(w, (int, np.integer)) and w >= 0):
+      raise ValueError(f"sliding_window={w!r} must be an int >= 0 (0: no window)")
+    if w and len(layers) != self.num_layers:
+      raise ValueError(f"sliding_layers has {len(layers)} entries; a sliding_window={w} "
+                       f"needs one bool per layer ({self.num_layers})")
+    if not w and any(layers):
+      raise ValueError("sliding_layers marks layers that slide, but sliding_window=0; set "
+                       "the window")
+    object.__setattr__(self, "sliding_layers", layers if w else ())
 
   def _check_experts(self) -> None:
     """Validates the MoE fields and resolves ``expert_ffn_size`` (None: ffn_size)."""
     e, k, f = self.num_experts, self.experts_per_token, self.expert_ffn_size
     if not (isinstance(e, (int, np.integer)) and e >= 0):
       raise ValueError(f"num_experts={e!r} must be an int >= 0 (0: a dense model)")
+    if self.expert_activation not in moe_layers.ACTIVATIONS:
+      raise ValueError(f"expert_activation={self.expert_activation!r} must be one of "
+                       f"{moe_layers.ACTIVATIONS}")
+    if e == 0 and (self.moe_bias or self.expert_activation != "swiglu"):
+      raise ValueError(f"moe_bias={self.moe_bias}, expert_activation="
+                       f"{self.expert_activation!r} without experts (num_experts=0); set "
+                       "num_experts for an MoE model")
     if e == 0:
       if k or f is not None:
         raise ValueError(f"experts_per_token={k!r}, expert_ffn_size={f!r} without experts "
@@ -176,10 +291,14 @@ class LlamaConfig:
     and the experts' width (qwen3moe: ``expert_feed_forward_length``, else llama.cpp's
     ``feed_forward_length / expert_used_count``; llama: ``feed_forward_length``).
 
+    ``gpt-oss`` (GPT-OSS, llama.cpp's LLM_ARCH_OPENAI_MOE) also reads YaRN RoPE scaling
+    (:func:`_yarn_scaling`) and its alternating sliding window (:func:`_sliding_window`).
+
     Raises ValueError, naming the key, for what the model cannot run: another
-    architecture, RoPE scaling, a value head size other than the key head size, a sliding
-    window shorter than the context, non-causal attention; and of MoE models shared
-    experts, a gating function other than softmax, expert weights that are scaled or not
+    architecture, RoPE scaling (other than gpt-oss's YaRN), a value head size other than
+    the key head size, a sliding window shorter than the context (other than gpt-oss's),
+    non-causal attention; and of MoE models shared experts, a gating function other than
+    the architecture's, expert weights that are scaled or (qwen3moe, Mixtral) not
     renormalized, leading dense layers."""
     arch = metadata.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -192,14 +311,7 @@ class LlamaConfig:
         raise ValueError(f"the GGUF metadata lacks {arch}.{key}")
       return v
 
-    scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", None):
-      raise ValueError(f"{arch}.rope.scaling.type={scaling!r} is not supported (only 'none')")
-    # llama.cpp scales the positions by 1 / factor whatever the type (0 means unset).
-    for key in ("rope.scaling.factor", "rope.scale_linear"):
-      factor = metadata.get(f"{arch}.{key}")
-      if factor is not None and float(factor) not in (0.0, 1.0):
-        raise ValueError(f"{arch}.{key}={factor} is not supported (only unscaled RoPE)")
+    yarn = _yarn_scaling(metadata, arch)
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
     if f"{arch}.attention.key_length" not in metadata and heads and hidden % heads:
@@ -217,28 +329,31 @@ class LlamaConfig:
       raise ValueError(f"{arch}.attention.value_length={value_dim} differs from the key "
                        f"length {head_dim}; qjax runs equal key and value head sizes")
     context = int(get("context_length", 2048))
-    window = metadata.get(f"{arch}.attention.sliding_window")
-    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern")
-    # sliding_window_pattern: one bool per layer (True: that layer slides); none set is
-    # full attention everywhere, as is a window that covers the whole context.
-    no_layer = pattern is not None and np.ndim(pattern) == 1 and not np.any(pattern)
-    if window is not None and 0 < int(window) < context and not no_layer:
-      raise ValueError(f"{arch}.attention.sliding_window={window} (shorter than the context "
-                       f"{context}) is not supported; qjax runs full causal attention")
+    layers = int(get("block_count"))
+    window = _sliding_window(metadata, arch, layers, context)
     if not metadata.get(f"{arch}.attention.causal", True):
       raise ValueError(f"{arch}.attention.causal=False (an embedding model) is not "
                        "supported; qjax runs causal attention")
     experts = _expert_options(metadata, arch)
     # An MoE file may lack the dense width, which its blocks do not use: the experts'.
     ffn = int(get("feed_forward_length", experts.get("expert_ffn_size")))
+    rope_base = float(get("rope.freq_base", 10000.0))
+    rope_dim = int(get("rope.dimension_count", head_dim))
+    if arch == "gpt-oss" and rope_dim != head_dim:  # its graph reshapes q / k by n_rot
+      raise ValueError(f"{arch}.rope.dimension_count={rope_dim} differs from the head size "
+                       f"{head_dim}; llama.cpp's gpt-oss graph rotates whole heads")
+    swa_base = metadata.get(f"{arch}.rope.freq_base_swa")
+    if swa_base is not None and float(swa_base) != rope_base:
+      raise ValueError(f"{arch}.rope.freq_base_swa={swa_base} differs from "
+                       f"{arch}.rope.freq_base={rope_base}; qjax runs one RoPE base in all "
+                       "layers")
     return cls(
-        vocab_size=int(vocab), hidden_size=hidden, num_layers=int(get("block_count")),
+        vocab_size=int(vocab), hidden_size=hidden, num_layers=layers,
         num_heads=heads, num_kv_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=head_dim, ffn_size=ffn,
-        rope_base=float(get("rope.freq_base", 10000.0)),
-        rope_dim=int(get("rope.dimension_count", head_dim)),
+        head_dim=head_dim, ffn_size=ffn, rope_base=rope_base, rope_dim=rope_dim,
         rms_eps=float(get("attention.layer_norm_rms_epsilon")),
-        context_length=context, **{**ARCHITECTURE_OPTIONS[arch], **experts, **options})
+        context_length=context, yarn=yarn, **window,
+        **{**ARCHITECTURE_OPTIONS[arch], **experts, **options})
 
   @classmethod
   def from_hf_config(cls, config: dict[str, Any], **options: Any) -> "LlamaConfig":
@@ -326,7 +441,90 @@ class LlamaConfig:
 
 
 # Architectures whose every block is an MoE FFN (``{arch}.expert_count`` required).
-MOE_ARCHITECTURES = ("qwen3moe",)
+MOE_ARCHITECTURES = ("qwen3moe", "gpt-oss")
+# llama.cpp's YaRN defaults where the file does not set them (llama_hparams).
+_YARN_DEFAULTS = {"rope.scaling.yarn_beta_fast": 32.0, "rope.scaling.yarn_beta_slow": 1.0,
+                  "rope.scaling.yarn_ext_factor": 1.0, "rope.scaling.yarn_attn_factor": 1.0,
+                  "rope.scaling.yarn_log_multiplier": 0.0}
+
+
+def _yarn_scaling(metadata: dict[str, Any], arch: str) -> YarnScaling | None:
+  """The :class:`YarnScaling` of a GGUF file's ``{arch}.rope.scaling.*`` keys; None for
+  unscaled RoPE.
+
+  YaRN is read for ``gpt-oss`` (what llama.cpp's converter writes for GPT-OSS: type
+  "yarn", ``factor``, ``original_context_length``; ``attn_factor`` where present). Its
+  llama.cpp defaults (beta_fast 32, beta_slow 1, ext_factor 1, no log multiplier) are what
+  qjax runs: llama.cpp's gpt-oss loader reads no ``yarn_*`` key, so a file giving one
+  another value is refused.
+
+  Raises:
+    ValueError: naming the key, for another scaling type (or YaRN on another
+      architecture), a factor other than 1 without YaRN (llama.cpp scales the positions
+      by it whatever the type), a ``yarn_*`` key off its default.
+  """
+  scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
+  if scaling == "yarn" and arch == "gpt-oss":
+    factor = float(metadata.get(f"{arch}.rope.scaling.factor") or 0.0)
+    if factor <= 0:
+      raise ValueError(f"{arch}.rope.scaling.type='yarn' needs {arch}.rope.scaling.factor > 0"
+                       f"; the file gives {metadata.get(f'{arch}.rope.scaling.factor')!r}")
+    for key, default in _YARN_DEFAULTS.items():
+      v = metadata.get(f"{arch}.{key}")
+      if v is not None and float(v) != default:
+        raise ValueError(f"{arch}.{key}={v} is not supported; qjax runs llama.cpp's YaRN "
+                         f"default {default} (its gpt-oss loader reads no such key)")
+    orig = metadata.get(f"{arch}.rope.scaling.original_context_length")
+    orig = metadata.get(f"{arch}.context_length") if orig in (None, 0) else orig
+    return YarnScaling(factor=factor, original_context=int(orig),
+                       attn_factor=float(metadata.get(f"{arch}.rope.scaling.attn_factor",
+                                                      1.0)))
+  if scaling not in ("none", None):
+    only = "'yarn' on gpt-oss" if scaling == "yarn" else "only 'none'"
+    raise ValueError(f"{arch}.rope.scaling.type={scaling!r} is not supported ({only})")
+  # llama.cpp scales the positions by 1 / factor whatever the type (0 means unset).
+  for key in ("rope.scaling.factor", "rope.scale_linear"):
+    factor = metadata.get(f"{arch}.{key}")
+    if factor is not None and float(factor) not in (0.0, 1.0):
+      raise ValueError(f"{arch}.{key}={factor} is not supported (only unscaled RoPE)")
+  return None
+
+
+def _sliding_window(metadata: dict[str, Any], arch: str, layers: int,
+                    context: int) -> dict[str, Any]:
+  """The ``sliding_window`` / ``sliding_layers`` fields of :class:`LlamaConfig` of a GGUF
+  file's ``{arch}.attention.sliding_window`` (W) and ``sliding_window_pattern``; ``{}``
+  for full attention.
+
+  gpt-oss (llama.cpp's ``load_arch_hparams`` of LLM_ARCH_OPENAI_MOE): W is required; the
+  pattern is a period n (default 2: ``set_swa_pattern``, layer ``i`` slides where ``n ==
+  0 or i % n < n - 1``, i.e. layers 0, 2, 4, ...) or one bool per layer. Other
+  architectures: a window shorter than the context on some layer is refused.
+  """
+  window = metadata.get(f"{arch}.attention.sliding_window")
+  pattern = metadata.get(f"{arch}.attention.sliding_window_pattern")
+  if arch == "gpt-oss":
+    if window is None or int(window) <= 0:
+      raise ValueError(f"{arch}.attention.sliding_window={window!r}: a gpt-oss model's "
+                       "sliding layers need a positive window")
+    if pattern is None or np.ndim(pattern) == 0:
+      n = 2 if pattern is None else int(pattern)
+      slides = tuple(n == 0 or i % n < n - 1 for i in range(layers))
+    else:
+      slides = tuple(bool(b) for b in np.asarray(pattern).reshape(-1))
+      if len(slides) != layers:
+        raise ValueError(f"{arch}.attention.sliding_window_pattern has {len(slides)} "
+                         f"entries; the model has {arch}.block_count={layers} layers")
+    if not any(slides):
+      return {}
+    return dict(sliding_window=int(window), sliding_layers=slides)
+  # sliding_window_pattern: one bool per layer (True: that layer slides); none set is
+  # full attention everywhere, as is a window that covers the whole context.
+  no_layer = pattern is not None and np.ndim(pattern) == 1 and not np.any(pattern)
+  if window is not None and 0 < int(window) < context and not no_layer:
+    raise ValueError(f"{arch}.attention.sliding_window={window} (shorter than the context "
+                     f"{context}) is not supported; qjax runs full causal attention")
+  return {}
 # llama.cpp's llama_expert_gating_func_type (``{arch}.expert_gating_func``).
 _GATING_FUNCS = {0: "none", 1: "softmax", 2: "sigmoid", 3: "softmax_weight"}
 
@@ -336,7 +534,8 @@ def _expert_options(metadata: dict[str, Any], arch: str) -> dict[str, Any]:
   ``expert_ffn_size``) of a GGUF file's metadata; ``{}`` for a dense model.
 
   What is read is what llama.cpp's ``build_moe_ffn`` runs for qwen3moe and llama
-  (Mixtral): softmax over all experts, the top k, their weights renormalized, no scale.
+  (Mixtral): softmax over all experts, the top k, their weights renormalized, no scale;
+  for gpt-oss: the top k logits, a softmax over them (``expert_gating_func`` 3), no scale.
 
   Raises:
     ValueError: naming the key and its value, for an MoE the model does not implement:
@@ -358,18 +557,23 @@ def _expert_options(metadata: dict[str, Any], arch: str) -> dict[str, Any]:
   if shared is not None and int(shared) > 0:
     raise ValueError(f"{arch}.expert_shared_count={shared} is not supported: qjax's MoE "
                      "blocks have routed experts only, no shared expert")
+  # gpt-oss: llama.cpp's graph routes with SOFTMAX_WEIGHT (3: top k of the logits, a
+  # softmax over those k), whose weights sum to 1 whether or not they are renormalized.
+  want_gating = 3 if arch == "gpt-oss" else 1
   gating = value("expert_gating_func")
-  if gating is not None and int(gating) != 1:
+  if gating is not None and int(gating) != want_gating:
     raise ValueError(f"{arch}.expert_gating_func={gating} "
                      f"({_GATING_FUNCS.get(int(gating), 'unknown')}) is not supported; "
-                     "qjax's MoE routes with softmax (1)")
+                     f"qjax's {'gpt-oss ' if arch == 'gpt-oss' else ''}MoE routes with "
+                     f"{_GATING_FUNCS[want_gating]} "
+                     f"({want_gating})")
   scale = value("expert_weights_scale")
-  if scale is not None and float(scale) != 1.0:
+  if scale is not None and float(scale) not in ((0.0, 1.0) if arch == "gpt-oss" else (1.0,)):
     raise ValueError(f"{arch}.expert_weights_scale={scale} is not supported; qjax's MoE "
                      "weighs the selected experts by their renormalized probabilities "
                      "(scale 1)")
   norm = value("expert_weights_norm")
-  if norm is not None and not norm:
+  if norm is not None and not norm and arch != "gpt-oss":
     raise ValueError(f"{arch}.expert_weights_norm={norm} is not supported; qjax's MoE "
                      "renormalizes the selected experts' weights to sum 1")
   dense = value("leading_dense_block_count")
@@ -383,9 +587,9 @@ def _expert_options(metadata: dict[str, Any], arch: str) -> dict[str, Any]:
   used = int(used)
   if arch == "llama":  # Mixtral: llama.cpp's n_ff_exp is n_ff
     width = value("feed_forward_length")
-  else:  # llama.cpp's qwen3moe: n_ff_exp, else n_ff / n_expert_used
+  else:  # llama.cpp's qwen3moe: n_ff_exp, else n_ff / n_expert_used; gpt-oss: n_ff_exp
     width = value("expert_feed_forward_length")
-    if width is None and value("feed_forward_length") is not None:
+    if width is None and value("feed_forward_length") is not None and arch != "gpt-oss":
       width = int(value("feed_forward_length")) // used
   if width is None:
     raise ValueError(f"the GGUF metadata lacks {arch}."
@@ -533,9 +737,10 @@ class RMSNorm(nn.Module):
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, base: float, rope_dim: int, *,
-               neox: bool = False, freq_factors: jax.Array | None = None) -> jax.Array:
+               neox: bool = False, freq_factors: jax.Array | None = None,
+               magnitude: float = 1.0) -> jax.Array:
   """Rotates the pairs of each head's first ``rope_dim`` dims by ``pos * base**(-2i/rope_dim)``
-  (divided by ``freq_factors[i]`` where given).
+  (divided by ``freq_factors[i]`` where given), scaled by ``magnitude``.
 
   Pair ``i`` is ``(x[..., 2i], x[..., 2i+1])`` (llama.cpp's NORM type, llama), or with
   ``neox`` ``(x[..., i], x[..., i + rope_dim/2])`` (NEOX type, Qwen2 / Qwen3, HF's
@@ -549,7 +754,11 @@ def apply_rope(x: jax.Array, positions: jax.Array, base: float, rope_dim: int, *
     neox: the pairing (see above).
     freq_factors: optional ``[rope_dim // 2]`` float, each pair's frequency divisor:
       llama3 RoPE scaling (Llama 3.1 / 3.2), as llama.cpp applies ``rope_freqs.weight``
-      (see :func:`llama3_rope_factors`).
+      (see :func:`llama3_rope_factors`), and YaRN's blend
+      (:meth:`YarnScaling.freq_factors`).
+    magnitude: the factor on cos and sin of the rotated dims (YaRN's
+      :meth:`YarnScaling.magnitude`; ggml's ``rope_yarn`` scales them, the rest pass as
+      they are).
 
   Returns:
     ``[batch, seq, heads, head_dim]`` in x's dtype.
@@ -559,8 +768,8 @@ def apply_rope(x: jax.Array, positions: jax.Array, base: float, rope_dim: int, *
   if freq_factors is not None:
     inv_freq = inv_freq / jnp.asarray(freq_factors, jnp.float32)
   angles = positions.astype(jnp.float32)[..., None] * inv_freq
-  cos = jnp.cos(angles)[:, :, None, :]  # [B, T, 1, rope_dim // 2]
-  sin = jnp.sin(angles)[:, :, None, :]
+  cos = jnp.cos(angles)[:, :, None, :] * magnitude  # [B, T, 1, rope_dim // 2]
+  sin = jnp.sin(angles)[:, :, None, :] * magnitude
   rot, rest = x[..., :rope_dim].astype(jnp.float32), x[..., rope_dim:]
   if neox:
     x0, x1 = rot[..., :rope_dim // 2], rot[..., rope_dim // 2:]
@@ -574,7 +783,9 @@ def apply_rope(x: jax.Array, positions: jax.Array, base: float, rope_dim: int, *
 
 
 class Attention(nn.Module):
-  """Grouped-query attention with RoPE that writes its keys and values into a KV cache."""
+  """Grouped-query attention with RoPE that writes its keys and values into a KV cache;
+  with ``cfg.attn_sinks`` each head's softmax also holds its sink logit (param ``sinks``
+  ``[num_heads]``), which weighs no value."""
   cfg: LlamaConfig
 
   @nn.compact
@@ -586,7 +797,8 @@ class Attention(nn.Module):
       positions: ``[batch, seq]`` int32, where each token's key and value are written.
       mask: ``[batch, seq, max_len]`` bool, the cache slots each query attends to.
       k_cache, v_cache: ``[batch, max_len, kv_heads, head_dim]``.
-      rope_freqs: optional ``[rope_dim // 2]`` RoPE frequency divisors (llama3 scaling).
+      rope_freqs: optional ``[rope_dim // 2]`` RoPE frequency divisors (llama3 scaling,
+        YaRN).
 
     Returns:
       ``([batch, seq, hidden], k_cache, v_cache)``.
@@ -602,7 +814,8 @@ class Attention(nn.Module):
       q = RMSNorm(c.rms_eps, name="q_norm")(q)
       k = RMSNorm(c.rms_eps, name="k_norm")(k)
     rope = functools.partial(apply_rope, base=c.rope_base, rope_dim=c.rope_dim,
-                             neox=c.rope_neox, freq_factors=rope_freqs)
+                             neox=c.rope_neox, freq_factors=rope_freqs,
+                             magnitude=1.0 if c.yarn is None else c.yarn.magnitude())
     q, k = rope(q, positions), rope(k, positions)
     rows = jnp.arange(b)[:, None]
     k_cache = k_cache.at[rows, positions].set(k.astype(k_cache.dtype), mode="drop")
@@ -613,11 +826,20 @@ class Attention(nn.Module):
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k_cache.astype(q.dtype),
                         preferred_element_type=jnp.float32) / np.sqrt(c.head_dim)
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+    if c.attn_sinks:  # one more logit per head in the denominator: [b, kv, g, t, 1]
+      sinks = _loaded_param(self, "sinks")
+      if tuple(sinks.shape) != (c.num_heads,):
+        raise ValueError(f"{self.name}: sinks of shape {tuple(sinks.shape)}, want "
+                         f"(num_heads={c.num_heads},)")
+      sink = sinks.astype(jnp.float32).reshape(1, c.num_kv_heads, g, 1, 1)
+      scores = jnp.concatenate([scores, jnp.broadcast_to(sink, (*scores.shape[:-1], 1))], -1)
+      probs = jax.nn.softmax(scores, axis=-1)[..., :-1].astype(x.dtype)
+    else:
+      probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache.astype(x.dtype),
                      preferred_element_type=jnp.float32).astype(x.dtype)
     out = out.reshape(b, t, c.num_heads * c.head_dim)
-    return dense(c.hidden_size, name="o")(out), k_cache, v_cache
+    return dense(c.hidden_size, use_bias=c.o_bias, name="o")(out), k_cache, v_cache
 
 
 class MLP(nn.Module):
@@ -677,8 +899,22 @@ class MoE(nn.Module):
   shape ``(hidden, F)`` and ``down`` of ``(F, hidden)`` with a leading ``[E]`` axis on
   their arrays (GGUF ``ffn_{gate,up,down}_exps``; any format :func:`qjax.moe_matmul`
   takes, e.g. an MXFP4 stack), or a :class:`qjax.LayerOf` of a ``[layers, E, ...]`` stack.
+
+  GPT-OSS (``cfg.moe_bias``, ``cfg.expert_activation == "gpt_oss"``; llama.cpp's
+  build_moe_ffn with LLM_FFN_SWIGLU_OAI_MOE and SOFTMAX_WEIGHT): the router adds
+  ``router_bias [E]`` before the top k, each selected expert's gate and up add their
+  ``gate_bias`` / ``up_bias`` rows (``[E, F]``) and its down ``down_bias`` (``[E,
+  hidden]``), all in float32, and the activation is the clamped SwiGLU
+  (:func:`flax_layers.moe.gated_activation`, ``"gpt_oss"``: alpha 1.702, limit 7).
   """
   cfg: LlamaConfig
+
+  def _bias(self, name: str, shape: tuple[int, int]) -> jax.Array:
+    b = _loaded_param(self, name)
+    if tuple(b.shape) != shape:
+      raise ValueError(f"{self.name or 'MoE'}: {name} of shape {tuple(b.shape)}, want "
+                       f"{shape}")
+    return b.astype(jnp.float32)
 
   def _experts(self, name: str, shape: tuple[int, int]) -> Any:
     w = _loaded_param(self, name)
@@ -703,14 +939,25 @@ class MoE(nn.Module):
     tokens = x.reshape(b * t, d)                                        # [T, hidden]
     logits = jnp.dot(tokens.astype(jnp.float32), router.astype(jnp.float32),
                      precision=jax.lax.Precision.HIGHEST)               # [T, E]
+    if c.moe_bias:
+      logits = logits + self._bias("router_bias", (e,))
     weights, ids = moe_layers.route(logits, c.experts_per_token, "topk_softmax")  # [T, k]
     run = functools.partial(_moe_matmul, ids=ids, implementation=c.implementation)
     gate = run(tokens, self._experts("gate", (d, f))).astype(jnp.float32)  # [T, k, F]
     up = run(tokens, self._experts("up", (d, f))).astype(jnp.float32)
-    h = (jax.nn.silu(gate) * up).astype(x.dtype)
-    y = run(h, self._experts("down", (f, d)))                           # [T, k, hidden]
-    out = jnp.einsum("tk,tkd->td", weights, y.astype(jnp.float32),
-                     precision=jax.lax.Precision.HIGHEST)
+    if c.moe_bias:
+      gate = gate + self._bias("gate_bias", (e, f))[ids]
+      up = up + self._bias("up_bias", (e, f))[ids]
+    if c.expert_activation == "gpt_oss":  # gated_activation takes (gate, up) interleaved
+      h = moe_layers.gated_activation(jnp.stack([gate, up], -1).reshape(*gate.shape[:-1], 2 * f),
+                                      "gpt_oss")
+    else:
+      h = jax.nn.silu(gate) * up
+    y = run(h.astype(x.dtype), self._experts("down", (f, d)))           # [T, k, hidden]
+    y = y.astype(jnp.float32)
+    if c.moe_bias:
+      y = y + self._bias("down_bias", (e, d))[ids]
+    out = jnp.einsum("tk,tkd->td", weights, y, precision=jax.lax.Precision.HIGHEST)
     return out.astype(x.dtype).reshape(b, t, d)
 
 
@@ -721,11 +968,15 @@ class Block(nn.Module):
 
   @nn.compact
   def __call__(self, x, layer_cache, ctx):
-    """x: ``[batch, seq, hidden]``; layer_cache: (k, v) ``[batch, max_len, kv_heads, head_dim]``;
-    ctx: (positions ``[batch, seq]``, mask ``[batch, seq, max_len]``, RoPE frequency
-    divisors ``[rope_dim // 2]`` or None)."""
-    positions, mask, rope_freqs = ctx
-    k_cache, v_cache = layer_cache
+    """x: ``[batch, seq, hidden]``; layer_cache: (k, v) ``[batch, max_len, kv_heads, head_dim]``,
+    and with a sliding window whether this layer slides (a bool, or a scalar bool array in
+    the scan); ctx: (positions ``[batch, seq]``, mask ``[batch, seq, max_len]``, RoPE
+    frequency divisors ``[rope_dim // 2]`` or None, the sliding layers' mask ``[batch,
+    seq, max_len]`` or None)."""
+    positions, mask, rope_freqs, window_mask = ctx
+    k_cache, v_cache, *slides = layer_cache
+    if slides and window_mask is not None:
+      mask = jnp.where(slides[0], window_mask, mask)
     h, k_cache, v_cache = Attention(self.cfg, name="attn")(
         RMSNorm(self.cfg.rms_eps, name="attn_norm")(x), positions, mask, k_cache, v_cache,
         rope_freqs)
@@ -768,26 +1019,40 @@ class Llama(nn.Module):
       raise ValueError(f"{tokens.shape[1]} tokens do not fit a KV cache of max_len={max_len}; "
                        "make the cache at least as long as the sequence (init_cache)")
     x = embedding_rows(embed, tokens).astype(c.dtype)
-    mask = jnp.arange(max_len)[None, None, :] <= positions[:, :, None]
+    slots = jnp.arange(max_len)[None, None, :]  # the cache slot of position p is p
+    mask = slots <= positions[:, :, None]
+    # Sliding layers: the keys of the last sliding_window positions (llama.cpp's
+    # is_masked_swa, LLAMA_SWA_TYPE_STANDARD: masked where p - s >= W).
+    window_mask = (mask & (positions[:, :, None] - slots < c.sliding_window)
+                   if c.sliding_window else None)
     layout = "blocks" if c.scan_layers else "layers_0"
     if not self.has_variable("params", layout):
       raise ValueError(f"the params have no {layout!r} (scan_layers={c.scan_layers}); build "
                        f"them with params_from_gguf(..., scan_layers={c.scan_layers})")
-    # llama3 RoPE scaling: the params hold the frequency divisors (rope_freqs.weight).
+    # llama3 RoPE scaling: the params hold the frequency divisors (rope_freqs.weight);
+    # YaRN's divisors (from the config) multiply them.
     rope_freqs = (self.param("rope_freqs", _pretrained)
                   if self.has_variable("params", "rope_freqs") else None)
-    ctx = (positions, mask, rope_freqs)
+    if c.yarn is not None:
+      yarn = jnp.asarray(c.yarn.freq_factors(c.rope_base, c.rope_dim), jnp.float32)
+      rope_freqs = yarn if rope_freqs is None else rope_freqs * yarn
+    ctx = (positions, mask, rope_freqs, window_mask)
     if c.scan_layers:
       # lax.scan with each quantized weight as qjax.layer_of(stack, i): the kernels read
       # the layer in place, where nn.scan's slices would be copied before every kernel.
+      # With a window, each layer's flag is scanned alongside its cache.
+      per_layer = (cache["k"], cache["v"])
+      if c.sliding_window:
+        per_layer += (jnp.asarray(c.sliding_layers, bool),)
       x, (k, v) = scan.scan_layers(Block(c, parent=None), self.param("blocks", _pretrained),
-                                   x, (cache["k"], cache["v"]), ctx)
+                                   x, per_layer, ctx)
     else:
       # Unrolled: each layer reads its static slice of the cache and writes it back in
       # place (dynamic_update_slice on the donated buffer).
       k, v = cache["k"], cache["v"]
       for i in range(c.num_layers):
-        x, (k_i, v_i) = Block(c, name=f"layers_{i}")(x, (k[i], v[i]), ctx)
+        slides = (c.sliding_layers[i],) if c.sliding_window else ()
+        x, (k_i, v_i) = Block(c, name=f"layers_{i}")(x, (k[i], v[i], *slides), ctx)
         k, v = k.at[i].set(k_i), v.at[i].set(v_i)
     x = RMSNorm(c.rms_eps, name="final_norm")(x)
     head = embed
@@ -971,6 +1236,17 @@ _MOE_TENSORS = {
     "ffn_up_exps.weight": ("moe", "up"),
     "ffn_down_exps.weight": ("moe", "down"),
 }
+# GPT-OSS's output bias and attention sinks (cfg.o_bias, cfg.attn_sinks), 1-D; its router
+# and expert biases (cfg.moe_bias): the router's [E], the experts' [E, F] / [E, hidden].
+_O_BIAS_TENSORS = {"attn_output.bias": ("attn", "o", "bias")}
+_SINK_TENSORS = {"attn_sinks.weight": ("attn", "sinks")}
+_MOE_BIAS_TENSORS = {
+    "ffn_gate_inp.bias": ("moe", "router_bias"),
+    "ffn_gate_exps.bias": ("moe", "gate_bias"),
+    "ffn_up_exps.bias": ("moe", "up_bias"),
+    "ffn_down_exps.bias": ("moe", "down_bias"),
+}
+_EXPERT_BIASES = ("ffn_gate_exps.bias", "ffn_up_exps.bias", "ffn_down_exps.bias")
 # Biases llama.cpp's llama graph would add where present (or other architectures have);
 # this model has none of them, so a file holding one is refused, not run without it.
 _UNUSED_BIASES = ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias",
@@ -984,11 +1260,17 @@ def block_tensors(cfg: LlamaConfig) -> dict[str, tuple[str, ...]]:
   for ``cfg``'s architecture options (and its experts: ``ffn_gate_inp``,
   ``ffn_{gate,up,down}_exps`` in place of ``ffn_{gate,up,down}``)."""
   base = dict(_BLOCK_TENSORS)
+  if cfg.ffn_norm_name != "ffn_norm":  # GPT-OSS: post_attention_norm, in the same place
+    base = {(f"{cfg.ffn_norm_name}.weight" if k == "ffn_norm.weight" else k): v
+            for k, v in base.items()}
   if cfg.moe:
     for name in _DENSE_FFN_TENSORS:
       del base[name]
     base.update(_MOE_TENSORS)
   return {**base, **(_BIAS_TENSORS if cfg.qkv_bias else {}),
+          **(_O_BIAS_TENSORS if cfg.o_bias else {}),
+          **(_SINK_TENSORS if cfg.attn_sinks else {}),
+          **(_MOE_BIAS_TENSORS if cfg.moe and cfg.moe_bias else {}),
           **(_QK_NORM_TENSORS if cfg.qk_norm else {})}
 
 
@@ -1042,9 +1324,26 @@ def needed_tensors(cfg: LlamaConfig, scan_layers: bool | None = None) -> list[st
 def _vector_sizes(cfg: LlamaConfig) -> dict[str, int]:
   """The length of each 1-D block tensor of ``cfg``."""
   kv = cfg.num_kv_heads * cfg.head_dim
-  return {"attn_norm.weight": cfg.hidden_size, "ffn_norm.weight": cfg.hidden_size,
+  return {"attn_norm.weight": cfg.hidden_size, f"{cfg.ffn_norm_name}.weight": cfg.hidden_size,
           "attn_q.bias": cfg.num_heads * cfg.head_dim, "attn_k.bias": kv, "attn_v.bias": kv,
-          "attn_q_norm.weight": cfg.head_dim, "attn_k_norm.weight": cfg.head_dim}
+          "attn_q_norm.weight": cfg.head_dim, "attn_k_norm.weight": cfg.head_dim,
+          "attn_output.bias": cfg.hidden_size, "attn_sinks.weight": cfg.num_heads,
+          "ffn_gate_inp.bias": cfg.num_experts}
+
+
+def _expert_bias(path: str, name: str, w: Any, cfg: LlamaConfig) -> jax.Array:
+  """An expert bias of a GGUF file (``ffn_{gate,up}_exps.bias`` ``[E, F]``,
+  ``ffn_down_exps.bias`` ``[E, hidden]``) as float32 ``[E, N]``: gguf_io loads a 2-D
+  tensor as a weight of logical ``(N, E)`` (GGUF's ``ne`` order), whose dequantized
+  ``[N, E]`` is transposed here."""
+  n = cfg.hidden_size if "ffn_down_exps" in name else cfg.expert_ffn_size
+  a = (jnp.asarray(w.dequantize(jnp.float32)).T if qjax.is_quantized(w) else
+       jnp.asarray(w, jnp.float32))
+  if tuple(a.shape) != (cfg.num_experts, n):
+    raise ValueError(f"{path}: tensor {name!r} has shape {tuple(a.shape)}, want "
+                     f"({cfg.num_experts}, {n}) from the metadata ({cfg.num_experts} experts "
+                     f"of width {cfg.expert_ffn_size}, hidden {cfg.hidden_size})")
+  return a.astype(jnp.float32)
 
 
 def _expert_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, int]]:
@@ -1198,6 +1497,8 @@ def params_from_gguf(gguf_file: Any, *, convert=None, consume: bool = False,
 
   def layer_weight(i, suffix, path):
     w = take(f"blk.{i}.{suffix}")
+    if suffix in _EXPERT_BIASES:
+      return _expert_bias(gguf_file.path, f"blk.{i}.{suffix}", w, cfg)
     if suffix in experts:
       return _expert_tensor(gguf_file.path, f"blk.{i}.{suffix}", w, cfg, experts[suffix])
     if convert is not None and path[-1] == "kernel":

@@ -446,7 +446,7 @@ def test_from_metadata_of_qwen2_5_0_5b():
 
 @pytest.mark.parametrize("extra,match", [
     ({"general.architecture": "phi3"}, r"general.architecture='phi3' is not supported; qjax "
-     r"runs \('llama', 'qwen2', 'qwen3', 'qwen3moe'\)"),
+     r"runs \('llama', 'qwen2', 'qwen3', 'qwen3moe', 'gpt-oss'\)"),
     ({"qwen2.attention.sliding_window": 4096}, r"qwen2.attention.sliding_window=4096 "
      r"\(shorter than the context 32768\) is not supported"),
     ({"qwen2.attention.sliding_window": 4096,
@@ -538,7 +538,7 @@ def test_generate_refuses_an_unsupported_architecture(model, tmp_path):
   assert rc == 2 and not out
   assert err.strip().splitlines()[-1] == (
       "qjax generate: error: general.architecture='phi3' is not supported; qjax runs "
-      "('llama', 'qwen2', 'qwen3', 'qwen3moe')")
+      "('llama', 'qwen2', 'qwen3', 'qwen3moe', 'gpt-oss')")
 
 
 def test_hf_llama_export_refuses_qwen_params(model, tmp_path):

@@ -53,6 +53,16 @@ GPT2_REGEX = (r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+
 _LLAMA3_REGEX = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?"
                  r"\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
+# o200k (GPT-4o, GPT-OSS: tokenizer.ggml.pre "gpt-4o"): the regex of its tokenizer.json,
+# which llama-vocab.cpp (LLAMA_VOCAB_PRE_TYPE_GPT4O) quotes as the original and runs in an
+# std::regex form without the Unicode case classes ("[^a-z]" / "[^A-Z]" among letters);
+# the two split alike except at non-ASCII capitals and combining marks, where this one is
+# what the model's own tokenizer does.
+_GPT4O_REGEX = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+"
+                r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}|"
+                r" ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
 _QWEN2_REGEX = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?"
                 r"\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
@@ -66,6 +76,7 @@ PRE_TOKENIZER_REGEXES: dict[str, tuple[str, ...]] = {
     "llama3": (_LLAMA3_REGEX,),
     "llama-bpe": (_LLAMA3_REGEX,),
     "qwen2": (_QWEN2_REGEX,),
+    "gpt-4o": (_GPT4O_REGEX,),
 }
 """``tokenizer.ggml.pre`` -> the regexes llama.cpp splits text with, applied in order."""
 
