@@ -1,7 +1,9 @@
 """Decode tokens/s of a Qwen3-30B-A3B-shaped mixture-of-experts model (``qwen3moe``: 128
-experts of width 768, 8 per token, hidden 2048, 32 query / 4 KV heads of 128), built in
-memory as ``flax_layers.llama.params_from_gguf`` reads a GGUF file, with its weights in a
-GGUF block type against the same model in bf16.
+experts of width 768, 8 per token, hidden 2048, 32 query / 4 KV heads of 128) or, with
+``--arch gpt-oss``, a GPT-OSS-20B-shaped one (32 experts of width 2880, 4 per token, hidden
+2880, 64 / 8 heads of 64, attention sinks, biases, alternating 128-token sliding window,
+YaRN), built in memory as ``flax_layers.llama.params_from_gguf`` reads a GGUF file, with
+its weights in a GGUF block type against the same model in bf16.
 
 Random blocks (finite f16 scales), so the tokens are meaningless and the timing is not.
 Every 2-D block weight and expert stack is of ``--type``; norms are float32, the router
@@ -11,6 +13,7 @@ batch 1, and the model's weight bytes on the device. The bf16 model is the same 
 stored as GGUF BF16 (``GGUFDense``). Prints a Markdown table last.
 
   python examples/moe_decode_bench.py           # GPU: 8 layers, Q4_0, Q4_K, MXFP4 vs bf16
+  python examples/moe_decode_bench.py --arch gpt-oss   # GPU: MXFP4 and Q8_0 vs bf16
   python examples/moe_decode_bench.py --tiny          # a 2-layer small model, any device
 """
 
@@ -28,10 +31,17 @@ from qjax._src import generate
 from qjax._src import gguf_formats as gf
 from qjax._src import gguf_io
 
-FULL = dict(hidden=2048, heads=32, kv_heads=4, head_dim=128, experts=128, top_k=8,
-            expert_ffn=768, vocab=151936)
-TINY = dict(hidden=256, heads=4, kv_heads=2, head_dim=64, experts=8, top_k=2,
-            expert_ffn=256, vocab=512)
+SHAPES = {  # (arch, tiny) -> sizes
+    ("qwen3moe", False): dict(hidden=2048, heads=32, kv_heads=4, head_dim=128, experts=128,
+                              top_k=8, expert_ffn=768, vocab=151936),
+    ("gpt-oss", False): dict(hidden=2880, heads=64, kv_heads=8, head_dim=64, experts=32,
+                             top_k=4, expert_ffn=2880, vocab=201088),
+    ("qwen3moe", True): dict(hidden=256, heads=4, kv_heads=2, head_dim=64, experts=8,
+                             top_k=2, expert_ffn=256, vocab=512),
+    ("gpt-oss", True): dict(hidden=256, heads=4, kv_heads=2, head_dim=64, experts=8,
+                            top_k=2, expert_ffn=256, vocab=512),
+}
+DEFAULT_TYPES = {"qwen3moe": "Q4_0,Q4_K,MXFP4", "gpt-oss": "MXFP4,Q8_0"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -40,9 +50,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "experts (CPU tests) instead of Qwen3-30B-A3B's shapes")
   p.add_argument("--layers", type=int, default=None, help="decoder blocks (default 8, 2 "
                  "with --tiny; the real model has 48)")
-  p.add_argument("--types", default="Q4_0,Q4_K,MXFP4", help="comma-separated GGUF block "
-                 f"types of the weights, of {list(gf.BLOCK_FORMATS)} (default Q4_0,Q4_K,"
-                 "MXFP4: MXFP4 experts run the MoE kernels where kernels run)")
+  p.add_argument("--arch", choices=("qwen3moe", "gpt-oss"), default="qwen3moe",
+                 help="the model's shape and architecture (default qwen3moe)")
+  p.add_argument("--types", default=None, help="comma-separated GGUF block types of the "
+                 f"weights, of {list(gf.BLOCK_FORMATS)} (default Q4_0,Q4_K,MXFP4 for "
+                 "qwen3moe, MXFP4,Q8_0 for gpt-oss, whose rows of 2880 no K-quant divides; "
+                 "MXFP4 experts run the MoE kernels where kernels run)")
   p.add_argument("--implementations", default=None, help="comma-separated LlamaConfig "
                  "implementations for the quantized models (default xla,auto; auto is "
                  "the kernels for the dense projections where a GPU has them)")
@@ -52,13 +65,20 @@ def parse_args(argv=None) -> argparse.Namespace:
   for name in ("layers", "steps"):
     if getattr(args, name) is not None and getattr(args, name) < 1:
       p.error(f"--{name}={getattr(args, name)} must be at least 1")
-  args.shape = TINY if args.tiny else FULL
+  args.shape = SHAPES[args.arch, args.tiny]
   args.layers = args.layers or (2 if args.tiny else 8)
   args.steps = args.steps or (4 if args.tiny else 64)
-  args.types = [t for t in args.types.split(",") if t]
+  args.types = [t for t in (args.types or DEFAULT_TYPES[args.arch]).split(",") if t]
   for t in args.types:
     if t not in gf.BLOCK_FORMATS:
       p.error(f"--types: {t!r} is not one of {list(gf.BLOCK_FORMATS)}")
+    block = gf.BLOCK_FORMATS[t].block_size
+    rows = {"hidden": args.shape["hidden"], "expert_ffn": args.shape["expert_ffn"],
+            "heads x head_dim": args.shape["heads"] * args.shape["head_dim"]}
+    for dim, size in rows.items():  # the row lengths (K) of the weights
+      if size % block:
+        p.error(f"--types: {t} blocks of {block} do not divide the {args.arch} model's "
+                f"{dim}={size}")
   args.implementations = (args.implementations or "xla,auto").split(",")
   for impl in args.implementations:
     if impl not in ("xla", "auto", "pallas", "interpret"):
@@ -66,10 +86,14 @@ def parse_args(argv=None) -> argparse.Namespace:
   return args
 
 
-def metadata(s: dict, layers: int) -> dict:
-  """The qwen3moe GGUF metadata of shape ``s``."""
-  a = "qwen3moe"
-  return {"general.architecture": a, f"{a}.vocab_size": s["vocab"],
+def metadata(s: dict, layers: int, a: str = "qwen3moe") -> dict:
+  """The GGUF metadata of architecture ``a`` and shape ``s``."""
+  extra = {}
+  if a == "gpt-oss":  # as llama.cpp's converter writes GPT-OSS
+    extra = {f"{a}.attention.sliding_window": 128, f"{a}.rope.scaling.type": "yarn",
+             f"{a}.rope.scaling.factor": 32.0,
+             f"{a}.rope.scaling.original_context_length": 4096}
+  return {**extra, "general.architecture": a, f"{a}.vocab_size": s["vocab"],
           f"{a}.embedding_length": s["hidden"], f"{a}.block_count": layers,
           f"{a}.attention.head_count": s["heads"],
           f"{a}.attention.head_count_kv": s["kv_heads"],
@@ -100,8 +124,11 @@ def random_weight(ggml_type: str, k: int, n: int, lead: tuple[int, ...], rng) ->
   return cls.from_bytes(raw.reshape(*lead, n, -1), (k, n), lead)
 
 
-def model_file(s: dict, layers: int, ggml_type: str, seed: int = 0) -> gguf_io.GGUFFile:
-  """An in-memory GGUFFile of the model, every weight of ``ggml_type``."""
+def model_file(s: dict, layers: int, ggml_type: str, seed: int = 0,
+               arch: str = "qwen3moe") -> gguf_io.GGUFFile:
+  """An in-memory GGUFFile of the model, every weight of ``ggml_type``; as
+  ``gguf_io.load_gguf`` gives them, gpt-oss's ``[E, N]`` expert biases are 2-D F32
+  weights (``GGUFDense``)."""
   rng = np.random.default_rng(seed)
   d, hd, e, f = s["hidden"], s["head_dim"], s["experts"], s["expert_ffn"]
   q, kv = s["heads"] * hd, s["kv_heads"] * hd
@@ -124,9 +151,22 @@ def model_file(s: dict, layers: int, ggml_type: str, seed: int = 0) -> gguf_io.G
         p + "ffn_up_exps.weight": random_weight(ggml_type, d, f, (e,), rng),
         p + "ffn_down_exps.weight": random_weight(ggml_type, f, d, (e,), rng),
     })
+    if arch == "gpt-oss":
+      def small(*shape):
+        return jnp.asarray(rng.standard_normal(shape, np.float32) * 0.01)
+      tensors[p + "post_attention_norm.weight"] = tensors.pop(p + "ffn_norm.weight")
+      del tensors[p + "attn_q_norm.weight"], tensors[p + "attn_k_norm.weight"]
+      tensors.update({
+          p + "attn_q.bias": small(q), p + "attn_k.bias": small(kv), p + "attn_v.bias": small(kv),
+          p + "attn_output.bias": small(d), p + "attn_sinks.weight": small(s["heads"]),
+          p + "ffn_gate_inp.bias": small(e),
+          p + "ffn_gate_exps.bias": gf.GGUFDense(data=small(e, f), shape=(f, e)),
+          p + "ffn_up_exps.bias": gf.GGUFDense(data=small(e, f), shape=(f, e)),
+          p + "ffn_down_exps.bias": gf.GGUFDense(data=small(e, d), shape=(d, e)),
+      })
   types = {n: ggml_type if hasattr(w, "dequantize") else "F32" for n, w in tensors.items()}
   return gguf_io.GGUFFile(path=f"<{ggml_type} model>", tensors=tensors,
-                          metadata=metadata(s, layers), tensor_types=types,
+                          metadata=metadata(s, layers, arch), tensor_types=types,
                           file_tensor_bytes=0)
 
 
@@ -150,11 +190,11 @@ def decode_rate(params, cfg, steps: int) -> float:
 def main(argv=None) -> int:
   args = parse_args(argv)
   dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
-  print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {args.layers} layers, "
-        f"dtype {jnp.dtype(dtype).name}", flush=True)
+  print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {args.arch}, "
+        f"{args.layers} layers, dtype {jnp.dtype(dtype).name}", flush=True)
   rows = []
   for ggml_type in [*args.types, "BF16"]:
-    gfile = model_file(args.shape, args.layers, ggml_type)
+    gfile = model_file(args.shape, args.layers, ggml_type, arch=args.arch)
     impls = args.implementations if ggml_type != "BF16" else ["xla"]
     for impl in impls:
       implementation = None if impl == "auto" else impl

@@ -28,6 +28,13 @@ other gating functions, scaled expert weights, leading dense layers and the old 
 layout (one 2-D tensor per expert) are refused (:meth:`LlamaConfig.from_metadata`,
 :func:`check_tensor_names`).
 
+GPT-OSS: ``gpt-oss`` (llama.cpp's LLM_ARCH_OPENAI_MOE) adds to that MoE q / k / v / output
+biases, per-head attention sinks (an extra logit in each head's softmax), an alternating
+sliding window (layers 0, 2, 4, ... attend to the last ``sliding_window`` positions), YaRN
+RoPE (:class:`YarnScaling`), router and expert biases, the clamped SwiGLU
+(``flax_layers.moe.gated_activation(..., "gpt_oss")``) and a top-k-then-softmax routing;
+its FFN pre-norm is GGUF's ``post_attention_norm``.
+
 Layout notes: llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` of a
 ``llama`` model so that RoPE rotates adjacent pairs ``(x[2i], x[2i+1])`` of each head
 (``LLAMA_ROPE_TYPE_NORM``); Qwen2 / Qwen3 files are not permuted and rotate the pairs

@@ -140,14 +140,15 @@ def test_hf_generate_bench_options():
   assert e.value.code == 2
 
 
-def test_moe_decode_bench_runs_tiny_on_the_cpu():
+@pytest.mark.parametrize("arch,kind", [("qwen3moe", "Q4_K"), ("gpt-oss", "MXFP4")])
+def test_moe_decode_bench_runs_tiny_on_the_cpu(arch, kind):
   """One row per (type, implementation) and the bf16 baseline, each with its rate."""
-  proc = _run("moe_decode_bench.py", "--tiny", "--steps", "2", "--types", "Q4_K",
-              "--implementations", "xla")
+  proc = _run("moe_decode_bench.py", "--tiny", "--arch", arch, "--steps", "2", "--types",
+              kind, "--implementations", "xla")
   assert proc.returncode == 0, proc.stderr
   rows = [line.split(" | ") for line in proc.stdout.splitlines()
-          if line.startswith("| Q4_K") or line.startswith("| BF16")]
-  assert [r[:2] for r in rows] == [["| Q4_K", "xla"], ["| BF16", "xla"]], proc.stdout
+          if line.startswith(f"| {kind}") or line.startswith("| BF16")]
+  assert [r[:2] for r in rows] == [[f"| {kind}", "xla"], ["| BF16", "xla"]], proc.stdout
   assert float(rows[0][2]) > 0 and rows[1][3] == "1.00x", rows
 
 
@@ -156,8 +157,10 @@ def test_moe_decode_bench_options():
   args = mod.parse_args([])
   assert (args.layers, args.steps, args.types) == (8, 64, ["Q4_0", "Q4_K", "MXFP4"])
   assert args.shape["experts"] == 128 and mod.parse_args(["--tiny"]).layers == 2
+  gpt_oss = mod.parse_args(["--arch", "gpt-oss"])
+  assert gpt_oss.types == ["MXFP4", "Q8_0"] and gpt_oss.shape["hidden"] == 2880
   for bad in (["--types", "Q4_0,Q3_K"], ["--steps", "0"], ["--layers", "-1"],
-              ["--implementations", "triton"]):
+              ["--implementations", "triton"], ["--arch", "gpt-oss", "--types", "Q4_K"]):
     with pytest.raises(SystemExit) as e:
       mod.parse_args(bad)
     assert e.value.code == 2, bad

@@ -347,7 +347,8 @@ def _add_generate(sub) -> None:
       "generate", help="generate text with a GGUF Llama model (default: SmolLM2-135M) or a "
       "Hugging Face checkpoint folder",
       description="Loads a Llama-style GGUF file (architectures llama, Mixtral's llama "
-      "with experts, qwen2, qwen3, qwen3moe) or Hugging Face checkpoint folder (llama, "
+      "with experts, qwen2, qwen3, qwen3moe, gpt-oss) or Hugging Face checkpoint folder "
+      "(llama, "
       "mistral, qwen2, qwen3) (its 4-bit weights stay quantized; every projection runs "
       "through qjax.matmul, and a mixture of experts' expert stacks through "
       "qjax.moe_matmul), "
