@@ -38,7 +38,6 @@ factor) 71% (8 of 8); with YaRN's frequency blend but cos / sin unscaled 71%.
 
 from __future__ import annotations
 
-import json
 import random
 
 import jax
@@ -390,11 +389,7 @@ def test_cached_decoding_matches_the_full_forward_and_the_reference(model, scan_
 def test_greedy_generation_matches_the_float64_reference(model):
   """``qjax generate --temperature 0 --json``: the reference's greedy tokens."""
   path, _, prompt_ids, generated, _ = model
-  rc, out, err = spm_gguf._cli(["generate", "--model", str(path), "--prompt", PROMPT,
-                                "--max-new-tokens", str(NEW_TOKENS), "--temperature", "0",
-                                "--dtype", "float32", "--json"])
-  assert rc == 0, err
-  got = json.loads(out)
+  got, _ = qwen._greedy_cli(path)
   assert got["prompt_ids"] == prompt_ids
   assert got["generated_ids"] == generated
 

@@ -33,7 +33,6 @@ picks; routing to the top 1 moves them by 92% and 79%, to the top 3 by 30% and 4
 from __future__ import annotations
 
 import dataclasses
-import json
 import types
 
 import jax
@@ -440,11 +439,7 @@ def test_moe_block_in_bfloat16(model, tokens):
 def test_greedy_generation_matches_the_float64_reference(model):
   """``qjax generate --temperature 0 --json``: the reference's greedy tokens."""
   a, path, _, prompt_ids, generated, _ = model
-  rc, out, err = spm_gguf._cli(["generate", "--model", str(path), "--prompt", PROMPT,
-                                "--max-new-tokens", str(NEW_TOKENS), "--temperature", "0",
-                                "--dtype", "float32", "--json"])
-  assert rc == 0, err
-  got = json.loads(out)
+  got, err = qwen._greedy_cli(path)
   assert got["prompt_ids"] == prompt_ids
   assert got["generated_ids"] == generated
   assert "matmul implementation: xla; experts: xla," in err, err

@@ -358,16 +358,22 @@ def test_cached_decoding_matches_the_float64_reference(model):
   audit._close(np.stack(got), want[n - 1:-1])
 
 
+def _greedy_cli(path) -> tuple[dict, str]:
+  """``qjax generate --temperature 0 --json`` of :data:`PROMPT` for :data:`NEW_TOKENS`
+  tokens in float32, in process: (its JSON object, its stderr); asserts exit code 0."""
+  rc, out, err = spm_gguf._cli(["generate", "--model", str(path), "--prompt", PROMPT,
+                                "--max-new-tokens", str(NEW_TOKENS), "--temperature", "0",
+                                "--dtype", "float32", "--json"])
+  assert rc == 0, err
+  return json.loads(out), err
+
+
 def test_greedy_generation_matches_the_float64_reference(model):
   """``qjax generate --temperature 0 --json``: the prompt is the trained tokenizer's
   encoding with no BOS (tokenizer.ggml.add_bos_token is false), the tokens are the
   reference's greedy ones."""
   a, path, _, prompt_ids, generated, _ = model
-  rc, out, err = spm_gguf._cli(["generate", "--model", str(path), "--prompt", PROMPT,
-                                "--max-new-tokens", str(NEW_TOKENS), "--temperature", "0",
-                                "--dtype", "float32", "--json"])
-  assert rc == 0, err
-  got = json.loads(out)
+  got, _ = _greedy_cli(path)
   assert got["prompt_ids"] == prompt_ids
   assert got["generated_ids"] == generated
 
