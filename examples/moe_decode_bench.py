@@ -198,16 +198,11 @@ def main(argv=None) -> int:
     impls = args.implementations if ggml_type != "BF16" else ["xla"]
     for impl in impls:
       implementation = None if impl == "auto" else impl
-      convert = generate._kernel_layouts(implementation)  # pylint: disable=protected-access
       cfg = llama.LlamaConfig.from_metadata(gfile.metadata, dtype=dtype,
                                             implementation=implementation)
-      params = llama.params_from_gguf(
-          gguf_io.GGUFFile(**{**vars(gfile), "tensors": dict(gfile.tensors)}),
-          convert=convert, scan_layers=cfg.scan_layers)
-      if convert is not None:  # as qjax generate loads a file
-        for name in ("embed", "lm_head"):
-          params["params"][name] = convert(name, params["params"][name])
-        params = generate.expert_kernel_layouts(params)
+      params = generate.gguf_params(  # as qjax generate loads a file
+          gguf_io.GGUFFile(**{**vars(gfile), "tensors": dict(gfile.tensors)}), cfg,
+          implementation)
       rate = decode_rate(params, cfg, args.steps)
       rows.append((ggml_type, impl, rate, weight_bytes(params) / 2**30))
       print(f"{ggml_type} {impl}: {rate:.1f} tokens/s", flush=True)

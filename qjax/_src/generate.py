@@ -103,6 +103,21 @@ def _kernel_layouts(implementation: str | None):
   return lambda name, w: gguf_tiled.kernel_layout(w)
 
 
+def _xla_layouts(name: str, w: Any) -> Any:
+  """The ``convert`` of a run without kernels: a dense (2-D) GGUF MXFP4 weight as its
+  lossless :class:`qjax.MXFP4Weight` once at load (GGUF MXFP4's own XLA route repacks it
+  so on every call: a GPT-OSS-20B-shaped model with MXFP4 projections decoded at 0.63x
+  bf16 on the H100 that way, BENCHMARKS.md, session 34); every other weight as the file
+  has it (Q4_0 / Q4_1 blocks are faster on XLA than their Int4Weight, session 30), expert
+  stacks too (their XLA route reads the selected experts' blocks as stored)."""
+  del name
+  from qjax._src import gguf_formats  # pylint: disable=g-import-not-at-top
+  from qjax._src import gguf_tiled  # pylint: disable=g-import-not-at-top
+  if isinstance(w, gguf_formats.GGUFMXFP4) and not w.leading_axes:
+    return gguf_tiled.kernel_layout(w)
+  return w
+
+
 def _model_steps(devices: int, params: dict, cfg: Any, max_len: int):
   """``(prefill(tokens, cache), next_token(token, pos, cache, key, *, temperature, top_p),
   cache)`` on one device (``next_token``: :func:`flax_layers.llama.decode_and_sample`, one
@@ -219,9 +234,29 @@ def expert_kernel_layouts(params: dict) -> dict:
                       is_leaf=is_stack)
 
 
+def gguf_params(gfile: Any, cfg: Any, implementation: str | None, *,
+                consume: bool = False) -> dict:
+  """The params ``qjax generate`` runs from a loaded GGUF file (``gguf_io.load_gguf``)
+  with ``cfg`` (its ``LlamaConfig``) under ``implementation`` (None: auto): where kernels
+  run, every weight in the layout its kernel reads (:func:`_kernel_layouts`, the MXFP4
+  expert stacks as :func:`expert_kernel_layouts`); otherwise as :func:`_xla_layouts`.
+  Lossless either way. ``consume``: as ``llama.params_from_gguf``'s."""
+  from flax_layers import llama  # pylint: disable=g-import-not-at-top
+  kernel_convert = _kernel_layouts(implementation)
+  convert = kernel_convert or _xla_layouts
+  params = llama.params_from_gguf(gfile, convert=convert, consume=consume,
+                                  scan_layers=cfg.scan_layers)
+  for name in ("embed", "lm_head"):  # the embedding (also the head when tied), the head
+    if name in params["params"]:
+      params["params"][name] = convert(name, params["params"][name])
+  if cfg.moe and kernel_convert is not None:
+    # Not given to convert (2-D weights only): MXFP4 stacks' own layout.
+    params = expert_kernel_layouts(params)
+  return params
+
+
 def _load_gguf_model(args, path: str, dtype: Any, implementation: str | None):
   """``(plan, params, implementation name, file tensor bytes)`` of a GGUF file."""
-  from flax_layers import llama  # pylint: disable=g-import-not-at-top
   from qjax._src import gguf_io  # pylint: disable=g-import-not-at-top
 
   # Everything the header shows (metadata, tensor names and types) is refused here, before
@@ -231,21 +266,13 @@ def _load_gguf_model(args, path: str, dtype: Any, implementation: str | None):
   plan = _plan(args, header.metadata, header.tensor_types, path, dtype, implementation)
   gfile = gguf_io.load_gguf(header, progress=not args.json)
   del header
-  convert = _kernel_layouts(implementation)
   q_name = "blk.0.attn_q.weight"
   q_weight = gfile.tensors[q_name]
-  impl_name = _impl_name(q_weight if convert is None else convert(q_name, q_weight),
-                         implementation, plan.cfg.dtype)
+  convert = _kernel_layouts(implementation) or _xla_layouts
+  impl_name = _impl_name(convert(q_name, q_weight), implementation, plan.cfg.dtype)
   del q_weight
   file_bytes = gfile.file_tensor_bytes
-  params = llama.params_from_gguf(gfile, convert=convert, consume=True,
-                                  scan_layers=plan.cfg.scan_layers)
-  if convert is not None:  # the embedding (also the head when tied) and an untied head
-    for name in ("embed", "lm_head"):
-      if name in params["params"]:
-        params["params"][name] = convert(name, params["params"][name])
-    if plan.cfg.moe:  # not given to convert (2-D weights only): MXFP4 stacks' own layout
-      params = expert_kernel_layouts(params)
+  params = gguf_params(gfile, plan.cfg, implementation, consume=True)
   if plan.cfg.moe:
     impl_name += f"; experts: {_moe_impl_name(params, plan.cfg, implementation)}"
   return plan, params, impl_name, file_bytes
