@@ -26,6 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
+from pallas_kernels import gguf_gemv
 from pallas_kernels import int4_matmul
 from qjax import KernelConfig
 from qjax._src import gguf_formats
@@ -148,6 +149,8 @@ def gguf_matmul(x: jax.Array, w, *, interpret: bool = False,
   Args:
     w: a :class:`GGUFTiledWeight`, or a GGUF Q8_0 / Q4_K / Q5_K / Q6_K block weight
       (converted per call, losslessly; convert once at load with ``kernel_layout``).
+    config: None or ``block_m == 1``: one row of x runs :func:`gguf_gemv.gguf_gemv` (its
+      config); ``block_m >= 16`` the tiled kernel at any M.
     poison: for tests: the output starts as NaN, so unwritten elements show.
 
   Raises:
@@ -160,6 +163,10 @@ def gguf_matmul(x: jax.Array, w, *, interpret: bool = False,
                               "vmap over leading axes")
   m, k = x.shape
   n = w.shape[1]
+  if gguf_gemv.supports(m, k, n, w.ggml_type) and (config is None or config.block_m == 1):
+    # One row: the FMA kernel beats a 1/16-used tensor-core tile (see gguf_gemv); a config
+    # with block_m >= 16 keeps the tiled kernel.
+    return gguf_gemv.gguf_gemv(x, w, config=config, interpret=interpret, poison=poison)
   if config is None:
     config = int4_matmul.heuristic_config(m, k, n)
   config = int4_matmul.legalize(config, k, gguf_tiled.TILE_K)
