@@ -105,9 +105,14 @@ def _and_or(a, mask: int, c, ptx: bool) -> jax.Array:
   """``(a & mask) | c`` on uint32 (``c`` an int or an array): one LOP3 on the GPU."""
   if not ptx:
     return (a & jnp.uint32(mask)) | (jnp.uint32(c) if isinstance(c, int) else c)
+  # Triton's inline asm takes signed integers only (uint32 tensors fail to parse on the
+  # H100, triton 3.6): the words go through as int32 bit patterns.
+  as_i32 = functools.partial(lax.bitcast_convert_type, new_dtype=jnp.int32)
   if isinstance(c, int):
-    return _asm(and_or_ptx(mask, c), [a], "=r,r", jnp.uint32)
-  return _asm(and_or_ptx(mask, None), [a, c], "=r,r,r", jnp.uint32)
+    out = _asm(and_or_ptx(mask, c), [as_i32(a)], "=r,r", jnp.int32)
+  else:
+    out = _asm(and_or_ptx(mask, None), [as_i32(a), as_i32(c)], "=r,r,r", jnp.int32)
+  return lax.bitcast_convert_type(out, jnp.uint32)
 
 
 def _shift(a: jax.Array, amount: int) -> jax.Array:

@@ -192,7 +192,7 @@ def test_tiled_config_keeps_the_tiled_kernel(request, monkeypatch):
   assert rel_err(y, np.asarray(x, np.float64) @ wd) < 1e-5 and not calls
   gemv = dataclasses.replace(tiled, block_m=1)
   y = gguf_matmul.gguf_matmul(x, tw, interpret=True, config=gemv, poison=True)
-  _check(y, x, wd, jnp.float32, "gemv") and None
+  _check(y, x, wd, jnp.float32, "gemv")
   assert calls == [(1, 512)]
 
 
