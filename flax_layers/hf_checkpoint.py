@@ -3,7 +3,8 @@
 :func:`load_hf_llama` reads a single-file or sharded checkpoint of ``model_type`` llama,
 mistral, qwen2 or qwen3 (:data:`flax_layers.llama.SUPPORTED_HF_MODEL_TYPES`), dense or
 INT4 (GPTQ v1 / v2 with or without act-order, AWQ GEMM, compressed-tensors pack-quantized,
-picked by ``config.json``'s ``quantization_config``), into the params
+picked by ``config.json``'s ``quantization_config``), or of the mixtures of experts
+gpt_oss, qwen3_moe and mixtral (below), into the params
 :class:`flax_layers.llama.Llama` consumes (the tree
 :func:`flax_layers.llama.params_from_gguf` builds). Projections stay in their checkpoint
 layout (GPTQWeight, AWQWeight, CompressedTensorsWeight; dense ones as
@@ -28,11 +29,36 @@ which is rotate_half), so q / k and their biases load as stored, unpermuted. Qwe
 quantized) become each projection's ``bias`` param (``cfg.qkv_bias``), Qwen3's
 ``self_attn.{q,k}_norm.weight`` (``[head_dim]``) the ``attn/q_norm`` / ``attn/k_norm``
 scales (``cfg.qk_norm``). :func:`save_hf_llama` writes Llama only and refuses them.
+
+Mixtures of experts (each block's ``moe`` params, :class:`flax_layers.llama.MoE`; the
+router ``[E, hidden]`` becomes float32 ``[hidden, E]``; every expert stack carries a
+leading ``[E]`` axis, read one tensor at a time, never dequantized):
+
+* gpt_oss (openai/gpt-oss-20b / 120b): q / k / v / o with biases, ``self_attn.sinks``
+  ``[heads]``, ``mlp.router.{weight,bias}``, and the experts' MXFP4
+  ``mlp.experts.gate_up_proj_blocks [E, 2F, hidden / 32, 16]`` / ``_scales [E, 2F,
+  hidden / 32]`` (uint8; ``quant_method`` "mxfp4") with ``gate_up_proj_bias [E, 2F]``,
+  and ``down_proj_blocks / _scales / _bias``. gate_up interleaves its output rows (gate
+  the even ones, up the odd: transformers' ``gate_up[..., ::2]`` / ``[..., 1::2]``); the
+  loader splits the rows' blocks and scales as stored (``GptOssMXFP4Weight.output_rows``)
+  and converts each half losslessly into the stacked :class:`qjax.MXFP4Weight` that
+  ``qjax.moe_matmul`` and its MoE kernels read. A dequantized copy's bf16
+  ``gate_up_proj [E, hidden, 2F]`` / ``down_proj [E, F, hidden]`` load as float stacks.
+  Its config: ``layer_types`` / ``sliding_window`` and YaRN (``truncate``), see
+  :meth:`flax_layers.llama.LlamaConfig.from_hf_config`. Q / k rotate as stored (NEOX).
+* qwen3_moe (Qwen3-30B-A3B): Qwen3's attention, router ``mlp.gate.weight``, experts
+  ``mlp.experts.{e}.{gate,up,down}_proj.weight``; mixtral: Llama's attention (q / k
+  permuted as above), router ``block_sparse_moe.gate.weight``, experts
+  ``block_sparse_moe.experts.{e}.w1 / w3 / w2`` (gate / up / down). Float experts become
+  one :class:`GGUFDense` stack per projection (data ``[E, N, K]`` in the stored dtype);
+  GPTQ / AWQ / compressed-tensors ones an :class:`qjax.Int4Weight` stack where
+  ``qjax.moe_matmul`` takes one, else they are refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import pathlib
 from typing import Any, Callable
@@ -45,8 +71,12 @@ from flax_layers.llama import LlamaConfig
 from flax_layers.llama import hf_rope_freqs
 from qjax._src import checkpoint_layouts as layouts
 from qjax._src import formats
+from qjax._src import fp4
 from qjax._src import gguf_formats
+from qjax._src import gpt_oss_layout
 from qjax._src import int4
+from qjax._src import kernel_layouts
+from qjax._src import moe as moe_lib
 from qjax._src import safetensors_io as sio
 
 # HF module under model.layers.{i} -> path of its kernel in the block params.
@@ -75,6 +105,19 @@ QK_NORMS = {
     "self_attn.k_norm.weight": ("attn", "k_norm", "scale"),
 }
 EXPORT_LAYOUTS = ("compressed-tensors", "gptq")
+# GPT-OSS (cfg.o_bias, cfg.attn_sinks): o_proj's bias and each head's sink logit.
+O_BIAS = {"self_attn.o_proj": ("attn", "o", "bias")}
+SINKS = ("self_attn.sinks", ("attn", "sinks"))
+# The routed experts of an MoE model_type: the module holding them under
+# model.layers.{i}, the router's name in it, and each expert's HF projection for the
+# params' gate / up / down stacks (mixtral: w1 / w3 / w2).
+MOE_MODULES = {
+    "qwen3_moe": ("mlp", "gate", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
+    "mixtral": ("block_sparse_moe", "gate", {"gate": "w1", "up": "w3", "down": "w2"}),
+}
+# GPT-OSS: mlp.router and the experts' stacked tensors, gate_up interleaved (gate the even
+# output rows, up the odd: transformers' GptOssExperts, ``gate_up[..., ::2]``).
+GATE_ROWS, UP_ROWS = slice(0, None, 2), slice(1, None, 2)
 
 
 def linear_shape(cfg: LlamaConfig, module: str) -> tuple[int, int]:
@@ -136,6 +179,21 @@ def _progress(ckpt_names: int, enabled: bool, desc: str):
   return tqdm(total=ckpt_names, desc=desc, unit="tensor")
 
 
+def parse_quantization(config: dict[str, Any]) -> sio.Quantization | None:
+  """The INT4 scheme of a ``config.json`` (:func:`qjax._src.safetensors_io.
+  parse_quantization`); None for a dense checkpoint and for GPT-OSS's ``quant_method``
+  "mxfp4", whose only quantized tensors are the experts' ``*_blocks`` / ``*_scales``
+  (read as such by :func:`load_hf_llama`; its other projections are dense)."""
+  qc = config.get("quantization_config")
+  if config.get("model_type") == "gpt_oss" and qc:
+    method = qc.get("quant_method") if isinstance(qc, dict) else qc
+    if method != "mxfp4":
+      raise ValueError(f"quantization_config quant_method={method!r} is not supported for "
+                       "gpt_oss; qjax reads its MXFP4 experts ('mxfp4') or a float copy")
+    return None
+  return sio.parse_quantization(config)
+
+
 def load_hf_llama(path: str | os.PathLike[str], *,
                   convert: Callable[[str, Any], Any] | None = None,
                   scan_layers: bool = True, progress: bool = True,
@@ -170,7 +228,7 @@ def load_hf_llama(path: str | os.PathLike[str], *,
   path = pathlib.Path(path)
   config = sio.read_config(path)
   cfg = LlamaConfig.from_hf_config(config, scan_layers=scan_layers, **options)
-  quant = sio.parse_quantization(config)
+  quant = parse_quantization(config)
   try:
     params = _read_params(path, config, cfg, quant, convert, progress)
   except ValueError as e:
@@ -217,11 +275,13 @@ def _read_params_from(ckpt, config, cfg, quant, convert) -> dict:
     w = sio.to_device(w)
     return w if convert is None else convert(prefix, w)
 
-  biases = QKV_BIASES if cfg.qkv_bias else {}
+  biases = {**(QKV_BIASES if cfg.qkv_bias else {}), **(O_BIAS if cfg.o_bias else {})}
+  # An MoE's blocks have experts (layer["moe"]) in place of the dense MLP.
+  linears = {m: p for m, p in LINEARS.items() if not (cfg.moe and p[0] == "mlp")}
   layers = []
   for i in range(cfg.num_layers):
     layer: dict = {}
-    for module, kpath in LINEARS.items():
+    for module, kpath in linears.items():
       k, n = linear_shape(cfg, module)
       prefix = f"model.layers.{i}.{module}"
       _set(layer, kpath, linear(prefix, k, n, _rope_heads(cfg, module),
@@ -236,6 +296,12 @@ def _read_params_from(ckpt, config, cfg, quant, convert) -> dict:
         _set(layer, npath, _vector(ckpt, need(f"model.layers.{i}.{name}"), cfg.head_dim,
                                    "per-head norm weight of head_dim={size} from "
                                    "config.json"))
+    if cfg.attn_sinks:
+      _set(layer, SINKS[1], _vector(ckpt, need(f"model.layers.{i}.{SINKS[0]}"),
+                                    cfg.num_heads, "one sink logit per head of "
+                                    "num_attention_heads={size} from config.json"))
+    if cfg.moe:
+      layer["moe"] = _read_experts(ckpt, i, cfg, model_type, quant, need)
     layers.append(layer)
 
   params: dict = {}
@@ -268,6 +334,167 @@ def _read_params_from(ckpt, config, cfg, quant, convert) -> dict:
   if rope_freqs is not None:
     params["rope_freqs"] = jnp.asarray(rope_freqs)
   return params
+
+
+# -------------------------------------------------------------------------------- experts
+
+
+def _float32(ckpt: sio.Checkpoint, name: str, shape: tuple[int, ...], why: str) -> jax.Array:
+  """A dense tensor of ``shape`` (a router, an expert bias) as float32."""
+  a = ckpt.get(name)
+  sio._check(name, a, shape, sio.DENSE_DTYPES, why)
+  return jnp.asarray(np.asarray(a, np.float32))
+
+
+def _router(ckpt: sio.Checkpoint, name: str, cfg: LlamaConfig) -> jax.Array:
+  """The router ``[E, hidden]`` (torch Linear) as the params' float32 ``[hidden, E]``."""
+  e, d = cfg.num_experts, cfg.hidden_size
+  return _float32(ckpt, name, (e, d), f"dense [experts={e}, hidden_size={d}] from "
+                  "config.json").T
+
+
+def _expert_stack(ckpt: sio.Checkpoint, prefixes: list[str], k: int, n: int,
+                  quant: sio.Quantization | None) -> Any:
+  """The experts ``prefixes`` (one torch Linear each, logical ``[K, N]``) as one stack
+  that :func:`qjax.moe_matmul` takes: float ones as a :class:`GGUFDense` of data ``[E, N,
+  K]`` in their stored dtype, read one at a time into the stack; GPTQ / AWQ /
+  compressed-tensors ones as an :class:`qjax.Int4Weight` stack (:func:`_int4_stack`)."""
+  first = sio.read_linear(ckpt, prefixes[0], k, n, quant)
+  if not isinstance(first, gguf_formats.GGUFDense):
+    return _int4_stack([first, *(sio.read_linear(ckpt, p, k, n, quant)
+                                 for p in prefixes[1:])], prefixes)
+  data = np.empty((len(prefixes), n, k), first.data.dtype)
+  data[0] = first.data
+  for e, prefix in enumerate(prefixes[1:], 1):
+    w = sio.read_linear(ckpt, prefix, k, n, quant)
+    if not isinstance(w, gguf_formats.GGUFDense) or w.data.dtype != data.dtype:
+      got = (np.dtype(w.data.dtype).name if isinstance(w, gguf_formats.GGUFDense)
+             else type(w).__name__)
+      raise ValueError(f"expert {prefix!r} is stored as {got} and expert {prefixes[0]!r} as "
+                       f"{data.dtype.name}; the experts of a projection stack into one "
+                       "array, which needs one dtype")
+    data[e] = w.data
+  return gguf_formats.GGUFDense(data=jnp.asarray(data), shape=(k, n))
+
+
+def _int4_stack(ws: list[Any], prefixes: list[str]) -> Any:
+  """Quantized experts as one :class:`qjax.Int4Weight` stack (each expert's lossless
+  conversion, ``kernel_layouts.convert_to``), where :func:`qjax.moe_matmul` takes one."""
+  if int4.Int4Weight not in moe_lib.MOE_FORMATS:
+    raise ValueError(f"expert {prefixes[0]!r} is quantized ({type(ws[0]).__name__}); "
+                     "qjax.moe_matmul takes no INT4 expert stack in this version, so "
+                     "quantized mixture-of-experts checkpoints are not supported: use the "
+                     "float (bf16 / fp16) checkpoint, or a GGUF file of the model")
+  out = [kernel_layouts.convert_to(w, int4.Int4Weight) for w in ws]
+  bad = next((i for i, w in enumerate(out) if not isinstance(w, int4.Int4Weight)), None)
+  if bad is not None:
+    raise ValueError(f"expert {prefixes[bad]!r} ({type(ws[bad]).__name__}) has no "
+                     "Int4Weight form (dense beside quantized experts, or GPTQ act-order), "
+                     "which an INT4 expert stack needs")
+  try:
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *out)
+  except ValueError as e:
+    raise ValueError(f"experts {prefixes[0]!r} ...: their INT4 forms do not stack ({e}); "
+                     "the experts of a projection need one group size and zero-point "
+                     "scheme") from None
+
+
+def _read_experts(ckpt: sio.Checkpoint, i: int, cfg: LlamaConfig, model_type: str,
+                  quant: sio.Quantization | None, need: Callable[[str], str]) -> dict:
+  """Layer ``i``'s ``moe`` params (:class:`flax_layers.llama.MoE`): ``router`` float32
+  ``[hidden, E]``, the ``gate`` / ``up`` stacks of logical ``(hidden, F)`` and ``down`` of
+  ``(F, hidden)``, each with a leading ``[E]`` axis (and GPT-OSS's biases)."""
+  if model_type == "gpt_oss":
+    return _gpt_oss_experts(ckpt, f"model.layers.{i}.mlp", cfg, need)
+  module, router, names = MOE_MODULES[model_type]
+  prefix = f"model.layers.{i}.{module}"
+  if f"{prefix}.{router}.bias" in ckpt:
+    raise ValueError(f"tensor {prefix + '.' + router + '.bias'!r}: qjax's {model_type} "
+                     "router has no bias")
+  dense = [n for n in (f"model.layers.{i}.mlp.{m}.weight" for m in
+                       ("gate_proj", "up_proj", "down_proj")) if n in ckpt]
+  if dense:
+    raise ValueError(f"tensor {dense[0]!r} is a dense MLP weight in a {model_type} model "
+                     f"of {cfg.num_experts} experts; qjax runs experts in every layer")
+  out = {"router": _router(ckpt, need(f"{prefix}.{router}.weight"), cfg)}
+  d, f = cfg.hidden_size, cfg.expert_ffn_size
+  for param, hf_name in names.items():
+    k, n = (f, d) if param == "down" else (d, f)
+    out[param] = _expert_stack(ckpt, [f"{prefix}.experts.{e}.{hf_name}"
+                                      for e in range(cfg.num_experts)], k, n, quant)
+  return out
+
+
+# GptOssMXFP4Weight -> the stacked MXFP4Weight the MoE kernels read (lossless), compiled
+# once per shape: eagerly, the unpacked codes' uint32 planes of a GPT-OSS-20B layer would
+# be materialized one op at a time.
+_TO_MXFP4 = jax.jit(functools.partial(kernel_layouts.convert_to, target=fp4.MXFP4Weight))
+
+
+def _gpt_oss_weight(ckpt: sio.Checkpoint, name: str, k: int, n: int, e: int) -> Any:
+  """GPT-OSS's experts ``name`` of logical ``[K, N]`` each: MXFP4 ``{name}_blocks`` ``[E,
+  N, K / 32, 16]`` / ``{name}_scales`` ``[E, N, K / 32]`` (uint8) as a
+  :class:`qjax.GptOssMXFP4Weight` as stored, or the dequantized ``{name}`` ``[E, K, N]``
+  (transformers' ``x @ W``; bf16 copies of GPT-OSS) as a :class:`GGUFDense` ``[E, N, K]``."""
+  parts = [f"{name}_blocks", f"{name}_scales"]
+  if any(p in ckpt for p in parts):
+    missing = [p for p in parts if p not in ckpt]
+    if missing:
+      raise ValueError(f"tensor {missing[0]!r} is missing from the checkpoint (the MXFP4 "
+                       f"experts {name!r} need their _blocks and _scales)")
+    if k % 32:
+      raise ValueError(f"{name}: MXFP4 experts need K={k} (from config.json) a multiple of 32")
+    why = f"MXFP4 experts of {e} x (K={k}, N={n}) from config.json"
+    for part, shape in zip(parts, [(e, n, k // 32, 16), (e, n, k // 32)]):
+      if ckpt.shape(part) != shape:  # from the header, before the data is read
+        raise ValueError(f"tensor {part!r} has shape {ckpt.shape(part)}, want {shape} "
+                         f"({why})")
+    w = gpt_oss_layout.read_gpt_oss_mxfp4(ckpt, name)
+    sio._check(parts[0], np.asarray(w.blocks), (e, n, k // 32, 16), [np.uint8], why)
+    sio._check(parts[1], np.asarray(w.scales), (e, n, k // 32), [np.uint8], why)
+    return w
+  if name not in ckpt:
+    raise ValueError(f"tensors {parts[0]!r} / {parts[1]!r} (MXFP4) or {name!r} (float) are "
+                     "missing from the checkpoint (every layer of a gpt_oss model has them)")
+  a = ckpt.get(name)
+  sio._check(name, a, (e, k, n), sio.DENSE_DTYPES,
+             f"dense [experts={e}, K={k}, N={n}] (x @ W) from config.json")
+  return gguf_formats.GGUFDense(data=np.ascontiguousarray(np.swapaxes(a, -1, -2)),
+                                shape=(k, n))
+
+
+def _gpt_oss_rows(w: Any, rows: slice) -> Any:
+  """The output rows ``rows`` of a :func:`_gpt_oss_weight` (lossless), MXFP4 ones as the
+  stacked :class:`qjax.MXFP4Weight` of :func:`qjax.moe_matmul` and its kernels."""
+  if isinstance(w, gpt_oss_layout.GptOssMXFP4Weight):
+    return _TO_MXFP4(w.output_rows(rows))
+  data = np.ascontiguousarray(w.data[..., rows, :])
+  return gguf_formats.GGUFDense(data=jnp.asarray(data), shape=(w.shape[0], data.shape[-2]))
+
+
+def _gpt_oss_experts(ckpt: sio.Checkpoint, prefix: str, cfg: LlamaConfig,
+                     need: Callable[[str], str]) -> dict:
+  """A GPT-OSS layer's ``moe`` params from ``{prefix}.router.{weight,bias}`` and
+  ``{prefix}.experts.*``: ``gate_up_proj`` (its blocks, scales and bias) split into the
+  gate (even output rows) and up (odd) stacks, as llama.cpp's converter does; the
+  biases float32 (``router_bias [E]``, ``gate_bias`` / ``up_bias [E, F]``, ``down_bias
+  [E, hidden]``)."""
+  d, f, e = cfg.hidden_size, cfg.expert_ffn_size, cfg.num_experts
+  experts = f"{prefix}.experts"
+  out = {"router": _router(ckpt, need(f"{prefix}.router.weight"), cfg),
+         "router_bias": _float32(ckpt, need(f"{prefix}.router.bias"), (e,),
+                                 f"[experts={e}] from config.json")}
+  gate_up = _gpt_oss_weight(ckpt, f"{experts}.gate_up_proj", d, 2 * f, e)
+  out["gate"], out["up"] = _gpt_oss_rows(gate_up, GATE_ROWS), _gpt_oss_rows(gate_up, UP_ROWS)
+  del gate_up
+  out["down"] = _gpt_oss_rows(_gpt_oss_weight(ckpt, f"{experts}.down_proj", f, d, e),
+                              slice(None))
+  bias = _float32(ckpt, need(f"{experts}.gate_up_proj_bias"), (e, 2 * f),
+                  f"[experts={e}, 2 x intermediate_size={f}] from config.json")
+  out["gate_bias"], out["up_bias"] = bias[:, GATE_ROWS], bias[:, UP_ROWS]
+  out["down_bias"] = _float32(ckpt, need(f"{experts}.down_proj_bias"), (e, d),
+                              f"[experts={e}, hidden_size={d}] from config.json")
+  return out
 
 
 # ------------------------------------------------------------------------------- export

@@ -78,8 +78,10 @@ ARCHITECTURE_OPTIONS: dict[str, dict[str, Any]] = {
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURE_OPTIONS)
 # Hugging Face config.json model_type -> the architecture (ARCHITECTURE_OPTIONS) it runs as.
+# Mixture-of-experts ones: mixtral (Llama's attention), qwen3_moe, gpt_oss.
 HF_MODEL_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2",
-                          "qwen3": "qwen3"}
+                          "qwen3": "qwen3", "mixtral": "llama", "qwen3_moe": "qwen3moe",
+                          "gpt_oss": "gpt-oss"}
 SUPPORTED_HF_MODEL_TYPES = tuple(HF_MODEL_ARCHITECTURES)
 
 
@@ -103,6 +105,9 @@ class YarnScaling:
       interpolation with no magnitude scaling).
     attn_factor: ``rope.scaling.attn_factor`` (llama.cpp's ``rope_attn_factor``), a
       further factor on cos and sin.
+    truncate: the correction dims rounded outwards (ggml's floor / ceil, transformers'
+      ``truncate: true``, both defaults); False keeps them fractional (transformers'
+      ``truncate: false``, GPT-OSS's config.json, as OpenAI's reference implementation).
   """
   factor: float
   original_context: int
@@ -110,6 +115,7 @@ class YarnScaling:
   beta_slow: float = 1.0
   ext_factor: float = 1.0
   attn_factor: float = 1.0
+  truncate: bool = True
 
   def __post_init__(self):
     if not (self.factor > 0 and self.original_context > 0):
@@ -117,7 +123,16 @@ class YarnScaling:
                        f"{self.original_context} must be positive")
 
   def corr_dims(self, base: float, rope_dim: int) -> tuple[float, float]:
-    """``(low, high)``: ggml_rope_yarn_corr_dims (in float32, as ggml)."""
+    """``(low, high)``: ggml_rope_yarn_corr_dims (in float32, as ggml); without
+    ``truncate``, transformers' ``find_correction_range(..., truncate=False)`` (float64,
+    not rounded)."""
+    if not self.truncate:
+      def exact(beta):
+        return rope_dim * np.log(self.original_context / (beta * 2 * np.pi)) / (
+            2 * np.log(base))
+      return (max(0.0, float(exact(self.beta_fast))),
+              min(float(rope_dim - 1), float(exact(self.beta_slow))))
+
     def dim(beta):
       f32 = np.float32
       return f32(rope_dim) * np.log(f32(self.original_context) / (f32(beta) * f32(2 * np.pi))
@@ -373,9 +388,10 @@ class LlamaConfig:
     head_dim, intermediate_size, rope_theta (or rope_parameters.rope_theta),
     rms_norm_eps, vocab_size and max_position_embeddings. Where absent (or null):
     num_key_value_heads = num_attention_heads, head_dim = hidden_size //
-    num_attention_heads (qwen3: 128, Qwen3Config's default), rope_theta 10000,
-    rms_norm_eps 1e-6, max_position_embeddings 2048 (qwen2 / qwen3: 32768); the others
-    are required. RoPE rotates the whole head (no partial rotary).
+    num_attention_heads (qwen3: 128, Qwen3Config's default), rope_theta 10000 (gpt_oss:
+    150000), rms_norm_eps 1e-6, max_position_embeddings 2048 (qwen2 / qwen3 /
+    qwen3_moe: 32768; mixtral, gpt_oss: 131072 as their configs); the others are
+    required. RoPE rotates the whole head (no partial rotary).
 
     qwen2 (Qwen2, Qwen2.5) adds q / k / v biases (always, as transformers'
     Qwen2Attention; attention_bias / mlp_bias are not read); qwen3 normalizes each q / k
@@ -384,13 +400,19 @@ class LlamaConfig:
     Their sliding window applies only with use_sliding_window=true, to the layers from
     max_window_layers on (default 28) or those layer_types marks "sliding_attention".
 
+    Mixtures of experts (:func:`_hf_expert_options`): mixtral (Llama's attention;
+    num_local_experts of intermediate_size), qwen3_moe (Qwen3's attention;
+    num_experts of moe_intermediate_size, routed in every layer), gpt_oss (GPT-OSS:
+    :func:`_hf_gpt_oss_options` reads its layer_types / sliding_window and YaRN).
+
     Llama 3.1 / 3.2's llama3 rope_scaling is accepted; its factors are params
     (:func:`hf_rope_freqs`, which ``load_hf_llama`` puts in ``rope_freqs``).
 
     Raises ValueError, naming the key, for what the model cannot run: another
-    model_type, rope scaling other than llama3, attention or MLP biases qjax has no place for, an
-    activation other than SiLU, a sliding window shorter than max_position_embeddings
-    on some layer.
+    model_type, rope scaling other than llama3 (gpt_oss: YaRN), attention or MLP biases
+    qjax has no place for, an activation other than SiLU, a sliding window shorter than
+    max_position_embeddings on some layer (but GPT-OSS's), an MoE it does not
+    implement (:func:`_hf_expert_options`).
     """
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_HF_MODEL_TYPES:
@@ -410,27 +432,23 @@ class LlamaConfig:
 
     rope = config.get("rope_parameters") or {}
     _hf_rope_scaling(config, model_type)  # refuses what hf_rope_freqs cannot give
-    if arch == "llama":
-      bias_keys = ("attention_bias", "mlp_bias")
-    else:  # transformers' Qwen2 / Qwen3 MLPs have no bias whatever mlp_bias says
-      bias_keys = ("attention_bias",) if arch == "qwen3" else ()
-    for key in bias_keys:
-      if config.get(key):
-        extra = (" (Qwen3's attention_bias adds an o_proj bias, which qjax's model lacks)"
-                 if arch == "qwen3" else "")
-        raise ValueError(f"config.json {key}=true is not supported (projections without "
-                         f"bias only){extra}")
+    _check_hf_biases(config, model_type, arch)
     act = config.get("hidden_act", "silu")
     if act != "silu":
       raise ValueError(f"config.json hidden_act={act!r} is not supported (only 'silu')")
     layers = int(get("num_hidden_layers"))
-    context = int(optional("max_position_embeddings", 2048 if arch == "llama" else 32768))
-    if arch == "llama":
+    context = int(optional("max_position_embeddings", _HF_DEFAULT_CONTEXT.get(
+        model_type, 2048 if arch == "llama" else 32768)))
+    extra: dict[str, Any] = {}
+    if arch == "gpt-oss":
+      extra = _hf_gpt_oss_options(config, layers, context)
+    elif arch == "llama":
       if config.get("sliding_window") is not None and config.get("use_sliding_window", True):
         raise ValueError(f"config.json sliding_window={config['sliding_window']} is not "
                          "supported (full attention only)")
     else:
       _check_qwen_sliding_window(config, layers, context)
+    experts = _hf_expert_options(config, model_type, layers)
     hidden = int(get("hidden_size"))
     heads = int(get("num_attention_heads"))
     default_head_dim = 128 if arch == "qwen3" else None
@@ -438,13 +456,19 @@ class LlamaConfig:
       raise ValueError(f"config.json hidden_size={hidden} is not a multiple of "
                        f"num_attention_heads={heads}, and it lacks 'head_dim'")
     head_dim = int(config.get("head_dim") or default_head_dim or hidden // max(heads, 1))
-    theta = optional("rope_theta", rope.get("rope_theta") or 10000.0)
+    theta = optional("rope_theta", rope.get("rope_theta") or (
+        150000.0 if arch == "gpt-oss" else 10000.0))
+    # An MoE config may lack the dense width, which its blocks do not use: the experts'.
+    ffn = int(optional("intermediate_size", experts.get("expert_ffn_size")) or 0)
+    if not ffn:
+      get("intermediate_size")  # raises: a dense model needs it
     return cls(
         vocab_size=int(get("vocab_size")), hidden_size=hidden, num_layers=layers,
         num_heads=heads, num_kv_heads=int(config.get("num_key_value_heads") or heads),
-        head_dim=head_dim, ffn_size=int(get("intermediate_size")), rope_base=float(theta),
+        head_dim=head_dim, ffn_size=ffn, rope_base=float(theta),
         rope_dim=head_dim, rms_eps=float(optional("rms_norm_eps", 1e-6)),
-        context_length=context, **{**ARCHITECTURE_OPTIONS[arch], **options})
+        context_length=context, **extra,
+        **{**ARCHITECTURE_OPTIONS[arch], **experts, **options})
 
 
 # Architectures whose every block is an MoE FFN (``{arch}.expert_count`` required).
@@ -605,19 +629,170 @@ def _expert_options(metadata: dict[str, Any], arch: str) -> dict[str, Any]:
   return dict(num_experts=count, experts_per_token=used, expert_ffn_size=int(width))
 
 
+# max_position_embeddings where config.json lacks it: the transformers config's default.
+_HF_DEFAULT_CONTEXT = {"mixtral": 131072, "gpt_oss": 131072}
+# GPT-OSS's YaRN where config.json names none: GptOssConfig's default rope_parameters.
+_GPT_OSS_YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                 "truncate": False, "original_max_position_embeddings": 4096}
+# GPT-OSS's clamped SwiGLU as flax_layers.moe.gated_activation runs it.
+_GPT_OSS_SWIGLU = {"swiglu_limit": moe_layers.GPT_OSS_LIMIT,
+                   "swiglu_alpha": moe_layers.GPT_OSS_ALPHA}
+
+
+def _check_hf_biases(config: dict[str, Any], model_type: str, arch: str) -> None:
+  """A ValueError naming the key where ``config.json`` asks for projection biases the
+  model does not add, or (gpt_oss) leaves out the attention biases it always adds."""
+  if arch == "gpt-oss":
+    if not config.get("attention_bias", True):
+      raise ValueError("config.json attention_bias=false is not supported for gpt_oss "
+                       "(qjax's GPT-OSS adds q / k / v / o biases)")
+    return
+  if arch == "llama":
+    bias_keys = ("attention_bias", "mlp_bias")
+  else:  # transformers' Qwen2 / Qwen3 MLPs have no bias whatever mlp_bias says
+    bias_keys = ("attention_bias",) if arch in ("qwen3", "qwen3moe") else ()
+  for key in bias_keys:
+    if config.get(key):
+      extra = (f" ({model_type}'s attention_bias adds an o_proj bias, which qjax's model "
+               "lacks)" if arch != "llama" else "")
+      raise ValueError(f"config.json {key}=true is not supported (projections without "
+                       f"bias only){extra}")
+
+
+def _hf_yarn(config: dict[str, Any]) -> YarnScaling | None:
+  """The :class:`YarnScaling` of a gpt_oss ``config.json``'s ``rope_scaling`` (or
+  ``rope_parameters``) of rope_type "yarn" (GPT-OSS's default where it names none), as
+  transformers' ``_compute_yarn_parameters`` runs it: ``factor`` (else
+  max_position_embeddings / original_max_position_embeddings), ``beta_fast`` /
+  ``beta_slow`` (32 / 1 where absent), ``truncate`` (default true); cos and sin scaled
+  by ``1 + 0.1 ln factor``. None for rope_type "default".
+
+  Raises:
+    ValueError: naming the key, for ``attention_factor`` / ``mscale`` /
+      ``mscale_all_dim`` (another magnitude), a missing original context, a factor <= 0.
+  """
+  scaling = config.get("rope_scaling") or config.get("rope_parameters") or _GPT_OSS_YARN
+  if scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+    return None
+  key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+  for name in ("attention_factor", "mscale", "mscale_all_dim"):
+    if scaling.get(name) is not None:
+      raise ValueError(f"config.json {key}.{name}={scaling[name]!r} is not supported; "
+                       "qjax's YaRN scales cos and sin by 1 + 0.1 ln factor")
+  orig = scaling.get("original_max_position_embeddings")
+  if orig is None:
+    raise ValueError(f"config.json {key} of rope_type 'yarn' lacks "
+                     "original_max_position_embeddings")
+  factor = scaling.get("factor")
+  if factor is None:
+    factor = float(config.get("max_position_embeddings") or 0) / float(orig)
+  if float(factor) <= 0:
+    raise ValueError(f"config.json {key}.factor={factor!r} must be > 0")
+  return YarnScaling(factor=float(factor), original_context=int(orig),
+                     beta_fast=float(scaling.get("beta_fast") or 32.0),
+                     beta_slow=float(scaling.get("beta_slow") or 1.0),
+                     truncate=bool(scaling.get("truncate", True)))
+
+
+def _hf_gpt_oss_options(config: dict[str, Any], layers: int, context: int
+                        ) -> dict[str, Any]:
+  """The :class:`LlamaConfig` fields of a gpt_oss ``config.json`` beyond the shapes:
+  ``yarn`` (:func:`_hf_yarn`) and the sliding window: ``sliding_window`` W on the layers
+  ``layer_types`` marks "sliding_attention" (absent: GptOssConfig's default, the even
+  layers), query ``p`` seeing keys ``p - W < s <= p`` (transformers'
+  ``sliding_window_overlay``).
+
+  Raises:
+    ValueError: naming the key, for layer_types of another length or with another
+      type, a window that is not a positive int, a swiglu_limit / swiglu_alpha other
+      than GPT-OSS's 7.0 / 1.702.
+  """
+  for key, want in _GPT_OSS_SWIGLU.items():
+    v = config.get(key)
+    if v is not None and float(v) != want:
+      raise ValueError(f"config.json {key}={v!r} is not supported; qjax's GPT-OSS experts "
+                       f"run the clamped SwiGLU of {key.split('_')[1]} {want}")
+  layer_types = config.get("layer_types")
+  if layer_types is None:
+    layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                   for i in range(layers)]
+  if not isinstance(layer_types, list) or len(layer_types) != layers:
+    raise ValueError(f"config.json layer_types must list one type per layer "
+                     f"(num_hidden_layers={layers}); it has {layer_types!r:.80}")
+  bad = [t for t in layer_types if t not in ("sliding_attention", "full_attention")]
+  if bad:
+    raise ValueError(f"config.json layer_types holds {bad[0]!r}; qjax runs "
+                     "'sliding_attention' and 'full_attention' layers")
+  slides = tuple(t == "sliding_attention" for t in layer_types)
+  window = config.get("sliding_window")
+  out: dict[str, Any] = {"yarn": _hf_yarn(config)}
+  if not any(slides) or (window is not None and int(window) >= context):
+    return out
+  if not (isinstance(window, int) and not isinstance(window, bool) and window > 0):
+    raise ValueError(f"config.json sliding_window={window!r}: the sliding_attention "
+                     "layers of layer_types need a positive int window")
+  return {**out, "sliding_window": window, "sliding_layers": slides}
+
+
+def _hf_expert_options(config: dict[str, Any], model_type: str, layers: int
+                       ) -> dict[str, Any]:
+  """The MoE fields of :class:`LlamaConfig` (``num_experts``, ``experts_per_token``,
+  ``expert_ffn_size``) of a ``config.json``; ``{}`` for a dense model_type.
+
+  What transformers runs for these: mixtral (``num_local_experts`` of
+  ``intermediate_size``; softmax over all experts, the top k, renormalized) and qwen3_moe
+  (``num_experts`` of ``moe_intermediate_size``; the same with ``norm_topk_prob``) as
+  :class:`MoE`'s routing; gpt_oss (``num_local_experts`` of ``intermediate_size``; a
+  softmax over the top k logits, which the architecture's options give).
+
+  Raises:
+    ValueError: naming the key, for what :class:`MoE` does not run: qwen3_moe with
+      norm_topk_prob false, or with dense layers (``mlp_only_layers``, or
+      ``decoder_sparse_step`` > 1); a missing expert count; num_experts_per_tok outside
+      ``[1, experts]``.
+  """
+  if model_type not in ("mixtral", "qwen3_moe", "gpt_oss"):
+    return {}
+  count_key = "num_experts" if model_type == "qwen3_moe" else "num_local_experts"
+  width_key = "moe_intermediate_size" if model_type == "qwen3_moe" else "intermediate_size"
+  for key in (count_key, width_key):
+    if config.get(key) is None:
+      raise ValueError(f"config.json lacks {key!r}, which a {model_type} model needs")
+  count, width = int(config[count_key]), int(config[width_key])
+  used = config.get("num_experts_per_tok", config.get("experts_per_token"))
+  if used is None or not (count >= 1 and 1 <= int(used) <= count):
+    raise ValueError(f"config.json num_experts_per_tok={used!r} must be in [1, "
+                     f"{count_key}={count}]: the experts each token is routed to")
+  if model_type == "qwen3_moe":
+    if not config.get("norm_topk_prob", False):
+      raise ValueError("config.json norm_topk_prob=false is not supported; qjax's MoE "
+                       "renormalizes the selected experts' weights to sum 1")
+    step = int(config.get("decoder_sparse_step") or 1)
+    dense_only = set(config.get("mlp_only_layers") or [])
+    dense = [i for i in range(layers) if i in dense_only or (i + 1) % step]
+    if dense:
+      raise ValueError(f"config.json mlp_only_layers={sorted(dense_only)} / "
+                       f"decoder_sparse_step={step} make layer(s) "
+                       f"{', '.join(map(str, dense[:4]))}{', ...' if len(dense) > 4 else ''} "
+                       "dense; qjax's MoE models have experts in every layer")
+  return dict(num_experts=count, experts_per_token=int(used), expert_ffn_size=width)
+
+
 def _hf_rope_scaling(config: dict[str, Any], model_type: str) -> dict[str, Any] | None:
   """The llama3 ``rope_scaling`` (or transformers 5's ``rope_parameters``) of a
-  ``config.json``, None where RoPE is unscaled; a ValueError naming the key for another
-  rope_type, or llama3 on a model_type other than llama."""
+  ``config.json``, None where RoPE is unscaled or (gpt_oss) YaRN (:func:`_hf_yarn`); a
+  ValueError naming the key for another rope_type, llama3 on a model_type other than
+  llama, or YaRN on one other than gpt_oss."""
   rope = config.get("rope_parameters") or {}
   scaling = config.get("rope_scaling") or {}
   rope_type = scaling.get("rope_type", scaling.get("type")) or rope.get("rope_type")
   key = "rope_scaling" if scaling else "rope_parameters"
-  if rope_type in (None, "default"):
+  if rope_type in (None, "default") or (rope_type == "yarn" and model_type == "gpt_oss"):
     return None
   if rope_type != "llama3" or model_type != "llama":
     raise ValueError(f"config.json {key} of rope_type {rope_type!r} is not supported "
-                     f"for model_type {model_type!r} (unscaled RoPE, or llama3 for llama)")
+                     f"for model_type {model_type!r} (unscaled RoPE, llama3 for llama, yarn "
+                     "for gpt_oss)")
   params = scaling or rope
   missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor",
                          "original_max_position_embeddings") if params.get(k) is None]

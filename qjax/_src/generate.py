@@ -306,10 +306,13 @@ def _safetensors_data_bytes(folder: str) -> int:
 
 def _load_hf_model(args, folder: str, dtype: Any, implementation: str | None):
   """``(plan, params, implementation name, checkpoint tensor bytes)`` of a Hugging Face
-  Llama checkpoint folder (dense, GPTQ, AWQ or compressed-tensors safetensors, with its
-  ``tokenizer.json``): config.json, the tokenizer and the prompt are checked before any
+  Llama-family checkpoint folder (dense, GPTQ, AWQ or compressed-tensors safetensors, with
+  its ``tokenizer.json``; mixtures of experts: GPT-OSS's MXFP4 experts, Qwen3-MoE's and
+  Mixtral's float ones): config.json, the tokenizer and the prompt are checked before any
   tensor is read; on a device whose kernels run, each projection takes the layout of the
-  fastest one (:func:`qjax.kernel_layouts`, lossless) as it is read."""
+  fastest one (:func:`qjax.kernel_layouts`, lossless) as it is read. The experts load as
+  ``hf_checkpoint.load_hf_llama`` stacks them (GPT-OSS's as the stacked MXFP4Weight the
+  MoE kernels read) and the name line says what runs them, as for a GGUF file."""
   import qjax  # pylint: disable=g-import-not-at-top
   from flax_layers import hf_checkpoint  # pylint: disable=g-import-not-at-top
   from flax_layers import llama  # pylint: disable=g-import-not-at-top
@@ -321,7 +324,7 @@ def _load_hf_model(args, folder: str, dtype: Any, implementation: str | None):
   cfg = llama.LlamaConfig.from_hf_config(config, dtype=dtype, implementation=implementation)
   plan = _prompt_plan(args, cfg, hf_tokenizer.tokenizer_from_hf(folder))
   kernels = _kernel_layouts(implementation) is not None
-  quant = safetensors_io.parse_quantization(config)
+  quant = hf_checkpoint.parse_quantization(config)
   # Under act-order a layer whose g_idx is trivial has an Int4Weight and the others not:
   # GPTQ weights stay as stored there, so that the layers stack alike for the scan.
   act_order = quant is not None and (quant.desc_act or any(
@@ -339,6 +342,8 @@ def _load_hf_model(args, folder: str, dtype: Any, implementation: str | None):
                                           dtype=dtype, implementation=implementation)
   q = params["params"]["blocks"]["attn"]["q"]["kernel"]
   impl_name = _impl_name(qjax.layer_of(q, 0), implementation, cfg.dtype)
+  if cfg.moe:  # the experts as loaded: MXFP4Weight (GPT-OSS) or float stacks
+    impl_name += f"; experts: {_moe_impl_name(params, cfg, implementation)}"
   return plan, params, impl_name, _safetensors_data_bytes(folder)
 
 

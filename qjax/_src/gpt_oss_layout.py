@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -94,6 +95,14 @@ class GptOssMXFP4Weight(formats.QuantizedWeight):
                            scales=jnp.swapaxes(jnp.asarray(self.scales), -1, -2),
                            shape=self.shape, tile_k=tile_k)
 
+  def output_rows(self, index: slice) -> "GptOssMXFP4Weight":
+    """The weight of the output rows (columns ``n`` of ``W``) that ``index`` selects, e.g.
+    ``slice(0, None, 2)`` for the gate half of GPT-OSS's interleaved ``gate_up_proj``
+    (lossless: the rows' blocks and scales as stored)."""
+    blocks = self.blocks[..., index, :, :]
+    return GptOssMXFP4Weight(blocks=blocks, scales=self.scales[..., index, :],
+                             shape=(self.shape[0], blocks.shape[-3]))
+
   @classmethod
   def from_mxfp4(cls, w: fp4.MXFP4Weight) -> "GptOssMXFP4Weight":
     """The inverse of :meth:`to_mxfp4` (for writing checkpoints and for tests)."""
@@ -108,13 +117,14 @@ class GptOssMXFP4Weight(formats.QuantizedWeight):
                shape=w.shape)
 
 
-def read_gpt_oss_mxfp4(path: str | os.PathLike, name: str) -> GptOssMXFP4Weight:
+def read_gpt_oss_mxfp4(path: Any, name: str) -> GptOssMXFP4Weight:
   """Reads ``{name}_blocks`` and ``{name}_scales`` from a safetensors checkpoint as stored.
 
   Args:
     path: a ``.safetensors`` file, or a checkpoint folder (``model.safetensors``, or the
       shards named by ``model.safetensors.index.json``, as GPT-OSS ships them; the two
-      tensors may lie in different shards).
+      tensors may lie in different shards), or an open
+      :class:`qjax._src.safetensors_io.Checkpoint` of one.
     name: the tensor name without the suffix, e.g.
       ``model.layers.0.mlp.experts.down_proj``.
 
@@ -127,8 +137,8 @@ def read_gpt_oss_mxfp4(path: str | os.PathLike, name: str) -> GptOssMXFP4Weight:
     ValueError: a bad file, index or shape, naming it.
   """
   from qjax._src import safetensors_io as sio  # pylint: disable=g-import-not-at-top
-  ckpt = sio.Checkpoint(path)
-  where = os.fspath(path)
+  ckpt = path if isinstance(path, sio.Checkpoint) else sio.Checkpoint(path)
+  where = os.fspath(ckpt.folder if isinstance(path, sio.Checkpoint) else path)
   missing = [s for s in (f"{name}_blocks", f"{name}_scales") if s not in ckpt]
   if missing:
     near = sorted(k for k in ckpt.names() if k.endswith(("_blocks", "_scales")))[:8]
