@@ -252,14 +252,8 @@ def accumulate(plan: Plan, pid_k, load_words, load_x, load_scale) -> jax.Array:
                   use_ptx=plan.use_ptx)
     return acc
 
-  def step(i, carry):
-    ahead, acc = carry
-    return ahead[1:] + (fetch(i + plan.depth),), compute(ahead[0], acc)
-
-  first = tuple(fetch(d) for d in range(plan.depth))
-  _, acc = lax.fori_loop(0, plan.steps, step,
-                         (first, jnp.zeros((_SLAB, plan.block_n), _f32)))
-  return acc
+  return int4_gemv.prefetched_loop(plan.steps, plan.depth, fetch, compute,
+                                   jnp.zeros((_SLAB, plan.block_n), _f32))
 
 
 def _gemv_kernel(xt_ref, w_ref, s_ref, g_ref, o_ref, *, plan: Plan):

@@ -6,10 +6,10 @@ accumulation, output in the activations' dtype.
 
 How: the pairs are sorted by expert in XLA (:func:`qjax._src.moe.group_by_expert`) and
 their activation rows gathered into that order; one ``pallas_call`` then runs a grid of
-``(column block, row tile, K split)`` programs. Row tile ``i`` reads its expert, first
-and end sorted row from three int32 tables (loaded as scalars by program id); its rows
-past the group's end are masked on load and store, and empty tiles (the table has a static
-length) return at once. Each program reads only its expert's codes and scales and
+``(column block, row tile, K split)`` programs (:mod:`pallas_kernels.moe_common`, shared
+with the INT4 MoE kernel). Row tile ``i`` reads its expert, first and end sorted row from
+three int32 tables (loaded as scalars by program id); its rows past the group's end are
+masked on load and store, and empty tiles (the table has a static length) return at once. Each program reads only its expert's codes and scales and
 dequantizes them in registers exactly as the dense FP4 kernel does
 (:func:`pallas_kernels.fp4_matmul.accumulate_k_tile`), so unselected experts' weights are
 never read and no dequantized expert is written to memory. The products, in sorted order,
@@ -27,22 +27,19 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from qjax import KernelConfig
 from qjax import MXFP4Weight
-from qjax._src import moe
 from qjax._src import packing
 from pallas_kernels import common
 from pallas_kernels import fp4_codec
 from pallas_kernels import fp4_matmul
 from pallas_kernels import int4_matmul
+from pallas_kernels import moe_common
 
-# Programs a launch aims for (about two per SM of an H100), as the dense heuristic.
-_TARGET_PROGRAMS = 256
+# The tiling the grouped MoE kernels share (MXFP4 and INT4).
+heuristic_config = moe_common.grouped_heuristic_config
 
 
 def _moe_kernel(tile_expert_ref, tile_start_ref, tile_end_ref, x_ref, w_ref, s_ref, o_ref,
@@ -58,68 +55,34 @@ def _moe_kernel(tile_expert_ref, tile_start_ref, tile_end_ref, x_ref, w_ref, s_r
     o_ref: ``[R + block_m, N]`` in x's dtype (split_k == 1) or ``[split_k, R + block_m, N]``
       float32.
   """
-  pid_n, pid_t, pid_k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  expert = tile_expert_ref[pid_t]
-  row0 = tile_start_ref[pid_t]
-  row_end = tile_end_ref[pid_t]
-  n = w_ref.shape[2]
+  tile = moe_common.GroupedTile(tile_expert_ref, tile_start_ref, tile_end_ref,
+                                n=w_ref.shape[2], k=k, tile_k=tile_k, block_m=block_m,
+                                block_n=block_n)
+  expert, n0 = tile.expert, tile.n0
   num_blocks = s_ref.shape[1]
-  n0 = pid_n * block_n
-  m_mask = (row0 + jnp.arange(block_m)) < row_end
-  n_mask = (n0 + jnp.arange(block_n)) < n
-  n_ragged, k_ragged = n % block_n != 0, k % tile_k != 0
   slab = tile_k // 8
   block_size = MXFP4Weight.block_size
   decode, factor = fp4_matmul.scale_decoder("e8m0", use_ptx=ptx_scales)
 
-  def load_x(k0):
-    x_mask = m_mask[:, None]
-    if k_ragged:
-      x_mask = x_mask & ((k0 + jnp.arange(slab)) < k)[None, :]
-    return plgpu.load(x_ref.at[pl.ds(row0, block_m), pl.ds(k0, slab)], mask=x_mask, other=0)
-
   def load_scale(g):
-    s_mask = n_mask[None, :] & (g < num_blocks) if (n_ragged or k_ragged) else None
-    return common.load(s_ref.at[expert, pl.ds(g, 1), pl.ds(n0, block_n)], s_mask)
+    return common.load(s_ref.at[expert, pl.ds(g, 1), pl.ds(n0, block_n)],
+                       tile.group_mask(g, num_blocks))
 
   def step(i, acc):
-    k_step = (pid_k * steps_per_split + i) * block_k
+    k_step = (tile.pid_k * steps_per_split + i) * block_k
     for t in range(block_k // tile_k):
       k_tile = k_step + t * tile_k
       words = common.load(
           w_ref.at[expert, pl.ds(k_tile // 8, slab), pl.ds(n0, block_n)],
-          mask=n_mask[None, :] if n_ragged else None)
+          mask=tile.n_mask[None, :] if tile.n_ragged else None)
       acc = fp4_matmul.accumulate_k_tile(
-          acc, words, load_x, load_scale, k_tile=k_tile, tile_k=tile_k,
-          block_size=block_size, dtype=x_ref.dtype, decode=decode, paired=paired,
-          precision=precision)
+          acc, words, lambda k0: tile.load_x(x_ref, k0), load_scale, k_tile=k_tile,
+          tile_k=tile_k, block_size=block_size, dtype=x_ref.dtype, decode=decode,
+          paired=paired, precision=precision)
     return acc
 
-  @pl.when(row_end > row0)
-  def _():
-    acc = lax.fori_loop(0, steps_per_split, step, jnp.zeros((block_m, block_n), jnp.float32))
-    acc = acc * factor  # the decoder's constant factor, once per output
-    common.store_tile(o_ref, acc, m0=row0, n0=n0, block_m=block_m, block_n=block_n,
-                      pid_k=pid_k, split_k=split_k, mask=m_mask[:, None] & n_mask[None, :])
-
-
-def heuristic_config(num_pairs: int, num_experts: int, k: int, n: int) -> KernelConfig:
-  """Tiling for ``num_pairs`` rows spread over up to ``num_experts`` experts.
-
-  Row blocks fit the expected group size (16 for decode, up to 64 for prefill); narrow
-  column blocks and split-K give small launches enough programs to keep the GPU busy.
-  """
-  active = min(num_experts, num_pairs)
-  per_expert = -(-num_pairs // active)
-  block_m = min(64, max(16, int4_matmul._next_pow2(per_expert)))
-  block_n = 64 if n >= 2048 else 32
-  cols = -(-n // block_n)
-  tiles = moe.max_row_tiles(num_pairs, num_experts, block_m)
-  k_tiles = -(-k // packing.NATIVE_TILE_K)
-  split_k = max(1, min(-(-_TARGET_PROGRAMS // (cols * tiles)), k_tiles))
-  block_k = 256 if k_tiles // split_k >= 2 else 128
-  return KernelConfig(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k,
-                      num_warps=4, num_stages=4 if block_m <= 16 else 3)
+  # The decoder's constant factor, once per output.
+  tile.run(o_ref, step, steps=steps_per_split, split_k=split_k, finish=lambda a: a * factor)
 
 
 def mxfp4_moe_matmul(rows: jax.Array, w: MXFP4Weight, pair_rows: jax.Array,
@@ -147,21 +110,14 @@ def mxfp4_moe_matmul(rows: jax.Array, w: MXFP4Weight, pair_rows: jax.Array,
   if config is None:
     config = heuristic_config(p, num_experts, k, n)
   config = int4_matmul.legalize(config, k, w.tile_k)
-  block_m, split_k = config.block_m, config.split_k
+  split_k = config.split_k
   steps = w.codes.shape[1] * 8 // config.block_k
-  pair_experts, valid = moe.checked_experts(pair_experts, num_experts)
-  groups = moe.group_by_expert(pair_experts, num_experts, block_m)
-  # Rows in expert order, plus block_m zero rows so every tile's block stays in bounds.
-  x = jnp.pad(rows[pair_rows[groups.order]], ((0, block_m), (0, 0)))
-  padded = p + block_m
   kernel = functools.partial(
-      _moe_kernel, k=k, tile_k=w.tile_k, block_m=block_m, block_n=config.block_n,
+      _moe_kernel, k=k, tile_k=w.tile_k, block_m=config.block_m, block_n=config.block_n,
       block_k=config.block_k, steps_per_split=steps // split_k, split_k=split_k,
       paired=fp4_matmul.paired_decode(rows.dtype, config.block_n, config.num_warps, interpret),
       ptx_scales=fp4_codec.use_ptx_scales(config.block_n, interpret),
       precision=common.dot_precision(rows.dtype, interpret))
-  args = [groups.tile_experts, groups.tile_starts, groups.tile_ends, x, w.codes, w.scales]
-  out = common.launch(kernel, args, m=padded, n=n, dtype=rows.dtype, config=config,
-                      interpret=interpret, poison=poison, name="qjax_mxfp4_moe_matmul",
-                      grid_m=groups.tile_experts.shape[0])
-  return moe.nan_rows(out[moe.inverse_permutation(groups.order)], valid)
+  return moe_common.grouped_launch(
+      kernel, rows, pair_rows, pair_experts, [w.codes, w.scales], num_experts=num_experts,
+      n=n, config=config, interpret=interpret, poison=poison, name="qjax_mxfp4_moe_matmul")

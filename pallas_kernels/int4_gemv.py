@@ -29,6 +29,7 @@ Interpret mode (CPU tests) evaluates the same formulas with JAX ops.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -144,46 +145,61 @@ def _weighted_sum(xs, weights, interpret):
   return out
 
 
-def _gemv_kernel(xt_ref, w_ref, s_ref, z_ref, b_ref, o_ref, *, k, group_size, block_n,
-                 tiles_per_step, steps, split_k, depth, interpret):
-  """One ``[1, block_n]`` output slice over ``steps * tiles_per_step`` K-tiles.
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Static parameters of one GEMV launch's K loop.
 
-  Refs: xt ``[K, 1]``; w ``[Kp // 8, N]`` uint32 (tile order 128); s / z / b
-  ``[num_groups, N]`` (z, b may be None); o ``[1, N]`` or ``[split_k, 1, N]`` float32.
+  Attributes:
+    k: logical K.
+    group_size: rows per scale group (K for one group per column).
+    block_n: output columns per program.
+    tiles_per_step: 128-row K-tiles per loop step.
+    steps: loop steps per program (one K split).
+    depth: loop steps the loads run ahead (0: none).
+    interpret: the JAX-op formulas instead of inline PTX.
   """
-  pid_n, pid_k = pl.program_id(0), pl.program_id(2)
-  n = w_ref.shape[1]
-  num_groups = s_ref.shape[0]
-  n0 = pid_n * block_n
-  n_mask = (n0 + jnp.arange(block_n)) < n
-  n_ragged, k_ragged = n % block_n != 0, k % _TILE_K != 0
-  planes_per_group = 8 if group_size >= k else min(8, group_size // _SLAB)
-  chunks = [tuple(range(c, c + planes_per_group)) for c in range(0, 8, planes_per_group)]
+  k: int
+  group_size: int
+  block_n: int
+  tiles_per_step: int
+  steps: int
+  depth: int
+  interpret: bool
 
-  def group_row(ref, g):
-    mask = (n_mask[None, :] & (g < num_groups)) if (n_ragged or k_ragged) else None
-    return common.load(ref.at[pl.ds(g, 1), pl.ds(n0, block_n)], mask).astype(_f32)
+  @property
+  def chunks(self) -> list[tuple[int, ...]]:
+    """The nibble planes of a word that share a group row."""
+    per_group = 8 if self.group_size >= self.k else min(8, self.group_size // _SLAB)
+    return [tuple(range(c, c + per_group)) for c in range(0, 8, per_group)]
+
+
+def accumulate(plan: Plan, pid_k, load_words, load_x, load_group) -> jax.Array:
+  """The K loop of one program: ``[16, block_n]`` float32 partial sums over K split
+  ``pid_k`` (``steps * tiles_per_step`` K-tiles), loads running ``depth`` steps ahead.
+
+  The loaders give one K-tile's operands (masked as the caller needs):
+    load_words(t): ``[16, block_n]`` uint32 code words of K-tile ``t``.
+    load_x(row): ``[16, 1]`` float32 x values of rows ``row .. row + 15`` (0 past K).
+    load_group(g): ``(scales, zeros, biases)`` of group row ``g``, each ``[1, block_n]``
+      float32 or None where the weight has no such field (finite past the last group).
+
+  Summing the result over its first axis gives the program's ``[1, block_n]`` output.
+  """
+  steps, interpret = plan.steps, plan.interpret
+  chunks = plan.chunks
 
   def fetch(i):
     """Words, x planes and group rows of loop step ``i`` (clamped: the prefetch past the
     last step re-reads it)."""
     i = jnp.minimum(i, steps - 1)
     data = []
-    for u in range(tiles_per_step):
-      t = (pid_k * steps + i) * tiles_per_step + u
-      words = common.load(w_ref.at[pl.ds(t * _SLAB, _SLAB), pl.ds(n0, block_n)],
-                          n_mask[None, :] if n_ragged else None)
-      xs = []
-      for j in range(8):
-        row = t * _TILE_K + j * _SLAB
-        mask = ((row + jnp.arange(_SLAB)) < k)[:, None] if k_ragged else None
-        xs.append(common.load(xt_ref.at[pl.ds(row, _SLAB), pl.ds(0, 1)], mask).astype(_f32))
-      rows = []
-      for planes in chunks:
-        g = (t * _TILE_K + planes[0] * _SLAB) // group_size
-        rows.append(tuple(group_row(r, g) if r is not None else None
-                          for r in (s_ref, z_ref, b_ref)))
-      data.append((words, tuple(xs), tuple(rows)))
+    for u in range(plan.tiles_per_step):
+      t = (pid_k * steps + i) * plan.tiles_per_step + u
+      words = load_words(t)
+      xs = tuple(load_x(t * _TILE_K + j * _SLAB) for j in range(8))
+      rows = tuple(load_group((t * _TILE_K + planes[0] * _SLAB) // plan.group_size)
+                   for planes in chunks)
+      data.append((words, xs, rows))
     return tuple(data)
 
   def compute(data, acc):
@@ -203,14 +219,54 @@ def _gemv_kernel(xt_ref, w_ref, s_ref, z_ref, b_ref, o_ref, *, k, group_size, bl
           acc = acc + xsum * b
     return acc
 
-  acc = jnp.zeros((_SLAB, block_n), _f32)
-  if depth:
-    def step(i, carry):
-      ahead, acc = carry
-      return ahead[1:] + (fetch(i + depth),), compute(ahead[0], acc)
-    _, acc = lax.fori_loop(0, steps, step, (tuple(fetch(d) for d in range(depth)), acc))
-  else:
-    acc = lax.fori_loop(0, steps, lambda i, a: compute(fetch(i), a), acc)
+  return prefetched_loop(steps, plan.depth, fetch, compute,
+                         jnp.zeros((_SLAB, plan.block_n), _f32))
+
+
+def prefetched_loop(steps: int, depth: int, fetch, compute, acc):
+  """``acc = compute(fetch(i), acc)`` for ``i < steps``, each step's loads issued
+  ``depth`` steps ahead and carried in registers (Triton does not software-pipeline loads
+  that feed no dot; 0: no prefetch). ``fetch`` must clamp the steps past the last."""
+  if not depth:
+    return lax.fori_loop(0, steps, lambda i, a: compute(fetch(i), a), acc)
+
+  def step(i, carry):
+    ahead, acc = carry
+    return ahead[1:] + (fetch(i + depth),), compute(ahead[0], acc)
+  _, acc = lax.fori_loop(0, steps, step, (tuple(fetch(d) for d in range(depth)), acc))
+  return acc
+
+
+def _gemv_kernel(xt_ref, w_ref, s_ref, z_ref, b_ref, o_ref, *, plan: Plan, split_k: int):
+  """One ``[1, block_n]`` output slice over ``steps * tiles_per_step`` K-tiles.
+
+  Refs: xt ``[K, 1]``; w ``[Kp // 8, N]`` uint32 (tile order 128); s / z / b
+  ``[num_groups, N]`` (z, b may be None); o ``[1, N]`` or ``[split_k, 1, N]`` float32.
+  """
+  pid_n, pid_k = pl.program_id(0), pl.program_id(2)
+  n = w_ref.shape[1]
+  num_groups = s_ref.shape[0]
+  block_n = plan.block_n
+  n0 = pid_n * block_n
+  n_mask = (n0 + jnp.arange(block_n)) < n
+  n_ragged, k_ragged = n % block_n != 0, plan.k % _TILE_K != 0
+
+  def group_row(ref, g):
+    mask = (n_mask[None, :] & (g < num_groups)) if (n_ragged or k_ragged) else None
+    return common.load(ref.at[pl.ds(g, 1), pl.ds(n0, block_n)], mask).astype(_f32)
+
+  def load_words(t):
+    return common.load(w_ref.at[pl.ds(t * _SLAB, _SLAB), pl.ds(n0, block_n)],
+                       n_mask[None, :] if n_ragged else None)
+
+  def load_x(row):
+    mask = ((row + jnp.arange(_SLAB)) < plan.k)[:, None] if k_ragged else None
+    return common.load(xt_ref.at[pl.ds(row, _SLAB), pl.ds(0, 1)], mask).astype(_f32)
+
+  def load_group(g):
+    return tuple(group_row(r, g) if r is not None else None for r in (s_ref, z_ref, b_ref))
+
+  acc = accumulate(plan, pid_k, load_words, load_x, load_group)
   out = jnp.sum(acc, axis=0, keepdims=True)  # [1, bn]
   common.store_tile(o_ref, out, m0=0, n0=n0, block_m=1, block_n=block_n, pid_k=pid_k,
                     split_k=split_k, mask=n_mask[None, :] if n_ragged else None)
@@ -316,10 +372,9 @@ def int4_gemv(x: jax.Array, w: Int4Weight, *, config: KernelConfig | None = None
   config = KernelConfig(block_m=1, block_n=config.block_n, block_k=_TILE_K * tps,
                         split_k=split, num_warps=config.num_warps,
                         num_stages=max(1, config.num_stages))
-  kernel = functools.partial(
-      _gemv_kernel, k=k, group_size=w.group_size, block_n=config.block_n,
-      tiles_per_step=tps, steps=steps, split_k=split, depth=min(config.num_stages, steps),
-      interpret=interpret)
+  plan = Plan(k=k, group_size=w.group_size, block_n=config.block_n, tiles_per_step=tps,
+              steps=steps, depth=min(config.num_stages, steps), interpret=interpret)
+  kernel = functools.partial(_gemv_kernel, plan=plan, split_k=split)
   # Triton's own pipeliner does nothing for these loads; the prefetch depth is ours.
   launch_config = KernelConfig(block_m=1, block_n=config.block_n, block_k=config.block_k,
                                split_k=split, num_warps=config.num_warps, num_stages=1)

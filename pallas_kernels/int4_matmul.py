@@ -82,6 +82,14 @@ def pairs_fit(slab: int, block_n: int, num_warps: int) -> bool:
   return (slab * block_n) % (64 * num_warps) == 0
 
 
+def paired_decode(block_n: int, num_warps: int, interpret: bool) -> bool:
+  """Whether slabs of kernel-native words decode two weights per inline-PTX instance
+  (:func:`_pair_ptx`; bf16 / f16 x only, :func:`_slab_to_float`): compiled kernels whose
+  threads each hold an even share of a ``[16, block_n]`` words tile."""
+  return (PAIRED_PTX and not interpret
+          and pairs_fit(packing.NATIVE_TILE_K // 8, block_n, num_warps))
+
+
 def _slab_to_float(words: jax.Array, nibble: int, dtype,
                    paired: bool) -> tuple[jax.Array, float]:
   """Nibble ``nibble`` of every word ``[R, C]`` uint32 -> (C + q in ``dtype``, C), exactly;
@@ -144,6 +152,66 @@ def x_sum_total(xpart: jax.Array, by_dot: bool) -> jax.Array:
   return xpart if by_dot else jnp.sum(xpart, axis=1, keepdims=True)
 
 
+def accumulate_k_step(acc, k_step, load_words, load_x, load_group, *, k, group_size,
+                      tile_k, block_m, block_n, block_k, dtype, has_zeros, has_biases,
+                      paired, by_dot, precision):
+  """``acc + x[:, k_step : k_step + block_k] @ W[k_step : k_step + block_k, cols]``.
+
+  The dequantize-in-registers step every tiled INT4 kernel shares (the dense one here, the
+  grouped MoE kernel): each slab of the packed words becomes ``C + q`` in x's dtype
+  (:func:`_slab_to_float`) and is multiplied against its ``[block_m, slab]`` slice of x;
+  the constant, the zero point or bias and the group scale are applied to each chunk's f32
+  partial product after the dots (module doc).
+
+  Args:
+    acc: ``[block_m, block_n]`` float32.
+    k_step: first K row of the step (traced).
+    load_words: ``load_words(k_tile) -> [tile_k // 8, block_n]`` uint32 code words of the
+      K-tile starting at row ``k_tile`` (tile order ``tile_k``).
+    load_x: ``load_x(k0) -> [block_m, tile_k // 8]`` activations of rows ``k0 ..``,
+      loaded from the ref (with the caller's masks: 0 past K).
+    load_group: ``load_group(g) -> [scales, zeros or biases]``, ``[1, block_n]`` rows of
+      group ``g`` (only the scales when symmetric; finite past the last group).
+    has_zeros, has_biases: the weight's form (neither: symmetric, ``z = 8``).
+    dtype: the activations' dtype (the dots run in it).
+    paired, by_dot, precision: see :func:`pairs_fit`, :func:`sum_by_dot`,
+      :func:`pallas_kernels.common.dot_precision`.
+  """
+  slab = tile_k // 8
+  # Rows of one step that share a scale row (all of them for one group per column): a
+  # common divisor of group and step, so that no chunk straddles two groups (48-row groups
+  # in 128-row steps give 16-row chunks).
+  chunk = block_k if group_size >= k else math.gcd(group_size, block_k)
+  # The step's scale rows are loaded first, so that their latency overlaps the slabs.
+  tables = [load_group((k_step + c * chunk) // group_size) for c in range(block_k // chunk)]
+  words = {}
+  for c in range(block_k // chunk):
+    k_chunk = k_step + c * chunk
+    part = jnp.zeros((block_m, block_n), jnp.float32)
+    xpart = x_sum_start(block_m, block_n, slab, by_dot)
+    offset = 0.0
+    for p in range(chunk // slab):
+      row = c * chunk + p * slab  # row of the step at which this slab starts
+      t, j = row // tile_k, (row % tile_k) // slab
+      if t not in words:
+        words[t] = load_words(k_step + t * tile_k)
+      wq, offset = _slab_to_float(words[t], j, dtype, paired)
+      xs = load_x(k_chunk + p * slab)
+      part += plgpu.dot(xs, wq, precision=precision)  # = x_slab @ (C + q_slab), f32
+      xpart = x_sum_add(xpart, xs, by_dot)
+    xsum = x_sum_total(xpart, by_dot)
+    s = tables[c][0].astype(jnp.float32)
+    if has_biases:
+      acc += part * s + xsum * (tables[c][1].astype(jnp.float32) - offset * s)
+      continue
+    if not has_zeros:
+      z = jnp.float32(8.0 + offset)
+    else:
+      z = tables[c][1].astype(jnp.float32) + offset
+    acc += (part - xsum * z) * s
+  return acc
+
+
 def _int4_kernel(x_ref, w_ref, s_ref, z_ref, b_ref, o_ref, *, m, k, group_size, tile_k,
                  block_m, block_n, block_k, steps_per_split, split_k, paired,
                  by_dot, precision):
@@ -167,56 +235,34 @@ def _int4_kernel(x_ref, w_ref, s_ref, z_ref, b_ref, o_ref, *, m, k, group_size, 
   # Masks along the contiguous axis keep Triton from vectorizing: only where ragged.
   m_ragged, n_ragged, k_ragged = m % block_m != 0, n % block_n != 0, k % tile_k != 0
   slab = tile_k // 8
-  # Rows of one step that share a scale row (all of them for one group per column): a
-  # common divisor of group and step, so that no chunk straddles two groups (48-row groups
-  # in 128-row steps give 16-row chunks).
-  chunk = block_k if group_size >= k else math.gcd(group_size, block_k)
 
   def row_mask(g):
     if not (n_ragged or k_ragged):
       return None
     return n_mask[None, :] & (g < num_groups)
 
+  def load_group(g):
+    return [_load(r.at[pl.ds(g, 1), pl.ds(n0, block_n)], row_mask(g))
+            for r in (s_ref, z_ref, b_ref) if r is not None]
+
+  def load_words(k_tile):
+    return _load(w_ref.at[pl.ds(k_tile // 8, slab), pl.ds(n0, block_n)],
+                 mask=n_mask[None, :] if n_ragged else None)
+
+  def load_x(k0):
+    x_mask = m_mask[:, None] if m_ragged else None
+    if k_ragged:
+      kx = ((k0 + jnp.arange(slab)) < k)[None, :]
+      x_mask = kx if x_mask is None else x_mask & kx
+    return _load(x_ref.at[pl.ds(m0, block_m), pl.ds(k0, slab)], x_mask)
+
   def step(i, acc):
     k_step = (pid_k * steps_per_split + i) * block_k
-    # The step's scale rows are loaded first, so that their latency overlaps the slabs.
-    tables = []
-    for c in range(block_k // chunk):
-      g = (k_step + c * chunk) // group_size
-      tables.append([_load(r.at[pl.ds(g, 1), pl.ds(n0, block_n)], row_mask(g))
-                     for r in (s_ref, z_ref, b_ref) if r is not None])
-    words = {}
-    for c in range(block_k // chunk):
-      k_chunk = k_step + c * chunk
-      part = jnp.zeros((block_m, block_n), jnp.float32)
-      xpart = x_sum_start(block_m, block_n, slab, by_dot)
-      offset = 0.0
-      for p in range(chunk // slab):
-        row = c * chunk + p * slab  # row of the step at which this slab starts
-        t, j = row // tile_k, (row % tile_k) // slab
-        if t not in words:
-          words[t] = _load(
-              w_ref.at[pl.ds((k_step + t * tile_k) // 8, slab), pl.ds(n0, block_n)],
-              mask=n_mask[None, :] if n_ragged else None)
-        wq, offset = _slab_to_float(words[t], j, x_ref.dtype, paired)
-        x_mask = m_mask[:, None] if m_ragged else None
-        if k_ragged:
-          kx = ((k_chunk + p * slab + jnp.arange(slab)) < k)[None, :]
-          x_mask = kx if x_mask is None else x_mask & kx
-        xs = _load(x_ref.at[pl.ds(m0, block_m), pl.ds(k_chunk + p * slab, slab)], x_mask)
-        part += plgpu.dot(xs, wq, precision=precision)  # = x_slab @ (C + q_slab), f32
-        xpart = x_sum_add(xpart, xs, by_dot)
-      xsum = x_sum_total(xpart, by_dot)
-      s = tables[c][0].astype(jnp.float32)
-      if b_ref is not None:
-        acc += part * s + xsum * (tables[c][1].astype(jnp.float32) - offset * s)
-        continue
-      if z_ref is None:
-        z = jnp.float32(8.0 + offset)
-      else:
-        z = tables[c][1].astype(jnp.float32) + offset
-      acc += (part - xsum * z) * s
-    return acc
+    return accumulate_k_step(
+        acc, k_step, load_words, load_x, load_group, k=k, group_size=group_size,
+        tile_k=tile_k, block_m=block_m, block_n=block_n, block_k=block_k,
+        dtype=x_ref.dtype, has_zeros=z_ref is not None, has_biases=b_ref is not None,
+        paired=paired, by_dot=by_dot, precision=precision)
 
   acc = lax.fori_loop(0, steps_per_split, step, jnp.zeros((block_m, block_n), jnp.float32))
   out_mask = m_mask[:, None] & n_mask[None, :] if (m_ragged or n_ragged) else None
@@ -278,6 +324,16 @@ def legalize(config: KernelConfig, k: int, tile_k: int) -> KernelConfig:
   return dataclasses.replace(config, block_k=block_k, split_k=split_k)
 
 
+def declines(w: Int4Weight, dtype=None) -> str | None:
+  """Why the kernel cannot run ``w``, or None (``qjax.Backend.declines``, which
+  ``qjax.kernel_layouts`` asks): it reads one ``[K, N]`` matrix, not a stack."""
+  del dtype  # every activation dtype runs
+  if w.codes.ndim != 2:
+    return (f"codes of shape {tuple(w.codes.shape)}: the dense INT4 kernel reads one [K, N] "
+            "matrix (an expert stack is qjax.moe_matmul's, whose INT4 kernels read it)")
+  return None
+
+
 def int4_matmul(x: jax.Array, w: Int4Weight, *, interpret: bool = False,
                 config: KernelConfig | None = None, poison: bool = False) -> jax.Array:
   """``x [M, K] @ w [K, N] -> [M, N]`` in x's dtype with the fused kernel.
@@ -318,8 +374,7 @@ def int4_matmul(x: jax.Array, w: Int4Weight, *, interpret: bool = False,
       _int4_kernel, m=m, k=k, group_size=w.group_size, tile_k=w.tile_k,
       block_m=config.block_m, block_n=config.block_n, block_k=config.block_k,
       steps_per_split=steps // split_k, split_k=split_k,
-      paired=(PAIRED_PTX and not interpret
-              and pairs_fit(w.tile_k // 8, config.block_n, config.num_warps)),
+      paired=paired_decode(config.block_n, config.num_warps, interpret),
       by_dot=sum_by_dot(x.dtype, config.block_m),
       precision=common.dot_precision(x.dtype, interpret))
   return common.launch(kernel, [x, w.codes, w.scales, w.zeros, w.biases], m=m, n=n,
