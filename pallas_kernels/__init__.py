@@ -15,6 +15,8 @@ from pallas_kernels import fp4_moe as fp4_moe
 from pallas_kernels import fp4_moe_gemv as fp4_moe_gemv
 from pallas_kernels import int4_gemv as int4_gemv
 from pallas_kernels import int4_matmul as int4_matmul
+from pallas_kernels import int4_moe as int4_moe
+from pallas_kernels import int4_moe_gemv as int4_moe_gemv
 from pallas_kernels import int4_wgmma as int4_wgmma
 from qjax._src import gguf_formats as _gguf_formats
 from qjax._src import gguf_tiled as _gguf_tiled
@@ -40,7 +42,9 @@ qjax.register_kernel(
                  # H100 sweeps: the kernel beats XLA up to M = 64 (40.7 vs ~112 us at
                  # 4096x14336) and loses from M = 256 (133 vs ~121 us), and at M = 1 on
                  # weights under 2M elements (int4_gemv.xla_is_faster).
-                 auto_max_m=64, auto_prefers_xla=int4_gemv.xla_is_faster))
+                 auto_max_m=64, auto_prefers_xla=int4_gemv.xla_is_faster,
+                 # One [K, N] matrix: an expert stack is qjax.moe_matmul's (below).
+                 declines=int4_matmul.declines))
 
 # GGUF: Q4_0 / Q4_1 run the INT4 kernel after their lossless to_int4; Q8_0 / Q4_K / Q5_K /
 # Q6_K run the plane kernel on GGUFTiledWeight (MXFP4 reaches the FP4 kernel below through
@@ -82,6 +86,18 @@ qjax.register_moe_kernel(
     qjax.Backend(name=fp4_moe_gemv.BACKEND_NAME, fn=fp4_moe_gemv.mxfp4_moe_gemv,
                  supported_on=triton_supported),
     auto_when=lambda num_pairs, w: fp4_moe_gemv.supports(num_pairs, w.shape[0], w.block_size))
+# INT4 expert stacks (GPTQ / AWQ experts, GGUF Q4_0 / Q4_1 stacks after to_int4): the
+# same two roles, the same names and the same rule as MXFP4's (not measured for INT4 yet).
+qjax.register_moe_kernel(
+    qjax.Int4Weight,
+    qjax.Backend(name="pallas_triton", fn=int4_moe.int4_moe_matmul,
+                 supported_on=triton_supported, declines=int4_moe.declines))
+qjax.register_moe_kernel(
+    qjax.Int4Weight,
+    qjax.Backend(name=int4_moe_gemv.BACKEND_NAME, fn=int4_moe_gemv.int4_moe_gemv,
+                 supported_on=triton_supported, declines=int4_moe_gemv.declines),
+    auto_when=lambda num_pairs, w: int4_moe_gemv.supports(num_pairs, w.shape[0],
+                                                          w.group_size))
 qjax.register_kernel(
     qjax.CodebookWeight,
     qjax.Backend(name="pallas_triton", fn=codebook_matmul.codebook_matmul,

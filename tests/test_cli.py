@@ -309,7 +309,11 @@ BAD_ARGUMENTS = [
      "--moe-top-k 5 must be at most the experts (4; --moe-experts)"),
     (["bench", "--moe", "--impl", "xla", "--plot", "p.png"],
      "--moe does not use --impl, --plot; drop them"),
-    (["bench", "--moe", "--format", "mxfp4"], "--moe does not use --format; drop it"),
+    (["bench", "--moe", "--format", "nvfp4"], "--moe --format nvfp4: --moe times experts of "
+     "mxfp4 or int4"),
+    (["bench", "--moe", "--format", "int4", "--shapes", "160x64"], "--shapes 160x64: K=160 "
+     "must be a multiple of 128 for INT4 experts"),
+    (["bench", "--offload", "--format", "int4"], "--offload does not use --format; drop it"),
     (["bench", "--offload", "--shapes", "512x512"], "--offload does not use --shapes; drop it"),
     (["bench", "--moe-top-k", "2"], "--moe-experts and --moe-top-k are options of --moe"),
     (["check", "--formats", "foo"], "argument --formats: unknown format 'foo'; known "

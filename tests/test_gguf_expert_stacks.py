@@ -217,29 +217,36 @@ def test_unsupported_types_of_more_than_two_dims_raise(tmp_path):
 
 def test_kernel_layouts_keep_stacks_the_dense_kernels_cannot_read(stacks):
   """The dense kernels' layouts (Int4Weight, GGUFTiledWeight) hold one matrix: a GGUF
-  expert stack keeps its type under ``kernel_layout`` (generate's per-weight convert) and
-  ``qjax.kernel_layouts``, but MXFP4's, whose MXFP4Weight stack the MoE kernels read."""
+  expert stack keeps its type under ``qjax.kernel_layouts`` unless ``experts`` names it
+  and an MoE kernel reads its converted stack: MXFP4's (MXFP4Weight, either way, as
+  before) and Q4_0 / Q4_1's (Int4Weight, whose dense kernel declines a stack).
+  ``kernel_layout`` (generate's per-weight convert) converts exactly those three types'
+  stacks."""
   import test_kernel_layouts  # pylint: disable=g-import-not-at-top
   from qjax._src import gguf_tiled  # pylint: disable=g-import-not-at-top
   hopper = test_kernel_layouts.HOPPER
   for t in gf.BLOCK_FORMATS:
     w, want_w, _ = stacks[t]
     new = gguf_tiled.kernel_layout(w)
-    reasons = []
+    trees, reasons = [], []
     for experts in (None, lambda path: True):
       tree, (choice,) = qjax.kernel_layouts({"w": w}, device=hopper, experts=experts,
                                             with_report=True)
-      assert type(tree["w"]) is type(new), (t, str(choice))
+      trees.append(tree["w"])
       reasons.append(choice.reason)
-    if t == "MXFP4":
-      assert isinstance(new, qjax.MXFP4Weight) and new.codes.shape[0] == E
+    if t in ("MXFP4", "Q4_0", "Q4_1"):
+      target = qjax.MXFP4Weight if t == "MXFP4" else qjax.Int4Weight
+      assert isinstance(new, target) and new.codes.shape[0] == E, t
       np.testing.assert_array_equal(_bits(new.dequantize()), _bits(want_w))
+      assert type(trees[1]) is target, (t, reasons)  # as an expert stack: the MoE kernel
+      if t == "MXFP4":
+        assert type(trees[0]) is target, (t, reasons)
+      else:  # the dense INT4 kernel reads one matrix
+        assert trees[0] is w and "expert stack" in reasons[0], reasons
       continue
-    assert new is w, t
+    assert new is w and trees[0] is w and trees[1] is w, t
     assert "a stack of (6,) matrices" in reasons[0], reasons  # the dense kernel's check
     assert "no kernel for" in reasons[1], reasons  # as an expert stack: no MoE kernel
-    convert = w.to_int4 if t in ("Q4_0", "Q4_1") else (
-        lambda w=w: gguf_tiled.GGUFTiledWeight.from_gguf(w))
     with pytest.raises(ValueError, match=r"needs a single matrix; this one has leading axes "
                        r"\(6,\)"):
-      convert()
+      gguf_tiled.GGUFTiledWeight.from_gguf(w)

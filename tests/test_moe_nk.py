@@ -68,9 +68,8 @@ def test_xla_route_matches_float64(request, fmt, tokens, top_k):
 
 
 def test_moe_matmul_names_the_formats_it_takes():
-  one = qjax.quantize(jnp.ones((64, 32)), group_size=32)
-  w = jax.tree.map(lambda a: jnp.stack([a] * 3), one)
-  with pytest.raises(NotImplementedError, match="MXFP4NKWeight"):
+  w = qjax.quantize_nvfp4(jnp.ones((3, 64, 32)))  # NVFP4Weight: no MoE path (its NK form has)
+  with pytest.raises(NotImplementedError, match="MXFP4NKWeight, NVFP4NKWeight, Int4Weight"):
     qjax.moe_matmul(jnp.ones((2, 64)), w, jnp.zeros((2, 1), jnp.int32))
 
 

@@ -541,6 +541,9 @@ def run_model(on_gpu: bool, result: dict[str, Any]) -> None:
 
 GPU_MOE = dict(experts=128, k=2880, n=2880, top_k=4, tokens=(1, 4, 16, 64))
 CPU_MOE = dict(experts=8, k=256, n=256, top_k=2, tokens=(1, 8))
+# The expert formats of --moe (--format): MXFP4 (the default), or symmetric INT4 of group
+# 128 (random_weight's "int4"; the MoE wgmma kernel reads no INT4 layout: its column NaN).
+MOE_BENCH_FORMATS = ("mxfp4", "int4")
 MOE_IMPLS = ("default", "grouped", "gemv", "wgmma", "xla", "dequant_all")
 # The MoE kernels, by their registered names: two for MXFP4Weight, and Hopper's wgmma
 # kernel for the same experts converted to MXFP4NKWeight.
@@ -564,16 +567,20 @@ class MoERow:
   selected_experts: float  # distinct experts per call, averaged
   source: str
   nan_reasons: dict[str, str] = dataclasses.field(default_factory=dict)  # impl -> why NaN
+  format: str = "mxfp4"  # the experts' (MOE_BENCH_FORMATS)
 
   def over_floor(self, impl: str) -> float:
     t = self.times_us.get(impl)
     return _ratio(t, self.floor_us) if t else float("nan")
 
 
-def random_experts(experts: int, k: int, n: int, key: jax.Array) -> Any:
-  """A stack of ``experts`` random MXFP4 experts of ``[k, n]`` (codes ``[E, K // 8, N]``
-  uint32), each expert's codes drawn apart, the block scales shared."""
-  w0 = random_weight("mxfp4", k, n, key)
+def random_experts(experts: int, k: int, n: int, key: jax.Array, fmt: str = "mxfp4") -> Any:
+  """A stack of ``experts`` random experts of ``[k, n]`` in ``fmt`` (MXFP4, or INT4 of
+  group 128: codes ``[E, Kp // 8, N]`` uint32), each expert's codes drawn apart, the
+  scales shared."""
+  if fmt not in MOE_BENCH_FORMATS:
+    raise ValueError(f"{fmt=}: --moe times experts of {', '.join(MOE_BENCH_FORMATS)}")
+  w0 = random_weight(fmt, k, n, key)
   w = jax.tree.map(lambda a: jnp.broadcast_to(a, (experts, *a.shape)) + 0, w0)
   return dataclasses.replace(w, codes=w.codes ^ jax.random.bits(key, w.codes.shape,
                                                                  jnp.uint32))
@@ -586,8 +593,10 @@ def _distinct_ids(key: jax.Array, tokens: int, experts: int, top_k: int) -> jax.
 
 
 def bench_moe(tokens: int, *, experts: int, k: int, n: int, top_k: int, bandwidth: float,
-              on_gpu: bool, calls: int, seed: int = 0) -> MoERow:
-  """Times ``y[t, j] = x[t] @ W[ids[t, j]]`` over ``experts`` MXFP4 experts of ``[k, n]``.
+              on_gpu: bool, calls: int, seed: int = 0, fmt: str = "mxfp4") -> MoERow:
+  """Times ``y[t, j] = x[t] @ W[ids[t, j]]`` over ``experts`` experts of ``[k, n]`` in
+  ``fmt`` (:data:`MOE_BENCH_FORMATS`: MXFP4, or symmetric INT4 of group 128, whose
+  grouped and GEMV kernels go by the same names).
 
   * default: ``qjax.moe_matmul`` with the kernel it picks for this call (the GEMV kernel
     up to its pair limit, else the grouped one; interpret mode on a CPU).
@@ -596,8 +605,9 @@ def bench_moe(tokens: int, *, experts: int, k: int, n: int, top_k: int, bandwidt
   * gemv: the per-pair GEMV kernel (``implementation="pallas:pallas_triton_gemv"``).
   * wgmma: the same experts converted to :class:`qjax.MXFP4NKWeight` (once, outside the
     timing) through Hopper's grouped wgmma kernel (``"pallas:mosaic_gpu_wgmma"``); NaN
-    where it does not run (not a Hopper GPU, or N below 128; any kernel that declines the
-    shape is NaN, its reason printed to stderr).
+    where it does not run (not a Hopper GPU, or N below 128, or INT4 experts, which no
+    wgmma MoE kernel reads; any kernel that declines the shape is NaN, its reason printed
+    to stderr).
   * xla: its XLA reference (gathered experts, or every expert and ragged_dot).
   * dequant_all: every expert dequantized to bf16 first (materialized: an optimization
     barrier stops XLA from dequantizing only the gathered ones), then the selected ones'
@@ -610,7 +620,7 @@ def bench_moe(tokens: int, *, experts: int, k: int, n: int, top_k: int, bandwidt
   key = jax.random.key(seed)
   kx, kw, ki = jax.random.split(key, 3)
   x = jax.random.normal(kx, (tokens, k), jnp.float32).astype(jnp.bfloat16)
-  w = random_experts(experts, k, n, kw)
+  w = random_experts(experts, k, n, kw, fmt)
   per_expert = w.nbytes // experts
   reps = _rotation(per_expert * tokens * top_k)
   id_sets = [_distinct_ids(jax.random.fold_in(ki, i), tokens, experts, top_k)
@@ -618,7 +628,7 @@ def bench_moe(tokens: int, *, experts: int, k: int, n: int, top_k: int, bandwidt
   distinct = sum(len(set(map(int, ids.reshape(-1)))) for ids in id_sets) / reps
   mode = "pallas" if on_gpu else "interpret"
   w_nk = None
-  if on_gpu and _wgmma_moe_runs():
+  if on_gpu and fmt == "mxfp4" and _wgmma_moe_runs():
     from qjax._src import fp4_nk  # pylint: disable=g-import-not-at-top
     w_nk = jax.jit(fp4_nk.to_mxfp4_nk)(w)
   fns = {
@@ -639,7 +649,9 @@ def bench_moe(tokens: int, *, experts: int, k: int, n: int, top_k: int, bandwidt
     if weight is None:
       times[name] = float("nan")
       nan_reasons[name] = (f"Hopper's wgmma MoE kernel does not run on "
-                           f"{jax.devices()[0].device_kind} ({jax.devices()[0].platform})")
+                           f"{jax.devices()[0].device_kind} ({jax.devices()[0].platform})"
+                           if fmt == "mxfp4" else
+                           f"Hopper's wgmma MoE kernel reads no {fmt} experts")
       continue
     try:
       t = devtime.device_time(jax.jit(fn), [(x, weight, ids) for ids in id_sets],
@@ -653,7 +665,7 @@ def bench_moe(tokens: int, *, experts: int, k: int, n: int, top_k: int, bandwidt
   floor_bytes = distinct * per_expert + x.nbytes + tokens * top_k * n * 2
   return MoERow(tokens=tokens, experts=experts, k=k, n=n, top_k=top_k, times_us=times,
                 floor_us=floor_bytes / bandwidth * 1e6, floor_bytes=floor_bytes,
-                selected_experts=distinct, source=source, nan_reasons=nan_reasons)
+                selected_experts=distinct, source=source, nan_reasons=nan_reasons, format=fmt)
 
 
 def _wgmma_moe_runs() -> bool:
@@ -686,8 +698,13 @@ def format_moe_table(rows: Sequence[MoERow]) -> str:
 
 
 def run_moe(args, env: dict[str, str], on_gpu: bool) -> int:
-  """``qjax bench --moe``: the MoE matmul of GPT-OSS-like experts, per token count."""
+  """``qjax bench --moe``: the MoE matmul of GPT-OSS-like experts, per token count, in
+  the format ``--format`` names (MXFP4 by default, or INT4)."""
   cfg = dict(GPU_MOE if on_gpu else CPU_MOE)
+  fmt = getattr(args, "format", None) or "mxfp4"
+  if fmt not in MOE_BENCH_FORMATS:
+    raise ValueError(f"--moe --format {fmt}: --moe times experts of "
+                     f"{', '.join(MOE_BENCH_FORMATS)}")
   if args.shapes:
     cfg["k"], cfg["n"] = (int(v) for v in args.shapes.split(",")[0].lower().split("x"))
   if args.m:
@@ -698,14 +715,15 @@ def run_moe(args, env: dict[str, str], on_gpu: bool) -> int:
     cfg["top_k"] = args.moe_top_k
   bandwidth = measure_copy_bandwidth(2**30 if on_gpu else 2**26)
   print(f"# measured copy bandwidth: {bandwidth / 1e12:.3f} TB/s (read + write)")
-  print(f"# MoE: {cfg['experts']} MXFP4 experts of {cfg['k']}x{cfg['n']}, top-{cfg['top_k']}; "
+  what = "MXFP4" if fmt == "mxfp4" else "INT4 (symmetric, group 128)"
+  print(f"# MoE: {cfg['experts']} {what} experts of {cfg['k']}x{cfg['n']}, top-{cfg['top_k']}; "
         "times in us of device time per call; sel = distinct experts per call; floor = "
         "their packed bytes + x + output at the copy bandwidth")
   rows = []
   for t in cfg["tokens"]:
     rows.append(bench_moe(t, experts=cfg["experts"], k=cfg["k"], n=cfg["n"],
                           top_k=cfg["top_k"], bandwidth=bandwidth, on_gpu=on_gpu,
-                          calls=args.calls))
+                          calls=args.calls, fmt=fmt))
     print(format_moe_table(rows[-1:]).splitlines()[-1], flush=True)
   print()
   print(format_moe_table(rows))
@@ -755,10 +773,10 @@ def run(args) -> int:
     shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",")]
   else:
     shapes = list(GPU_SHAPES if on_gpu else CPU_SHAPES)
-  fmts = args.format.split(",")
+  fmts = (args.format or "int4").split(",")
   unknown = [f for f in fmts if f not in BENCH_FORMATS]
   if unknown:
-    raise ValueError(f"--format {args.format!r}: unknown {unknown}; known formats: "
+    raise ValueError(f"--format {','.join(fmts)!r}: unknown {unknown}; known formats: "
                      f"{','.join(BENCH_FORMATS)}")
   print(f"# qjax bench on {env['device']} ({env['platform']}), jax {env['jax']}, {env['date']}, "
         f"commit {env['commit']}")

@@ -18,7 +18,7 @@ import sys
 
 # The K that each bench format's random weight holds (bench.random_weight): group 128 for
 # int4 and codebook, the FP4 block (32, or NVFP4's 16) and the 32-row runs of the
-# [N, K / 8] layouts. --moe times MXFP4 experts.
+# [N, K / 8] layouts. --moe times MXFP4 (or INT4) experts.
 _BENCH_K_MULTIPLE = {"int4": 128, "int4nk": 128, "codebook": 128, "codebook2": 128,
                      "mxfp4": 32, "mxfp4nk": 32, "nvfp4": 16, "nvfp4nk": 32}
 
@@ -239,14 +239,14 @@ def _add_bench(sub) -> None:
   p.add_argument("--shapes", type=_shapes, help="comma-separated KxN, e.g. "
                  "4096x4096,4096x14336 (default GPU: the four Llama shapes; CPU: "
                  "512x512,1024x768)")
-  p.add_argument("--format", default="int4",
-                 type=_names(lambda: bench.BENCH_FORMATS, "format"),
+  p.add_argument("--format", type=_names(lambda: bench.BENCH_FORMATS, "format"),
                  help="comma-separated formats: int4 (group 128, symmetric; the default), "
                  "int4nk (the same in the [N, K / 8] layout of qjax.to_int4_nk, served by "
                  "the Hopper wgmma kernel), mxfp4, nvfp4, mxfp4nk and nvfp4nk (the same in "
                  "the [N, K / 8] layouts of qjax.to_mxfp4_nk / to_nvfp4_nk, for the wgmma "
                  "kernel), codebook (group 128, Hadamard; "
-                 "the floor adds its rotation matrices), codebook2 (two passes)")
+                 "the floor adds its rotation matrices), codebook2 (two passes). With --moe "
+                 "one of mxfp4 (the default) and int4, the experts' format")
   p.add_argument("--impl", type=_names(lambda: dispatch.IMPLEMENTATIONS, "implementation"),
                  help="comma-separated implementations to time (default GPU: pallas,xla; "
                  "CPU: xla,interpret; pallas needs a GPU)")
@@ -261,7 +261,8 @@ def _add_bench(sub) -> None:
   p.add_argument("--model", action="store_true", help="also time batch-1 decode through a "
                  "Llama-3-8B-shaped stack of linear layers, int4 vs bf16")
   p.add_argument("--moe", action="store_true", help="instead, time qjax.moe_matmul on MXFP4 "
-                 "experts (GPU default: 128 experts of 2880x2880, top-4, tokens 1,4,16,64; "
+                 "experts, or INT4 ones of group 128 with --format int4 (GPU default: 128 "
+                 "experts of 2880x2880, top-4, tokens 1,4,16,64; "
                  "--m sets the tokens, the first of --shapes KxN the expert shape): the kernel "
                  "moe_matmul picks, the grouped and the per-pair GEMV kernels each, their "
                  "XLA reference, and dequantizing every expert first, against the bandwidth "
@@ -284,7 +285,7 @@ def _add_bench(sub) -> None:
   def refuse_unused(args, mode: str, names: tuple[str, ...]) -> None:
     """--moe and --offload time other things: options they would ignore are errors."""
     given = [f"--{n.replace('_', '-')}" for n in names if getattr(args, n)]
-    if args.format != p.get_default("format"):
+    if args.format is not None and mode != "moe":
       given.insert(0, "--format")
     if given:
       p.error(f"--{mode} does not use {', '.join(given)}; drop "
@@ -314,9 +315,14 @@ def _add_bench(sub) -> None:
       if top_k > experts:
         p.error(f"--moe-top-k {top_k}{'' if args.moe_top_k else ' (the default)'} must be "
                 f"at most the experts ({experts}; --moe-experts)")
-      need = {"MXFP4 experts": _BENCH_K_MULTIPLE["mxfp4"]}
+      args.format = args.format or bench.MOE_BENCH_FORMATS[0]
+      if args.format not in bench.MOE_BENCH_FORMATS:
+        p.error(f"--moe --format {args.format}: --moe times experts of "
+                f"{' or '.join(bench.MOE_BENCH_FORMATS)}")
+      need = {f"{args.format.upper()} experts": _BENCH_K_MULTIPLE[args.format]}
       shapes = args.shapes.split(",")[:1] if args.shapes else []
     else:
+      args.format = args.format or "int4"
       if args.moe_experts or args.moe_top_k:
         p.error("--moe-experts and --moe-top-k are options of --moe; add --moe or drop them")
       if args.tune and not on_gpu:

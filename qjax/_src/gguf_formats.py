@@ -264,13 +264,15 @@ class GGUFQ4_0(GGUFBlockWeight):
     return _f32(d)[..., None] * _f32(q)
 
   def to_int4(self, tile_k: int = packing.NATIVE_TILE_K) -> int4.Int4Weight:
-    """Lossless :class:`Int4Weight` (symmetric, group 32, f16 scales); jittable."""
-    self._single_matrix("to_int4")
-    k, n = self.shape
-    codes = self._codes(self.qs).reshape(n, k).T
+    """Lossless :class:`Int4Weight` (symmetric, group 32, f16 scales); jittable.
+
+    An expert stack (leading axes, e.g. ``[E]``) gives the Int4Weight stack that
+    ``qjax.moe_matmul``'s INT4 kernels read: codes ``[*leading, Kp // 8, N]``, scales
+    ``[*leading, K // 32, N]``.
+    """
     return int4.Int4Weight(
-        codes=packing.pack_codes(codes, tile_k), scales=self.d.T, zeros=None,
-        shape=(k, n), group_size=32, tile_k=tile_k)
+        codes=_int4_codes(self, tile_k), scales=jnp.swapaxes(self.d, -1, -2), zeros=None,
+        shape=self.shape, group_size=32, tile_k=tile_k)
 
 
 @formats.register_format
@@ -304,13 +306,20 @@ class GGUFQ4_1(GGUFBlockWeight):
     return (_f32(d)[..., None] * q) + _f32(m)[..., None]
 
   def to_int4(self, tile_k: int = packing.NATIVE_TILE_K) -> int4.Int4Weight:
-    """Lossless :class:`Int4Weight` with ``W = q * s + b`` (f16 scales and biases)."""
-    self._single_matrix("to_int4")
-    k, n = self.shape
-    codes = GGUFQ4_0._codes(self.qs).reshape(n, k).T
+    """Lossless :class:`Int4Weight` with ``W = q * s + b`` (f16 scales and biases);
+    jittable. An expert stack gives an Int4Weight stack, as :meth:`GGUFQ4_0.to_int4`."""
     return int4.Int4Weight(
-        codes=packing.pack_codes(codes, tile_k), scales=self.d.T, zeros=None,
-        biases=self.m.T, shape=(k, n), group_size=32, tile_k=tile_k)
+        codes=_int4_codes(self, tile_k), scales=jnp.swapaxes(self.d, -1, -2), zeros=None,
+        biases=jnp.swapaxes(self.m, -1, -2), shape=self.shape, group_size=32,
+        tile_k=tile_k)
+
+
+def _int4_codes(w: GGUFQ4_0 | GGUFQ4_1, tile_k: int) -> jax.Array:
+  """``[*leading, Kp // 8, N]`` uint32: the 4-bit codes of a Q4_0 / Q4_1 weight (or stack)
+  packed in tile order ``tile_k``, the stored rows (columns of W) transposed to K-major."""
+  k, n = w.shape
+  codes = GGUFQ4_0._codes(w.qs).reshape(*w.leading_axes, n, k)  # pylint: disable=protected-access
+  return packing.pack_codes(jnp.swapaxes(codes, -1, -2), tile_k)
 
 
 @formats.register_format

@@ -271,9 +271,11 @@ class GGUFTiledWeight(formats.QuantizedWeight):
 def kernel_layout(w: Any) -> Any:
   """The layout a GGUF weight's kernel reads: Int4Weight for Q4_0 / Q4_1, MXFP4Weight
   for MXFP4, the tiled layout for Q8_0 / Q4_K / Q5_K / Q6_K, anything else unchanged.
-  Expert stacks (leading axes) stay as they are, but MXFP4's, whose ``to_mxfp4()`` is the
-  stack the MoE kernels read: no other MoE kernel reads GGUF types. Lossless, jittable."""
-  if getattr(w, "leading_axes", ()) and not isinstance(w, gf.GGUFMXFP4):
+  Expert stacks (leading axes) stay as they are, but Q4_0 / Q4_1 / MXFP4 ones, whose
+  ``to_int4()`` / ``to_mxfp4()`` is the stack the MoE kernels read: no MoE kernel reads
+  the other GGUF types. Lossless, jittable."""
+  if getattr(w, "leading_axes", ()) and not isinstance(
+      w, (gf.GGUFMXFP4, gf.GGUFQ4_0, gf.GGUFQ4_1)):
     return w
   if isinstance(w, (gf.GGUFQ4_0, gf.GGUFQ4_1)):
     return w.to_int4()

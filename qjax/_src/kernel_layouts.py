@@ -131,11 +131,13 @@ def _gguf_stack_refuses(w: gguf_formats.GGUFBlockWeight) -> str | None:
 
 
 # GGUF blocks: the layout each type's kernel reads, as gguf_tiled.kernel_layout gives it.
+# MXFP4, Q4_0 and Q4_1 stacks too: the MoE kernels read their MXFP4Weight / Int4Weight
+# stacks (the dense kernels decline a stack: Backend.declines).
 register_layout_conversion(gguf_formats.GGUFMXFP4, LayoutConversion(
-    fp4.MXFP4Weight, gguf_tiled.kernel_layout))  # stacks too: the MoE kernels read them
-for _cls, _target in ((gguf_formats.GGUFQ4_0, int4.Int4Weight),
-                      (gguf_formats.GGUFQ4_1, int4.Int4Weight),
-                      (gguf_formats.GGUFQ8_0, gguf_tiled.GGUFTiledWeight),
+    fp4.MXFP4Weight, gguf_tiled.kernel_layout))
+for _cls in (gguf_formats.GGUFQ4_0, gguf_formats.GGUFQ4_1):
+  register_layout_conversion(_cls, LayoutConversion(int4.Int4Weight, gguf_tiled.kernel_layout))
+for _cls, _target in ((gguf_formats.GGUFQ8_0, gguf_tiled.GGUFTiledWeight),
                       (gguf_formats.GGUFQ4_K, gguf_tiled.GGUFTiledWeight),
                       (gguf_formats.GGUFQ5_K, gguf_tiled.GGUFTiledWeight),
                       (gguf_formats.GGUFQ6_K, gguf_tiled.GGUFTiledWeight)):
@@ -204,7 +206,9 @@ def kernel_layouts(tree: Any, *, device: Any = None, dtype: Any = jnp.bfloat16,
   On an H100: symmetric Int4Weight -> Int4NKWeight, MXFP4Weight -> MXFP4NKWeight,
   NVFP4Weight -> NVFP4NKWeight (bf16 activations; N a multiple of 128, INT4 with bf16
   scales and groups of a multiple of 64); GGUF Q4_0 / Q4_1 -> Int4Weight, GGUF MXFP4 ->
-  MXFP4Weight (-> MXFP4NKWeight), Q8_0 / K-quants -> GGUFTiledWeight; GPT-OSS's
+  MXFP4Weight (-> MXFP4NKWeight), Q8_0 / K-quants -> GGUFTiledWeight (expert stacks:
+  Q4_0 / Q4_1 -> Int4Weight and MXFP4 -> MXFP4Weight where ``experts`` names them, for
+  the MoE kernels; the others are kept); GPT-OSS's
   ``*_blocks`` / ``*_scales`` -> MXFP4Weight (-> MXFP4NKWeight); GPTQ (without act-order),
   AWQ, compressed-tensors, Marlin -> Int4Weight. On a CPU nothing changes.
 

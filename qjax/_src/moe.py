@@ -36,11 +36,13 @@ from qjax._src import autodiff
 from qjax._src import dispatch
 from qjax._src import fp4
 from qjax._src import fp4_nk
+from qjax._src import int4
 from qjax._src import stacked
 
 # The formats moe_matmul takes (with a leading expert axis). The NK formats run Hopper's
-# wgmma kernel (pallas_kernels.int4_wgmma.fp4_nk_moe_matmul).
-MOE_FORMATS = (fp4.MXFP4Weight, fp4_nk.MXFP4NKWeight, fp4_nk.NVFP4NKWeight)
+# wgmma kernel (pallas_kernels.int4_wgmma.fp4_nk_moe_matmul); Int4Weight (GPTQ / AWQ
+# experts, GGUF Q4_0 / Q4_1 stacks after their lossless to_int4) the INT4 MoE kernels.
+MOE_FORMATS = (fp4.MXFP4Weight, fp4_nk.MXFP4NKWeight, fp4_nk.NVFP4NKWeight, int4.Int4Weight)
 
 _MOE_XLA: dict[type, Callable[..., jax.Array]] = {}
 _MOE_KERNELS: dict[type, list[dispatch.Backend]] = {}
@@ -347,8 +349,8 @@ def _check(x: jax.Array, w: Any, expert_ids: jax.Array) -> None:
   if not takes_format(w):
     registered = {**_MOE_XLA, **_MOE_KERNELS}
     raise NotImplementedError(
-        f"moe_matmul takes an MXFP4Weight, MXFP4NKWeight, NVFP4NKWeight or GGUF block "
-        f"weight with a leading expert axis, or a format with a registered MoE path, got "
+        f"moe_matmul takes an MXFP4Weight, MXFP4NKWeight, NVFP4NKWeight, Int4Weight or GGUF "
+        f"block weight with a leading expert axis, or a format with a registered MoE path, got "
         f"{type(w).__name__}"
         f"{dispatch.not_inherited(type(w), registered, 'register_moe_xla')}; "
         "convert GPT-OSS checkpoints with .to_mxfp4()")
@@ -477,8 +479,10 @@ def moe_matmul(x: jax.Array, w: Any, expert_ids: jax.Array, *,
     w: :class:`qjax.MXFP4Weight` of E experts: codes ``[E, Kp // 8, N]``, scales
       ``[E, K // 32, N]``, logical shape ``(K, N)``. Or, for Hopper's wgmma kernel,
       :class:`qjax.MXFP4NKWeight` / :class:`qjax.NVFP4NKWeight` of E experts (codes
-      ``[E, N, K // 8]``; ``qjax.to_mxfp4_nk(w)`` converts an MXFP4Weight exactly). Or a
-      GGUF expert stack as :func:`qjax.load_gguf` reads a ``[K, N, E]`` tensor (e.g. a
+      ``[E, N, K // 8]``; ``qjax.to_mxfp4_nk(w)`` converts an MXFP4Weight exactly). Or
+      :class:`qjax.Int4Weight` of E experts: codes ``[E, Kp // 8, N]``, scales (and zeros
+      or biases) ``[E, K // G, N]`` (GPTQ / AWQ experts; a GGUF Q4_0 / Q4_1 stack's
+      ``to_int4()``). Or a GGUF expert stack as :func:`qjax.load_gguf` reads a ``[K, N, E]`` tensor (e.g. a
       :class:`qjax.GGUFQ4_K` whose fields carry a leading ``[E]`` axis): XLA path only.
     expert_ids: ``[T, top_k]`` integers in ``[0, E)``; an expert may appear for any
       number of tokens, or none. Concrete ids out of range raise ValueError; traced ones
