@@ -529,6 +529,17 @@ def test_bf16_experts_of_a_dequantized_copy_give_the_same_logits(gpt_oss, vocab,
   audit._close(_forward(cfg, params, ids), _forward(mcfg, mparams, ids), rel=1e-6)
 
 
+def test_interpret_runs_the_float_attention_on_xla(gpt_oss):
+  """``--implementation interpret`` (as pallas on a GPU) runs the folder: its bf16
+  attention weights have no kernel and run XLA, as ``llama.matmul`` runs them (generate's
+  summary line asked the dispatcher for their kernel and failed, found on the H100)."""
+  folder = gpt_oss[0]
+  rc, _, err = spm_gguf._cli(["generate", "--model", str(folder), "--prompt", PROMPT,
+                              "--max-new-tokens", "1", "--implementation", "interpret"])
+  assert rc == 0, err
+  assert "matmul implementation: xla; experts: " in err and "experts: xla" not in err, err
+
+
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled kernels need an "
                     "NVIDIA GPU")
 def test_pallas_on_gpu(gpt_oss):

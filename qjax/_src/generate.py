@@ -199,6 +199,10 @@ def _impl_name(w: Any, implementation: str | None, dtype: Any) -> str:
   """What ``qjax.matmul`` runs for ``w`` at decode (one row) and at prefill (more rows;
   the dispatcher may pick differently, e.g. XLA for one row of a small weight)."""
   import qjax  # pylint: disable=g-import-not-at-top
+  from qjax._src import dispatch  # pylint: disable=g-import-not-at-top
+  fmt = w.format_cls if isinstance(w, qjax.LayerOf) else type(w)
+  if implementation in ("pallas", "interpret") and not dispatch.kernels_for_format(fmt):
+    implementation = "xla"  # as llama.matmul runs it: float weights (F16 attention) on XLA
   decode = qjax.implementation_name(w, implementation, m=1, dtype=dtype)
   prefill = qjax.implementation_name(w, implementation, m=PROMPT_BUCKET_MIN, dtype=dtype)
   return decode if decode == prefill else f"{decode} (decode), {prefill} (prefill)"
