@@ -382,8 +382,10 @@ def test_traced_ids_out_of_range_give_nan_rows_only(rng, implementation, tokens,
   assert np.isnan(y[invalid]).all()
   pair_rows = (np.arange(tokens * top_k) // top_k)[~invalid]
   good = ids.reshape(-1)[~invalid]
-  # float32 x: the grouped Triton kernel's dots are one TF32 product on a GPU (README).
-  tol = 2e-3 if on_gpu() and implementation in ("pallas", f"pallas:{GROUPED}") else 1e-5
+  # float32 x: the grouped Triton kernel's dots are one TF32 product on a GPU (README),
+  # interpreted there too (test_moe.py's rule; the H100 run found it).
+  tf32 = implementation == "pallas" or implementation.endswith(GROUPED)
+  tol = 2e-3 if on_gpu() and tf32 else 1e-5
   check(y[~invalid].astype(np.float32), x, w, pair_rows, good, jnp.float32, tol=tol)
   with pytest.raises(ValueError, match=rf"must lie in \[0, {experts}\)"):
     qjax.moe_matmul(x, w, jnp.asarray(ids), implementation=implementation)
