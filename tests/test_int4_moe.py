@@ -636,3 +636,16 @@ def test_bench_moe_times_int4_experts(tmp_path, capsys):
   per_expert = 256 * 64 // 2 + 256 // 128 * 64 * 2  # packed codes + bf16 scales
   io_bytes = 3 * 256 * 2 + 3 * 2 * 64 * 2           # x and the [T, top_k, N] output, bf16
   assert row["floor_bytes"] == pytest.approx(row["selected_experts"] * per_expert + io_bytes)
+
+
+@pytest.mark.parametrize("on_gpu_defaults", [True, False])
+def test_bench_moe_defaults_fit_int4_experts(on_gpu_defaults):
+  """``qjax bench --moe --format int4`` without --shapes builds its experts: the GPU
+  default for MXFP4 (GPT-OSS's K = 2880) is not a multiple of INT4's group 128, so INT4
+  takes Qwen3-30B-A3B's 2048x768, top-8 (the H100 run raised on 2880 before)."""
+  from qjax._src import bench  # pylint: disable=g-import-not-at-top
+  cfg = bench.moe_defaults("int4", on_gpu_defaults)
+  assert cfg["k"] % 128 == 0 and cfg["top_k"] <= cfg["experts"]
+  w = bench.random_weight("int4", cfg["k"], cfg["n"], jax.random.key(0))
+  assert w.shape == (cfg["k"], cfg["n"])
+  assert bench.moe_defaults("mxfp4", on_gpu_defaults)["k"] == (2880 if on_gpu_defaults else 256)

@@ -706,23 +706,33 @@ def _mxfp4_model(model):
   return model
 
 
-def test_mxfp4_expert_stacks_take_the_moe_kernels_layout(model):
-  """Where kernels run, generate gives GGUF MXFP4 expert stacks (llama.cpp's MXFP4_MOE)
-  the stacked MXFP4Weight the MoE kernels read (``expert_kernel_layouts``, lossless; the
-  other types' stacks are kept); the MoE block through the interpreted MoE kernel on
-  them equals the XLA path on the GGUF stacks."""
+def test_expert_stacks_take_the_moe_kernels_layout(model):
+  """Where kernels run, generate gives the GGUF expert stacks an MoE kernel reads that
+  kernel's layout (``expert_kernel_layouts``, lossless): MXFP4 (llama.cpp's MXFP4_MOE) as
+  the stacked MXFP4Weight, Q4_0 as the stacked Int4Weight; the other types' stacks are
+  kept; the MoE block through the interpreted MoE kernels on them equals the XLA path on
+  the GGUF stacks."""
   from qjax._src import generate  # pylint: disable=g-import-not-at-top
-  a, path, *_ = _mxfp4_model(model)
+  a, path, *_ = model
   cfg, params = _load(path, True)
   converted = generate.expert_kernel_layouts(params)
   before, after = params["params"]["blocks"]["moe"], converted["params"]["blocks"]["moe"]
+  kernel_layouts = {qjax.GGUFMXFP4: qjax.MXFP4Weight, qjax.GGUFQ4_0: qjax.Int4Weight}
+  converted_any = False
   for name in ("gate", "up", "down"):
-    assert isinstance(before[name], qjax.GGUFMXFP4), name
-    assert isinstance(after[name], qjax.MXFP4Weight), name
+    want = kernel_layouts.get(type(before[name]))
+    if want is None:  # kept: the same class over the same arrays
+      assert type(after[name]) is type(before[name]), name
+      assert all(a is b for a, b in zip(jax.tree.leaves(after[name]),
+                                        jax.tree.leaves(before[name]))), name
+      continue
+    converted_any = True
+    assert isinstance(after[name], want), name
     np.testing.assert_array_equal(np.asarray(after[name].dequantize()),
                                   np.asarray(before[name].dequantize()))
+    assert qjax.moe_implementation_name(after[name], "interpret", 2) != "xla"
+  assert converted_any == (a.name != "qwen3moe"), a.name  # its stacks: Q4_K, Q8_0, Q6_K
   assert after["router"] is before["router"]
-  assert qjax.moe_implementation_name(after["gate"], "interpret", 2) != "xla"
   x = jnp.asarray(np.random.default_rng(seed_from("mxfp4 layouts")).standard_normal(
       (1, 3, a.hidden)), jnp.float32)
 

@@ -540,6 +540,14 @@ def run_model(on_gpu: bool, result: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------- --moe
 
 GPU_MOE = dict(experts=128, k=2880, n=2880, top_k=4, tokens=(1, 4, 16, 64))
+# INT4 experts (group 128, which GPT-OSS's K = 2880 is not a multiple of): Qwen3-30B-A3B's.
+GPU_MOE_INT4 = dict(GPU_MOE, k=2048, n=768, top_k=8)
+
+
+def moe_defaults(fmt: str, on_gpu: bool) -> dict:
+  """The experts, shape, top-k and token counts ``--moe`` times by default in ``fmt``."""
+  return dict((GPU_MOE_INT4 if fmt == "int4" else GPU_MOE) if on_gpu else CPU_MOE)
+
 CPU_MOE = dict(experts=8, k=256, n=256, top_k=2, tokens=(1, 8))
 # The expert formats of --moe (--format): MXFP4 (the default), or symmetric INT4 of group
 # 128 (random_weight's "int4"; the MoE wgmma kernel reads no INT4 layout: its column NaN).
@@ -700,11 +708,11 @@ def format_moe_table(rows: Sequence[MoERow]) -> str:
 def run_moe(args, env: dict[str, str], on_gpu: bool) -> int:
   """``qjax bench --moe``: the MoE matmul of GPT-OSS-like experts, per token count, in
   the format ``--format`` names (MXFP4 by default, or INT4)."""
-  cfg = dict(GPU_MOE if on_gpu else CPU_MOE)
   fmt = getattr(args, "format", None) or "mxfp4"
   if fmt not in MOE_BENCH_FORMATS:
     raise ValueError(f"--moe --format {fmt}: --moe times experts of "
                      f"{', '.join(MOE_BENCH_FORMATS)}")
+  cfg = moe_defaults(fmt, on_gpu)
   if args.shapes:
     cfg["k"], cfg["n"] = (int(v) for v in args.shapes.split(",")[0].lower().split("x"))
   if args.m:

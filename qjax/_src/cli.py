@@ -262,7 +262,7 @@ def _add_bench(sub) -> None:
                  "Llama-3-8B-shaped stack of linear layers, int4 vs bf16")
   p.add_argument("--moe", action="store_true", help="instead, time qjax.moe_matmul on MXFP4 "
                  "experts, or INT4 ones of group 128 with --format int4 (GPU default: 128 "
-                 "experts of 2880x2880, top-4, tokens 1,4,16,64; "
+                 "experts of 2880x2880, top-4 (INT4: 2048x768, top-8), tokens 1,4,16,64; "
                  "--m sets the tokens, the first of --shapes KxN the expert shape): the kernel "
                  "moe_matmul picks, the grouped and the per-pair GEMV kernels each, their "
                  "XLA reference, and dequantizing every expert first, against the bandwidth "
@@ -270,7 +270,7 @@ def _add_bench(sub) -> None:
   p.add_argument("--moe-experts", type=_positive_int,
                  help="experts for --moe (default GPU 128, CPU 8)")
   p.add_argument("--moe-top-k", type=_positive_int,
-                 help="experts per token for --moe (default GPU 4, CPU 2)")
+                 help="experts per token for --moe (default GPU 4, INT4 8; CPU 2)")
   p.add_argument("--offload", action="store_true", help="instead: 32 layers of 4096x4096 "
                  "two-pass codebook weights, device time with pass 2 on the device and in "
                  "pinned host memory (prefetched ahead of the layers), the copy term and "
@@ -309,7 +309,7 @@ def _add_bench(sub) -> None:
     on_gpu = _on_gpu()
     if args.moe:
       refuse_unused(args, "moe", ("impl", "tune", "plot", "model"))
-      moe = bench.GPU_MOE if on_gpu else bench.CPU_MOE
+      moe = bench.moe_defaults(args.format or bench.MOE_BENCH_FORMATS[0], on_gpu)
       experts = args.moe_experts or moe["experts"]
       top_k = args.moe_top_k or moe["top_k"]
       if top_k > experts:

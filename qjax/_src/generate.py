@@ -223,16 +223,19 @@ def _moe_impl_name(params: dict, cfg: Any, implementation: str | None) -> str:
 
 
 def expert_kernel_layouts(params: dict) -> dict:
-  """``params`` with each GGUF MXFP4 expert stack (``GGUFMXFP4`` with leading axes, e.g.
-  llama.cpp's MXFP4_MOE files) as the stacked :class:`qjax.MXFP4Weight` the MoE kernels
-  read (lossless, ``gguf_tiled.kernel_layout``); the other GGUF types' stacks have no MoE
-  kernel and stay as they are. For a run whose kernels run (:func:`_kernel_layouts`)."""
+  """``params`` with each GGUF expert stack that an MoE kernel reads in that kernel's
+  layout (lossless, ``gguf_tiled.kernel_layout``): MXFP4 stacks (llama.cpp's MXFP4_MOE
+  files) as the stacked :class:`qjax.MXFP4Weight`, Q4_0 / Q4_1 stacks as the stacked
+  :class:`qjax.Int4Weight`; the other GGUF types' stacks have no MoE kernel and stay as
+  they are. For a run whose kernels run (:func:`_kernel_layouts`)."""
   import jax  # pylint: disable=g-import-not-at-top
   from qjax._src import gguf_formats  # pylint: disable=g-import-not-at-top
   from qjax._src import gguf_tiled  # pylint: disable=g-import-not-at-top
 
+  kernel_types = (gguf_formats.GGUFMXFP4, gguf_formats.GGUFQ4_0, gguf_formats.GGUFQ4_1)
+
   def is_stack(w):
-    return isinstance(w, gguf_formats.GGUFMXFP4) and bool(w.leading_axes)
+    return isinstance(w, kernel_types) and bool(w.leading_axes)
 
   return jax.tree.map(lambda w: gguf_tiled.kernel_layout(w) if is_stack(w) else w, params,
                       is_leaf=is_stack)
