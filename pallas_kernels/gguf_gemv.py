@@ -43,6 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
+from pallas_kernels import int4_gemv
 from qjax import KernelConfig
 from qjax._src import gguf_formats
 from qjax._src import gguf_tiled
@@ -281,17 +282,8 @@ def _gemv_kernel(xt_ref, low_ref, high_ref, q8_ref, d_ref, dmin_ref, sc_ref, mn_
       acc = _tile_sum(plan, data, acc)
     return acc
 
-  acc = jnp.zeros((_SLAB, bn), _f32)
-  if plan.depth:
-    depth = plan.depth
-
-    def body(i, carry):
-      ahead, acc = carry
-      return ahead[1:] + (fetch(i + depth),), compute(ahead[0], acc)
-    _, acc = lax.fori_loop(0, plan.steps, body,
-                           (tuple(fetch(d) for d in range(depth)), acc))
-  else:
-    acc = lax.fori_loop(0, plan.steps, lambda i, a: compute(fetch(i), a), acc)
+  acc = int4_gemv.prefetched_loop(plan.steps, plan.depth, fetch, compute,
+                                  jnp.zeros((_SLAB, bn), _f32))
   out = jnp.sum(acc, axis=0, keepdims=True)  # [1, bn]
   common.store_tile(o_ref, out, m0=0, n0=n0, block_m=1, block_n=bn, pid_k=pid_k,
                     split_k=split_k, mask=col)
@@ -300,22 +292,8 @@ def _gemv_kernel(xt_ref, low_ref, high_ref, q8_ref, d_ref, dmin_ref, sc_ref, mn_
 # -- configs ------------------------------------------------------------------------------
 
 
-def _divisor_near(count: int, target: float) -> int:
-  """The divisor of ``count`` closest to ``target`` (the smaller on a tie)."""
-  return min((d for d in range(1, count + 1) if count % d == 0),
-             key=lambda d: (abs(d - target), d))
-
-
-def loop_shape(config: KernelConfig, tiles: int) -> tuple[int, int, int]:
-  """``(tiles_per_step, split_k, steps)`` fitted to ``tiles`` K-tiles: tiles per step
-  from ``block_k // 128`` halved until it divides, split_k lowered until it divides."""
-  tps = max(1, config.block_k // _TILE_K)
-  while tiles % tps:
-    tps //= 2
-  split = max(1, min(config.split_k, tiles // tps))
-  while (tiles // tps) % split:
-    split -= 1
-  return tps, split, tiles // tps // split
+# The K loop's fitting (tiles per step, split, steps): the INT4 GEMV's, same 128-row tiles.
+loop_shape = int4_gemv.loop_shape
 
 
 def heuristic_config(m: int, k: int, n: int, *, block_n: int | None = None, num_warps: int = 4,
@@ -334,11 +312,11 @@ def heuristic_config(m: int, k: int, n: int, *, block_n: int | None = None, num_
     block_n = 64 if -(-n // 64) * tiles >= MIN_PROGRAMS else 32
   cols = -(-n // block_n)
   config = KernelConfig(block_m=1, block_n=block_n, block_k=_TILE_K,
-                        split_k=_divisor_near(tiles, target_programs / cols),
+                        split_k=int4_gemv.divisor_near(tiles, target_programs / cols),
                         num_warps=num_warps, num_stages=1)
   if tiles % 2:
     return config
-  split2 = _divisor_near(tiles // 2, target_programs / cols)
+  split2 = int4_gemv.divisor_near(tiles // 2, target_programs / cols)
   if two_tile_steps is None:
     two_tile_steps = tiles // config.split_k <= 2 and cols * split2 >= MIN_PROGRAMS
   if two_tile_steps:
@@ -365,6 +343,21 @@ def alternative_configs(m: int, k: int, n: int) -> list[KernelConfig]:
 # -- the entry point ----------------------------------------------------------------------
 
 
+def tiled_matrix(w) -> gguf_tiled.GGUFTiledWeight:
+  """``w`` as one ``[K, N]`` :class:`GGUFTiledWeight` (a GGUF block weight converted,
+  losslessly, per call); the GGUF kernels' check of their weight operand.
+
+  Raises:
+    NotImplementedError: batched weights (vmap instead).
+  """
+  if isinstance(w, gguf_formats.GGUFBlockWeight):
+    w = gguf_tiled.GGUFTiledWeight.from_gguf(w)
+  if w.d.ndim != 2:
+    raise NotImplementedError(f"d of shape {w.d.shape}: the kernel takes one [K, N] weight; "
+                              "vmap over leading axes")
+  return w
+
+
 def gguf_gemv(x: jax.Array, w, *, interpret: bool = False, config: KernelConfig | None = None,
               poison: bool = False) -> jax.Array:
   """``x [1, K] @ w [K, N] -> [1, N]`` in x's dtype.
@@ -381,11 +374,7 @@ def gguf_gemv(x: jax.Array, w, *, interpret: bool = False, config: KernelConfig 
     ValueError: more than one row of x, or another weight type.
     NotImplementedError: batched weights (vmap instead).
   """
-  if isinstance(w, gguf_formats.GGUFBlockWeight):
-    w = gguf_tiled.GGUFTiledWeight.from_gguf(w)
-  if w.d.ndim != 2:
-    raise NotImplementedError(f"d of shape {w.d.shape}: the kernel takes one [K, N] weight; "
-                              "vmap over leading axes")
+  w = tiled_matrix(w)
   m, k = x.shape
   n = w.shape[1]
   if not supports(m, k, n, w.ggml_type) or k != w.shape[0]:

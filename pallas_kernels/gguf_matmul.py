@@ -29,7 +29,6 @@ from pallas_kernels import common
 from pallas_kernels import gguf_gemv
 from pallas_kernels import int4_matmul
 from qjax import KernelConfig
-from qjax._src import gguf_formats
 from qjax._src import gguf_tiled
 
 _load = common.load
@@ -156,11 +155,7 @@ def gguf_matmul(x: jax.Array, w, *, interpret: bool = False,
   Raises:
     NotImplementedError: batched weights (vmap instead).
   """
-  if isinstance(w, gguf_formats.GGUFBlockWeight):
-    w = gguf_tiled.GGUFTiledWeight.from_gguf(w)
-  if w.d.ndim != 2:
-    raise NotImplementedError(f"d of shape {w.d.shape}: the kernel takes one [K, N] weight; "
-                              "vmap over leading axes")
+  w = gguf_gemv.tiled_matrix(w)
   m, k = x.shape
   n = w.shape[1]
   if gguf_gemv.supports(m, k, n, w.ggml_type) and (config is None or config.block_m == 1):
