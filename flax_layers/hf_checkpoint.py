@@ -51,8 +51,13 @@ leading ``[E]`` axis, read one tensor at a time, never dequantized):
   permuted as above), router ``block_sparse_moe.gate.weight``, experts
   ``block_sparse_moe.experts.{e}.w1 / w3 / w2`` (gate / up / down). Float experts become
   one :class:`GGUFDense` stack per projection (data ``[E, N, K]`` in the stored dtype);
-  GPTQ / AWQ / compressed-tensors ones an :class:`qjax.Int4Weight` stack where
-  ``qjax.moe_matmul`` takes one, else they are refused.
+  GPTQ / AWQ / compressed-tensors ones (``{prefix}.qweight`` ... per expert, as
+  GPTQModel / AutoAWQ write them; the attention may be quantized too, the router is read
+  dense) one :class:`qjax.Int4Weight` stack ``[E, ...]`` per projection, each expert's
+  lossless ``to_int4``. Refused, naming the tensor: GPTQ act-order experts (a ``g_idx``
+  other than ``k // G``: each expert would permute x its own way), zero points outside
+  INT4's [0, 15] (a v1 ``qzeros`` nibble 15 reads as 16), a float expert among quantized
+  ones.
 """
 
 from __future__ import annotations
@@ -385,18 +390,46 @@ def _int4_stack(ws: list[Any], prefixes: list[str]) -> Any:
                      "qjax.moe_matmul takes no INT4 expert stack in this version, so "
                      "quantized mixture-of-experts checkpoints are not supported: use the "
                      "float (bf16 / fp16) checkpoint, or a GGUF file of the model")
-  out = [kernel_layouts.convert_to(w, int4.Int4Weight) for w in ws]
-  bad = next((i for i, w in enumerate(out) if not isinstance(w, int4.Int4Weight)), None)
-  if bad is not None:
-    raise ValueError(f"expert {prefixes[bad]!r} ({type(ws[bad]).__name__}) has no "
-                     "Int4Weight form (dense beside quantized experts, or GPTQ act-order), "
-                     "which an INT4 expert stack needs")
+  out = [_expert_int4(w, p, prefixes[0], type(ws[0]).__name__) for w, p in zip(ws, prefixes)]
   try:
     return jax.tree.map(lambda *xs: jnp.stack(xs), *out)
   except ValueError as e:
     raise ValueError(f"experts {prefixes[0]!r} ...: their INT4 forms do not stack ({e}); "
                      "the experts of a projection need one group size and zero-point "
                      "scheme") from None
+
+
+# The tensor holding a layout's zero points (named where they do not fit INT4).
+_ZEROS_TENSOR = {layouts.GPTQWeight: "qzeros", layouts.AWQWeight: "qzeros",
+                 layouts.CompressedTensorsWeight: "weight_zero_point"}
+
+
+def _expert_int4(w: Any, prefix: str, first: str, first_kind: str) -> int4.Int4Weight:
+  """Expert ``prefix``'s lossless :class:`qjax.Int4Weight`, or the ValueError that names
+  the tensor keeping it from one and says what to do."""
+  if isinstance(w, gguf_formats.GGUFDense):
+    raise ValueError(f"tensor {prefix + '.weight'!r} is a float expert beside quantized "
+                     f"ones ({first!r} is {first_kind}); the experts of a projection stack "
+                     "into one INT4 array: quantize every expert, or load the float "
+                     "checkpoint")
+  if isinstance(w, layouts.GPTQWeight) and w.g_idx is not None:  # read_linear drops k // G
+    raise ValueError(f"tensor {prefix + '.g_idx'!r} orders the rows by activation (GPTQ "
+                     "desc_act / act-order): each expert would need its own permutation "
+                     "of x, which qjax's INT4 expert stacks do not apply; use a checkpoint "
+                     "quantized with desc_act=false (or static_groups=true), or the float "
+                     "checkpoint")
+  try:
+    w4 = kernel_layouts.convert_to(w, int4.Int4Weight)
+  except ValueError as e:  # zero points INT4 cannot hold
+    name = f"{prefix}.{_ZEROS_TENSOR.get(type(w), 'qzeros')}"
+    raise ValueError(f"tensor {name!r}: {e}. qjax's INT4 expert stacks need zero points "
+                     "in [0, 15] (all 8 where quantization_config has sym=true): "
+                     "re-quantize (GPTQModel's checkpoint_format gptq_v2 stores a zero "
+                     "point of 0 as is), or load the float checkpoint") from None
+  if not isinstance(w4, int4.Int4Weight):
+    raise ValueError(f"expert {prefix!r} ({type(w).__name__}) has no Int4Weight form, "
+                     "which an INT4 expert stack needs; load the float checkpoint")
+  return w4
 
 
 def _read_experts(ckpt: sio.Checkpoint, i: int, cfg: LlamaConfig, model_type: str,

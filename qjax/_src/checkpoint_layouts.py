@@ -277,8 +277,12 @@ class GPTQWeight(formats.QuantizedWeight):
     k, n = self.shape
     gs = self.group_size
     codes, scales, zeros, g_idx = self.unpack()
-    _check_zero_range(zeros, 0, 15, f"GPTQWeight.to_int4 (zero_point_version="
-                      f"{self.zero_point_version}; effective zeros must fit 4 bits)")
+    what = (f"GPTQWeight.to_int4 (zero_point_version={self.zero_point_version}; effective "
+            "zeros must fit 4 bits")
+    if self.zero_point_version == 1:  # qzeros hold z - 1: nibble 15 reads as 16
+      what += ("; v1 stores z - 1, so a stored nibble 15 reads as 16, which is what "
+               "AutoGPTQ's v1 packing writes for a zero point of 0 (z - 1 underflows)")
+    _check_zero_range(zeros, 0, 15, what + ")")
     if self.symmetric:
       if _is_concrete(zeros):
         zs = np.asarray(zeros)
@@ -286,7 +290,9 @@ class GPTQWeight(formats.QuantizedWeight):
           idx = tuple(int(i) for i in np.argwhere(zs != 8)[0])
           raise ValueError(
               f"GPTQWeight.to_int4: symmetric=True but the effective zero point at "
-              f"group/column {idx} is {int(zs[idx])}, not 8; load with symmetric=False")
+              f"group/column {idx} is {int(zs[idx])}, not 8; the stored zeros disagree "
+              "with the symmetric flag (quantization_config sym=true): construct the "
+              "GPTQWeight with symmetric=False (config.json: \"sym\": false)")
       zeros = None
     perm = None
     if g_idx is not None:
