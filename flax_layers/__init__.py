@@ -17,6 +17,7 @@ from flax_layers.llama import RMSNorm as RMSNorm
 from flax_layers.llama import apply_rope as apply_rope
 from flax_layers.llama import decode_step as decode_step
 from flax_layers.llama import forward as forward
+from flax_layers.llama import fuse_projections as fuse_projections
 from flax_layers.llama import init_cache as init_cache
 from flax_layers.llama import params_from_gguf as params_from_gguf
 from flax_layers.llama import prefill as prefill

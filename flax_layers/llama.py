@@ -964,6 +964,30 @@ def apply_rope(x: jax.Array, positions: jax.Array, base: float, rope_dim: int, *
   return jnp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
 
 
+def _cache_scores(qg: jax.Array, keys: jax.Array) -> jax.Array:
+  """``qg [b, t, kv, g, d]`` . ``keys [b, s, kv, d]`` -> ``[b, kv, g, t, s]`` float32.
+
+  One query (decode) is a product and a sum that XLA fuses with the dynamic slice of the
+  layer's keys out of the whole cache, reading them in place; as a dot, the slice would be
+  copied and transposed first (H100, 16 layers of 8 KV heads x 64 at 4096 slots: about
+  120 us a step; docs/experiments/s36_kv_cache.py)."""
+  if qg.shape[1] != 1:
+    return jnp.einsum("btkgd,bskd->bkgts", qg, keys, preferred_element_type=jnp.float32)
+  q = qg[:, 0, :, :, None, :].astype(jnp.float32)  # [b, kv, g, 1, d]
+  k = jnp.swapaxes(keys, 1, 2)[:, :, None].astype(jnp.float32)  # [b, kv, 1, s, d]
+  return (q * k).sum(-1)[:, :, :, None]
+
+
+def _cache_values(probs: jax.Array, values: jax.Array) -> jax.Array:
+  """``probs [b, kv, g, t, s]`` . ``values [b, s, kv, d]`` -> ``[b, t, kv, g, d]`` float32;
+  one query as :func:`_cache_scores`."""
+  if probs.shape[3] != 1:
+    return jnp.einsum("bkgts,bskd->btkgd", probs, values, preferred_element_type=jnp.float32)
+  p = probs[:, :, :, 0, :, None].astype(jnp.float32)  # [b, kv, g, s, 1]
+  v = jnp.swapaxes(values, 1, 2)[:, :, None].astype(jnp.float32)  # [b, kv, 1, s, d]
+  return (p * v).sum(-2)[:, None]
+
+
 class Attention(nn.Module):
   """Grouped-query attention with RoPE that writes its keys and values into a KV cache;
   with ``cfg.attn_sinks`` each head's softmax also holds its sink logit (param ``sinks``
@@ -971,14 +995,17 @@ class Attention(nn.Module):
   cfg: LlamaConfig
 
   @nn.compact
-  def __call__(self, x, positions, mask, k_cache, v_cache, rope_freqs=None):
-    """One layer's attention.
+  def __call__(self, x, positions, mask, k_cache, v_cache, layer, rope_freqs=None):
+    """One layer's attention, on the whole model's cache.
 
     Args:
       x: ``[batch, seq, hidden]``.
       positions: ``[batch, seq]`` int32, where each token's key and value are written.
       mask: ``[batch, seq, max_len]`` bool, the cache slots each query attends to.
-      k_cache, v_cache: ``[batch, max_len, kv_heads, head_dim]``.
+      k_cache, v_cache: ``[layers, batch, max_len, kv_heads, head_dim]``, every layer's
+        cache: this layer writes its keys and values into ``[layer, b, positions[b]]`` and
+        reads ``[layer]`` (XLA updates the buffer in place, inside a scan's loop too).
+      layer: this layer's index, an int or a scalar int32 array (the scan's counter).
       rope_freqs: optional ``[rope_dim // 2]`` RoPE frequency divisors (llama3 scaling,
         YaRN).
 
@@ -989,9 +1016,14 @@ class Attention(nn.Module):
     b, t, _ = x.shape
     dense = functools.partial(QuantizedDense, implementation=c.implementation)
     qkv = functools.partial(dense, use_bias=c.qkv_bias)
-    q = qkv(c.num_heads * c.head_dim, name="q")(x).reshape(b, t, c.num_heads, c.head_dim)
-    k = qkv(c.num_kv_heads * c.head_dim, name="k")(x).reshape(b, t, c.num_kv_heads, c.head_dim)
-    v = qkv(c.num_kv_heads * c.head_dim, name="v")(x).reshape(b, t, c.num_kv_heads, c.head_dim)
+    nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    if self.has_variable("params", FUSED["attn"][0]):  # fuse_projections' one weight
+      q, k, v = jnp.split(qkv(nq + 2 * nkv, name=FUSED["attn"][0])(x), [nq, nq + nkv], -1)
+    else:
+      q, k, v = (qkv(nq, name="q")(x), qkv(nkv, name="k")(x), qkv(nkv, name="v")(x))
+    q = q.reshape(b, t, c.num_heads, c.head_dim)
+    k = k.reshape(b, t, c.num_kv_heads, c.head_dim)
+    v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
     if c.qk_norm:  # over each head's head_dim
       q = RMSNorm(c.rms_eps, name="q_norm")(q)
       k = RMSNorm(c.rms_eps, name="k_norm")(k)
@@ -1000,13 +1032,14 @@ class Attention(nn.Module):
                              magnitude=1.0 if c.yarn is None else c.yarn.magnitude())
     q, k = rope(q, positions), rope(k, positions)
     rows = jnp.arange(b)[:, None]
-    k_cache = k_cache.at[rows, positions].set(k.astype(k_cache.dtype), mode="drop")
-    v_cache = v_cache.at[rows, positions].set(v.astype(v_cache.dtype), mode="drop")
+    k_cache = k_cache.at[layer, rows, positions].set(k.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[layer, rows, positions].set(v.astype(v_cache.dtype), mode="drop")
+    keys = jax.lax.dynamic_index_in_dim(k_cache, layer, keepdims=False)
+    values = jax.lax.dynamic_index_in_dim(v_cache, layer, keepdims=False)
 
     g = c.num_heads // c.num_kv_heads
     qg = q.reshape(b, t, c.num_kv_heads, g, c.head_dim)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k_cache.astype(q.dtype),
-                        preferred_element_type=jnp.float32) / np.sqrt(c.head_dim)
+    scores = _cache_scores(qg, keys.astype(q.dtype)) / np.sqrt(c.head_dim)
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     if c.attn_sinks:  # one more logit per head in the denominator: [b, kv, g, t, 1]
       sinks = _loaded_param(self, "sinks")
@@ -1018,8 +1051,7 @@ class Attention(nn.Module):
       probs = jax.nn.softmax(scores, axis=-1)[..., :-1].astype(x.dtype)
     else:
       probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache.astype(x.dtype),
-                     preferred_element_type=jnp.float32).astype(x.dtype)
+    out = _cache_values(probs, values.astype(x.dtype)).astype(x.dtype)
     out = out.reshape(b, t, c.num_heads * c.head_dim)
     return dense(c.hidden_size, use_bias=c.o_bias, name="o")(out), k_cache, v_cache
 
@@ -1033,7 +1065,11 @@ class MLP(nn.Module):
     """x: ``[batch, seq, hidden]`` -> ``[batch, seq, hidden]``."""
     c = self.cfg
     dense = functools.partial(QuantizedDense, implementation=c.implementation)
-    h = jax.nn.silu(dense(c.ffn_size, name="gate")(x)) * dense(c.ffn_size, name="up")(x)
+    if self.has_variable("params", FUSED["mlp"][0]):  # fuse_projections' one weight
+      gate, up = jnp.split(dense(2 * c.ffn_size, name=FUSED["mlp"][0])(x), 2, -1)
+    else:
+      gate, up = dense(c.ffn_size, name="gate")(x), dense(c.ffn_size, name="up")(x)
+    h = jax.nn.silu(gate) * up
     return dense(c.hidden_size, name="down")(h)
 
 
@@ -1149,23 +1185,27 @@ class Block(nn.Module):
   cfg: LlamaConfig
 
   @nn.compact
-  def __call__(self, x, layer_cache, ctx):
-    """x: ``[batch, seq, hidden]``; layer_cache: (k, v) ``[batch, max_len, kv_heads, head_dim]``,
-    and with a sliding window whether this layer slides (a bool, or a scalar bool array in
-    the scan); ctx: (positions ``[batch, seq]``, mask ``[batch, seq, max_len]``, RoPE
-    frequency divisors ``[rope_dim // 2]`` or None, the sliding layers' mask ``[batch,
-    seq, max_len]`` or None)."""
+  def __call__(self, carry, per_layer, ctx):
+    """carry: (x ``[batch, seq, hidden]``, the whole model's k and v caches ``[layers,
+    batch, max_len, kv_heads, head_dim]``); per_layer: (this layer's index, an int or a
+    scalar int32 array in the scan, and with a sliding window whether this layer slides,
+    a bool or a scalar bool array); ctx: (positions ``[batch, seq]``, mask ``[batch, seq,
+    max_len]``, RoPE frequency divisors ``[rope_dim // 2]`` or None, the sliding layers'
+    mask ``[batch, seq, max_len]`` or None). Returns (the new carry, None): the caches are
+    carried whole, so each layer writes its new keys in place instead of a copy of its
+    slice going out as the scan's output."""
+    x, k_cache, v_cache = carry
     positions, mask, rope_freqs, window_mask = ctx
-    k_cache, v_cache, *slides = layer_cache
+    layer, *slides = per_layer
     if slides and window_mask is not None:
       mask = jnp.where(slides[0], window_mask, mask)
     h, k_cache, v_cache = Attention(self.cfg, name="attn")(
         RMSNorm(self.cfg.rms_eps, name="attn_norm")(x), positions, mask, k_cache, v_cache,
-        rope_freqs)
+        layer, rope_freqs)
     x = x + h
     ffn = MoE(self.cfg, name="moe") if self.cfg.moe else MLP(self.cfg, name="mlp")
     x = x + ffn(RMSNorm(self.cfg.rms_eps, name="ffn_norm")(x))
-    return x, (k_cache, v_cache)
+    return (x, k_cache, v_cache), None
 
 
 class Llama(nn.Module):
@@ -1219,23 +1259,21 @@ class Llama(nn.Module):
       yarn = jnp.asarray(c.yarn.freq_factors(c.rope_base, c.rope_dim), jnp.float32)
       rope_freqs = yarn if rope_freqs is None else rope_freqs * yarn
     ctx = (positions, mask, rope_freqs, window_mask)
+    k, v = cache["k"], cache["v"]
     if c.scan_layers:
       # lax.scan with each quantized weight as qjax.layer_of(stack, i): the kernels read
       # the layer in place, where nn.scan's slices would be copied before every kernel.
-      # With a window, each layer's flag is scanned alongside its cache.
-      per_layer = (cache["k"], cache["v"])
+      # The caches are carried whole; each layer's index (and, with a window, its flag)
+      # is scanned.
+      per_layer = (jnp.arange(c.num_layers, dtype=jnp.int32),)
       if c.sliding_window:
         per_layer += (jnp.asarray(c.sliding_layers, bool),)
-      x, (k, v) = scan.scan_layers(Block(c, parent=None), self.param("blocks", _pretrained),
-                                   x, per_layer, ctx)
+      (x, k, v), _ = scan.scan_layers(Block(c, parent=None), self.param("blocks", _pretrained),
+                                      (x, k, v), per_layer, ctx)
     else:
-      # Unrolled: each layer reads its static slice of the cache and writes it back in
-      # place (dynamic_update_slice on the donated buffer).
-      k, v = cache["k"], cache["v"]
       for i in range(c.num_layers):
         slides = (c.sliding_layers[i],) if c.sliding_window else ()
-        x, (k_i, v_i) = Block(c, name=f"layers_{i}")(x, (k[i], v[i], *slides), ctx)
-        k, v = k.at[i].set(k_i), v.at[i].set(v_i)
+        (x, k, v), _ = Block(c, name=f"layers_{i}")((x, k, v), (i, *slides), ctx)
     x = RMSNorm(c.rms_eps, name="final_norm")(x)
     head = embed
     if self.has_variable("params", "lm_head"):
@@ -1244,6 +1282,54 @@ class Llama(nn.Module):
     in_cache = (positions >= 0) & (positions < max_len)  # [batch, seq]
     logits = jnp.where(in_cache[..., None], logits, jnp.nan)
     return logits, {"k": k, "v": v}
+
+
+# module -> (the fused projection's name, the projections it joins, in column order).
+FUSED = {"attn": ("qkv", ("q", "k", "v")), "mlp": ("gate_up", ("gate", "up"))}
+
+
+def fuse_projections(params: dict) -> dict:
+  """``params`` with each layer's q / k / v projections joined into one weight ``qkv``
+  and its gate / up into ``gate_up`` (``qjax.concat_columns``: lossless, the columns side
+  by side), so that a decode step runs one matmul where it ran three and two: fewer,
+  larger launches (H100, Llama-3.2-1B-shaped Q4_K at batch 1: see BENCHMARKS.md, session
+  36). :class:`Attention` and :class:`MLP` run either layout.
+
+  A layer whose projections do not join (different formats, e.g. Q4_K_M's attn_v in Q6_K
+  beside Q4_K q / k; an NVFP4 tensor scale that differs) keeps them apart; so do layers
+  of a mixture of experts' FFN (only the attention joins there). Biases (``qkv_bias``)
+  join with their weights. Call it on params of one device: tensor parallelism splits q,
+  k and v by heads (flax_layers.tensor_parallel takes the separate projections). Joining
+  copies: for a moment the joined projections are held twice.
+
+  Args:
+    params: ``{"params": ...}`` of :class:`Llama` (scanned ``blocks`` or unrolled
+      ``layers_i``), e.g. from :func:`params_from_gguf`.
+
+  Returns:
+    The new params; ``params`` itself is not changed.
+  """
+  def join(module: dict, fused: str, parts: tuple[str, ...]) -> dict:
+    if not all(p in module for p in parts):
+      return module
+    fields = {}
+    for field in module[parts[0]]:
+      try:
+        fields[field] = qjax.concat_columns([module[p][field] for p in parts])
+      except (ValueError, KeyError):
+        return module
+    if set(fields) != {f for p in parts for f in module[p]}:
+      return module
+    return {**{k: v for k, v in module.items() if k not in parts}, fused: fields}
+
+  def fuse_layer(layer: dict) -> dict:
+    return {name: join(sub, *FUSED[name]) if name in FUSED and isinstance(sub, dict) else sub
+            for name, sub in layer.items()}
+
+  tree = params["params"]
+  out = {name: fuse_layer(sub) if (name == "blocks" or name.startswith("layers_")) else sub
+         for name, sub in tree.items()}
+  return {**params, "params": out}
 
 
 def init_cache(cfg: LlamaConfig, batch: int, max_len: int) -> dict[str, jax.Array]:

@@ -87,6 +87,7 @@ from qjax._src.sharding import sharded_moe_matmul as sharded_moe_matmul
 from qjax._src.sharded_load import load_gguf_sharded as load_gguf_sharded
 from qjax._src.sharded_load import load_sharded as load_sharded
 from qjax._src.split_rules import check_split as check_split
+from qjax._src.split_rules import concat_columns as concat_columns
 from qjax._src.split_rules import partition_specs as partition_specs
 from qjax._src.split_rules import register_split_rule as register_split_rule
 

@@ -223,19 +223,17 @@ def _moe_impl_name(params: dict, cfg: Any, implementation: str | None) -> str:
 
 
 def expert_kernel_layouts(params: dict) -> dict:
-  """``params`` with each GGUF expert stack that an MoE kernel reads in that kernel's
-  layout (lossless, ``gguf_tiled.kernel_layout``): MXFP4 stacks (llama.cpp's MXFP4_MOE
-  files) as the stacked :class:`qjax.MXFP4Weight`, Q4_0 / Q4_1 stacks as the stacked
-  :class:`qjax.Int4Weight`; the other GGUF types' stacks have no MoE kernel and stay as
-  they are. For a run whose kernels run (:func:`_kernel_layouts`)."""
+  """``params`` with each GGUF expert stack in the layout its MoE kernel reads where one
+  does (``gguf_tiled.kernel_layout``, lossless, which holds the rule: MXFP4 stacks, as in
+  llama.cpp's MXFP4_MOE files, as the stacked :class:`qjax.MXFP4Weight`, Q4_0 / Q4_1
+  stacks as the stacked :class:`qjax.Int4Weight`; the other GGUF types' stacks have no
+  MoE kernel and stay as they are). For a run whose kernels run (:func:`_kernel_layouts`)."""
   import jax  # pylint: disable=g-import-not-at-top
   from qjax._src import gguf_formats  # pylint: disable=g-import-not-at-top
   from qjax._src import gguf_tiled  # pylint: disable=g-import-not-at-top
 
-  kernel_types = (gguf_formats.GGUFMXFP4, gguf_formats.GGUFQ4_0, gguf_formats.GGUFQ4_1)
-
   def is_stack(w):
-    return isinstance(w, kernel_types) and bool(w.leading_axes)
+    return isinstance(w, gguf_formats.GGUFBlockWeight) and bool(w.leading_axes)
 
   return jax.tree.map(lambda w: gguf_tiled.kernel_layout(w) if is_stack(w) else w, params,
                       is_leaf=is_stack)
@@ -382,6 +380,8 @@ def _run_generate(args) -> int:
       jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
   load = _load_hf_model if os.path.isdir(path) else _load_gguf_model
   plan, params, impl_name, file_bytes = load(args, path, dtype, implementation)
+  if args.devices == 1:  # q / k / v and gate / up as one matmul each (tp splits them)
+    params = llama.fuse_projections(params)
   cfg, tok, prompt_ids, max_len, bucket = plan
   n = len(prompt_ids)
   weight_bytes = _live_bytes()

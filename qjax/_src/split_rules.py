@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from qjax._src import autodiff
@@ -356,3 +359,96 @@ def global_static(static: dict[str, Any], mode: str, n: int) -> dict[str, Any]:
     out["shape"] = (k * n, nn)
   return out
 
+
+
+# ------------------------------------------------------------------------ joining
+
+
+def concat_columns(weights: Sequence[Any]) -> Any:
+  """One weight whose columns are those of ``weights`` side by side, each column's codes,
+  scales and zero points as they were (lossless): ``x @ concat_columns([a, b])`` equals
+  ``concatenate([x @ a, x @ b], -1)``, in one matmul instead of two. The inverse of a
+  column split; what fuses a layer's q / k / v or gate / up projections into one launch.
+
+  Args:
+    weights: weights of one format with the same K and static fields (group size, tile
+      order, GGUF type, ...), each ``[K, N_i]`` with the same leading (stacked-layer or
+      expert) axes; or plain arrays ``[..., K, N_i]`` (joined along the last axis).
+
+  Returns:
+    The joined weight, ``[K, sum N_i]``.
+
+  Raises:
+    ValueError: no weights, formats or static fields that differ, a field without an N
+      axis whose values differ (NVFP4's tensor scale, a codebook; called under
+      ``jax.jit`` such a field cannot be compared: join outside jit), or a format without
+      a column rule (``register_split_rule``).
+
+  >>> import jax, numpy as np, qjax
+  >>> a = qjax.quantize(jax.random.normal(jax.random.key(0), (256, 64)))
+  >>> b = qjax.quantize(jax.random.normal(jax.random.key(1), (256, 32)))
+  >>> ab = qjax.concat_columns([a, b])
+  >>> ab.shape, bool(np.array_equal(ab.dequantize()[:, 64:], b.dequantize()))
+  ((256, 96), True)
+  """
+  weights = list(weights)
+  if not weights:
+    raise ValueError("concat_columns needs at least one weight; got none")
+  if not formats.is_quantized(weights[0]):
+    return _concat_arrays(weights)
+  for i, w in enumerate(weights[1:], 1):
+    if not formats.is_quantized(w):
+      raise ValueError(f"concat_columns: weights[{i}] ({type(w).__name__}) does not join "
+                       f"weights[0], a {type(weights[0]).__name__}; join weights of one "
+                       "format")
+  ps = [parts_of(w) for w in weights]
+  cls = ps[0].cls
+  for i, p in enumerate(ps[1:], 1):
+    if p.cls is not cls:
+      raise ValueError(f"concat_columns: weights[{i}] is a {p.cls.__name__}, weights[0] a "
+                       f"{cls.__name__}; join weights of one format (convert them first)")
+    mine = {f: v for f, v in p.static.items() if f != "shape"}
+    first = {f: v for f, v in ps[0].static.items() if f != "shape"}
+    if mine != first or p.static["shape"][0] != ps[0].static["shape"][0]:
+      raise ValueError(f"concat_columns: weights[{i}] has static fields {p.static}, "
+                       f"weights[0] {ps[0].static}; the joined weights must share K and "
+                       "every static field but N")
+  if cls not in _RULES and not any(k in _RULES for k in cls.__mro__):
+    raise ValueError(f"concat_columns: {cls.__name__} has no column rule (where its N axis "
+                     "lies); register one with qjax.register_split_rule")
+  arrays = {}
+  for name, fa in rule_of(ps[0]).fields:
+    values = [p.arrays[name] for p in ps]
+    if all(v is None for v in values):
+      arrays[name] = None
+    elif any(v is None for v in values):
+      raise ValueError(f"concat_columns: {cls.__name__}.{name} is None in some weights and "
+                       "not in others; join weights of one layout")
+    elif fa.n is None:
+      for i, v in enumerate(values[1:], 1):
+        if v.shape != values[0].shape or not np.array_equal(np.asarray(v),
+                                                             np.asarray(values[0])):
+          raise ValueError(f"concat_columns: {cls.__name__}.{name} (no N axis) of weights"
+                           f"[{i}] differs from weights[0]'s; such weights cannot share "
+                           "one matmul")
+      arrays[name] = values[0]
+    else:
+      arrays[name] = _concat_arrays(values, axis=fa.n, what=f"{cls.__name__}.{name}")
+  static = dict(ps[0].static)
+  static["shape"] = (static["shape"][0], sum(p.static["shape"][1] for p in ps))
+  return cls(**arrays, **static)
+
+
+def _concat_arrays(values: list[Any], axis: int = -1, what: str = "the arrays") -> jax.Array:
+  """``values`` joined along ``axis`` (negative), every other axis equal."""
+  shapes = [tuple(np.shape(v)) for v in values]
+  for i, shape in enumerate(shapes[1:], 1):
+    if formats.is_quantized(values[i]) or len(shape) != len(shapes[0]) or len(shape) < -axis:
+      raise ValueError(f"concat_columns: {what}: weights[{i}] ({type(values[i]).__name__} "
+                       f"of shape {shape}) does not join weights[0] (shape {shapes[0]})")
+    if [d for a, d in enumerate(shape) if a != len(shape) + axis] != [
+        d for a, d in enumerate(shapes[0]) if a != len(shape) + axis]:
+      raise ValueError(f"concat_columns: {what}: weights[{i}] of shape {shape} and "
+                       f"weights[0] of shape {shapes[0]} differ on an axis other than N "
+                       f"(axis {axis})")
+  return jnp.concatenate(values, axis=axis)

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Session 36 (BENCHMARKS.md): qjax generate on SmolLM2 (Q4_1 / Q8_0 GGUF), the code before
+# this session (a `git archive` of it in .clean/) against now (projections joined by
+# fuse_projections, the KV cache carried whole through the layers' scan), then the GPU
+# cases of the model tests. Run on the GPU machine from the repo root, with .whl/ (gguf,
+# tokenizers) and the SmolLM2 file split into .model/part + .model2/part (carried over two
+# calls: one call carries 64 MiB at most; the first copies its part to /tmp/smol.part1).
+set -uo pipefail
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
+python3 -c "import jax, flax, triton; print(jax.__version__, flax.__version__, triton.__version__, jax.devices()[0].device_kind)"
+cat /tmp/smol.part1 .model2/part > /tmp/smol.gguf
+for rep in 1 2; do
+  for tree in .clean .; do
+    echo "== smollm2 auto, code of $tree (rep $rep)"
+    (cd "$tree" && PYTHONPATH=$PWD:/tmp/site python3 -m qjax._src.cli generate --model /tmp/smol.gguf \
+      --max-new-tokens 200 --temperature 0 --prompt "The capital of France is" 2>&1 \
+      | grep -v "^[WI]0000" | tail -2)
+  done
+done
+export PYTHONPATH=$PWD:/tmp/site
+python3 -m pytest -q -rf -n 8 -p no:cacheprovider -o addopts="" tests/test_fuse_projections.py \
+  tests/test_generation_audit.py tests/test_llama.py 2>&1 | tail -4
