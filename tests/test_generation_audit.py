@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import io
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,8 @@ import pytest
 import qjax
 from conftest import seed_from, smollm2_path
 from flax_layers import llama
+from jax._src import xla_bridge
+from qjax._src import generate
 
 HIDDEN, VOCAB, FFN, LAYERS = 96, 80, 64, 2
 
@@ -535,3 +538,23 @@ def test_generate_stops_at_the_end_of_turn_token(monkeypatch):
   rc, out, err = _cli(args)
   assert rc == 0, err
   assert json.loads(out)["generated_ids"] == [7042]
+
+
+def test_generate_asks_xla_for_deterministic_ops(monkeypatch):
+  """qjax generate adds --xla_gpu_deterministic_ops=true to XLA_FLAGS before JAX starts
+  (on an H100 the autotuner's per-run picks changed SmolLM2's greedy text), keeps a
+  user's own setting of it, and changes nothing once the backends have started."""
+  monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  assert generate.deterministic_xla_flags()
+  assert os.environ["XLA_FLAGS"] == ("--xla_force_host_platform_device_count=8 "
+                                     "--xla_gpu_deterministic_ops=true")
+  monkeypatch.delenv("XLA_FLAGS")
+  assert generate.deterministic_xla_flags()
+  assert os.environ["XLA_FLAGS"] == "--xla_gpu_deterministic_ops=true"
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=false")  # the user's choice
+  assert not generate.deterministic_xla_flags()
+  assert os.environ["XLA_FLAGS"] == "--xla_gpu_deterministic_ops=false"
+  monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: True)
+  monkeypatch.setenv("XLA_FLAGS", "")
+  assert not generate.deterministic_xla_flags() and os.environ["XLA_FLAGS"] == ""

