@@ -114,6 +114,12 @@ def shard_llama_params(params: dict, mesh: jax.sharding.Mesh, cfg: llama.LlamaCo
     ValueError: a head count or the ffn size does not divide, or a projection cannot
       split (e.g. a row shard that would cut a packed tile), naming the valid counts.
   """
+  fused = {name for name, _ in llama.FUSED.values()}
+  for path, _ in _map_paths(params):
+    if fused & set(path):
+      raise ValueError(f"{'/'.join(path)}: projections joined by fuse_projections do not "
+                       "split by heads; shard the params as loaded (before "
+                       "flax_layers.fuse_projections)")
   n = sharding_lib.mesh_axis_size(mesh, axis)
   local_config(cfg, n)
   everywhere = NamedSharding(mesh, P())
@@ -132,13 +138,20 @@ def shard_llama_params(params: dict, mesh: jax.sharding.Mesh, cfg: llama.LlamaCo
   return _map_with_path(place, params)
 
 
-def _projections(tree: Mapping, path: tuple[str, ...] = ()):
-  """``(path, weight)`` of every projection kernel (q, k, v, o, gate, up, down)."""
+def _map_paths(tree: Mapping, path: tuple[str, ...] = ()):
+  """``(path, leaf)`` of every entry that is not a mapping."""
   for k, v in tree.items():
     if isinstance(v, Mapping):
-      yield from _projections(v, (*path, k))
-    elif _mode((*path, k)) is not None:
+      yield from _map_paths(v, (*path, k))
+    else:
       yield (*path, k), v
+
+
+def _projections(tree: Mapping):
+  """``(path, weight)`` of every projection kernel (q, k, v, o, gate, up, down)."""
+  for path, v in _map_paths(tree):
+    if _mode(path) is not None:
+      yield path, v
 
 
 def param_specs(params: dict, axis: Any = "tp") -> dict:

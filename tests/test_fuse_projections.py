@@ -234,3 +234,14 @@ def test_qkv_biases_join_with_the_weights():
       np.concatenate([np.asarray(attn[n]["bias"]) for n in ("q", "k", "v")], axis=-1))
   ids = jnp.asarray(rng.integers(0, VOCAB, (1, 7)), jnp.int32)
   _close(llama.forward(fused, ids, cfg=cfg), llama.forward(params, ids, cfg=cfg), rel=1e-6)
+
+
+def test_tensor_parallel_refuses_joined_projections():
+  """Joined q / k / v cannot split by heads: shard_llama_params names the joined weight
+  (rather than replicating it and failing later on its width)."""
+  from flax_layers import tensor_parallel as tp
+  from test_sharding import _mesh
+  cfg = _config("gqa6x3_partial_rope")
+  params, _ = _model(cfg, seed_from("tp"))
+  with pytest.raises(ValueError, match=r"blocks/attn/qkv/kernel: .*fuse_projections"):
+    tp.shard_llama_params(llama.fuse_projections(params), _mesh(3), cfg)

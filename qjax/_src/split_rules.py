@@ -360,7 +360,6 @@ def global_static(static: dict[str, Any], mode: str, n: int) -> dict[str, Any]:
   return out
 
 
-
 # ------------------------------------------------------------------------ joining
 
 
@@ -413,7 +412,7 @@ def concat_columns(weights: Sequence[Any]) -> Any:
       raise ValueError(f"concat_columns: weights[{i}] has static fields {p.static}, "
                        f"weights[0] {ps[0].static}; the joined weights must share K and "
                        "every static field but N")
-  if cls not in _RULES and not any(k in _RULES for k in cls.__mro__):
+  if not any(klass in _RULES for klass in cls.__mro__):
     raise ValueError(f"concat_columns: {cls.__name__} has no column rule (where its N axis "
                      "lies); register one with qjax.register_split_rule")
   arrays = {}
