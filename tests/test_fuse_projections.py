@@ -4,13 +4,15 @@
 concat_columns: every format with a column rule, quantized at ``[K, N]`` then cut into
 column runs along each field's N axis (as a column split does), joins back bit for bit,
 leading (stacked-layer) axes included; weights quantized apart join so that the joined
-weight dequantizes to their dequantizations side by side, and ``x @ joined`` equals the
-float64 products side by side. Mismatches are refused by name.
+weight dequantizes to their dequantizations side by side (bit for bit; the codebook's,
+whose dequantize rotates back by a matmul, within 1e-6 on a GPU), and ``x @ joined``
+equals the float64 products side by side. Mismatches are refused by name.
 
 fuse_projections: :mod:`test_generation_audit`'s random INT4 models with the projections
 joined still match its float64 reference (forward, and prefill then cached decoding), as
 the separate ones do; a layer whose projections do not join (one of another group size)
-keeps them apart; ``qkv_bias`` joins with the weights. Measured on the CPU (float32): the
+keeps them apart; ``qkv_bias`` joins with the weights; tensor parallelism refuses joined
+params by name. Measured on the CPU (float32): the
 joined model's logits equal the separate one's bit for bit on XLA, and both are within
 2e-5 of the largest float64 logit.
 """
