@@ -412,11 +412,13 @@ def concat_columns(weights: Sequence[Any]) -> Any:
       raise ValueError(f"concat_columns: weights[{i}] has static fields {p.static}, "
                        f"weights[0] {ps[0].static}; the joined weights must share K and "
                        "every static field but N")
-  if not any(klass in _RULES for klass in cls.__mro__):
+  try:
+    rule = rule_of(ps[0])
+  except TypeError:  # rule_for's lookup found none
     raise ValueError(f"concat_columns: {cls.__name__} has no column rule (where its N axis "
-                     "lies); register one with qjax.register_split_rule")
+                     "lies); register one with qjax.register_split_rule") from None
   arrays = {}
-  for name, fa in rule_of(ps[0]).fields:
+  for name, fa in rule.fields:
     values = [p.arrays[name] for p in ps]
     if all(v is None for v in values):
       arrays[name] = None
