@@ -54,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import qjax
+from qjax._src import attention
 from qjax._src import dispatch
 from qjax._src import moe as moe_lib
 from qjax._src.gguf_formats import embedding_rows
@@ -964,28 +965,37 @@ def apply_rope(x: jax.Array, positions: jax.Array, base: float, rope_dim: int, *
   return jnp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
 
 
-def _cache_scores(qg: jax.Array, keys: jax.Array) -> jax.Array:
-  """``qg [b, t, kv, g, d]`` . ``keys [b, s, kv, d]`` -> ``[b, kv, g, t, s]`` float32.
-
-  One query (decode) is a product and a sum that XLA fuses with the dynamic slice of the
-  layer's keys out of the whole cache, reading them in place; as a dot, the slice would be
-  copied and transposed first (H100, 16 layers of 8 KV heads x 64 at 4096 slots: about
-  120 us a step; docs/experiments/s36_kv_cache.py)."""
-  if qg.shape[1] != 1:
-    return jnp.einsum("btkgd,bskd->bkgts", qg, keys, preferred_element_type=jnp.float32)
-  q = qg[:, 0, :, :, None, :].astype(jnp.float32)  # [b, kv, g, 1, d]
-  k = jnp.swapaxes(keys, 1, 2)[:, :, None].astype(jnp.float32)  # [b, kv, 1, s, d]
-  return (q * k).sum(-1)[:, :, :, None]
+def attention_implementation(implementation: str | None) -> str | None:
+  """The :func:`qjax.decode_attention` implementation for the layers' ``implementation``:
+  "pallas" / "interpret" run XLA where no decode-attention kernel is registered (as
+  :func:`matmul` does for a format without one)."""
+  if implementation in ("pallas", "interpret") and not attention.decode_attention_kernels():
+    return "xla"
+  return implementation
 
 
-def _cache_values(probs: jax.Array, values: jax.Array) -> jax.Array:
-  """``probs [b, kv, g, t, s]`` . ``values [b, s, kv, d]`` -> ``[b, t, kv, g, d]`` float32;
-  one query as :func:`_cache_scores`."""
-  if probs.shape[3] != 1:
-    return jnp.einsum("bkgts,bskd->btkgd", probs, values, preferred_element_type=jnp.float32)
-  p = probs[:, :, :, 0, :, None].astype(jnp.float32)  # [b, kv, g, s, 1]
-  v = jnp.swapaxes(values, 1, 2)[:, :, None].astype(jnp.float32)  # [b, kv, 1, s, d]
-  return (p * v).sum(-2)[:, None]
+def _prefill_attention(q, k_cache, v_cache, mask, layer, sinks, dtype) -> jax.Array:
+  """Several queries per sequence: ``q [b, t, heads, d]`` over layer ``layer`` of the
+  caches ``[layers, b, slots, kv_heads, d]`` where ``mask [b, t, slots]``; sinks None or
+  ``[heads]`` -> ``[b, t, heads, d]`` in ``dtype`` (float32 scores and softmax, the
+  probabilities rounded to ``dtype`` before they weigh the values)."""
+  b, t, heads, d = q.shape
+  kv_heads = k_cache.shape[3]
+  g = heads // kv_heads
+  keys = jax.lax.dynamic_index_in_dim(k_cache, layer, keepdims=False).astype(q.dtype)
+  values = jax.lax.dynamic_index_in_dim(v_cache, layer, keepdims=False).astype(dtype)
+  qg = q.reshape(b, t, kv_heads, g, d)
+  scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys,
+                      preferred_element_type=jnp.float32) / np.sqrt(d)
+  scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+  if sinks is not None:  # [b, kv, g, t, 1]
+    sink = sinks.astype(jnp.float32).reshape(1, kv_heads, g, 1, 1)
+    scores = jnp.concatenate([scores, jnp.broadcast_to(sink, (*scores.shape[:-1], 1))], -1)
+    probs = jax.nn.softmax(scores, axis=-1)[..., :-1].astype(dtype)
+  else:
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+  return jnp.einsum("bkgts,bskd->btkgd", probs, values,
+                    preferred_element_type=jnp.float32).astype(dtype)
 
 
 class Attention(nn.Module):
@@ -1034,24 +1044,18 @@ class Attention(nn.Module):
     rows = jnp.arange(b)[:, None]
     k_cache = k_cache.at[layer, rows, positions].set(k.astype(k_cache.dtype), mode="drop")
     v_cache = v_cache.at[layer, rows, positions].set(v.astype(v_cache.dtype), mode="drop")
-    keys = jax.lax.dynamic_index_in_dim(k_cache, layer, keepdims=False)
-    values = jax.lax.dynamic_index_in_dim(v_cache, layer, keepdims=False)
-
-    g = c.num_heads // c.num_kv_heads
-    qg = q.reshape(b, t, c.num_kv_heads, g, c.head_dim)
-    scores = _cache_scores(qg, keys.astype(q.dtype)) / np.sqrt(c.head_dim)
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    if c.attn_sinks:  # one more logit per head in the denominator: [b, kv, g, t, 1]
+    sinks = None
+    if c.attn_sinks:  # one more logit per head in the softmax's denominator
       sinks = _loaded_param(self, "sinks")
       if tuple(sinks.shape) != (c.num_heads,):
         raise ValueError(f"{self.name}: sinks of shape {tuple(sinks.shape)}, want "
                          f"(num_heads={c.num_heads},)")
-      sink = sinks.astype(jnp.float32).reshape(1, c.num_kv_heads, g, 1, 1)
-      scores = jnp.concatenate([scores, jnp.broadcast_to(sink, (*scores.shape[:-1], 1))], -1)
-      probs = jax.nn.softmax(scores, axis=-1)[..., :-1].astype(x.dtype)
+    if t == 1:  # decode: a kernel reads the layer's cache once, in place
+      out = qjax.decode_attention(q[:, 0], k_cache, v_cache, mask[:, 0], layer=layer,
+                                  sinks=sinks,
+                                  implementation=attention_implementation(c.implementation))
     else:
-      probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-    out = _cache_values(probs, values.astype(x.dtype)).astype(x.dtype)
+      out = _prefill_attention(q, k_cache, v_cache, mask, layer, sinks, x.dtype)
     out = out.reshape(b, t, c.num_heads * c.head_dim)
     return dense(c.hidden_size, use_bias=c.o_bias, name="o")(out), k_cache, v_cache
 

@@ -9,6 +9,7 @@ import jax
 
 import qjax
 from pallas_kernels import codebook_matmul as codebook_matmul
+from pallas_kernels import decode_attention as decode_attention
 from pallas_kernels import gguf_matmul as gguf_matmul
 from pallas_kernels import fp4_matmul as fp4_matmul
 from pallas_kernels import fp4_moe as fp4_moe
@@ -125,3 +126,8 @@ for _fp4_nk_format in (qjax.MXFP4NKWeight, qjax.NVFP4NKWeight):
       qjax.Backend(name="mosaic_gpu_wgmma", fn=int4_wgmma.fp4_nk_moe_matmul,
                    supported_on=int4_wgmma.supported, declines=int4_wgmma.moe_declines))
 del _fp4_nk_format
+
+# Attention of one query per sequence over a KV cache (qjax.decode_attention).
+qjax.register_decode_attention_kernel(
+    qjax.AttentionBackend(name="pallas_triton", fn=decode_attention.decode_attention,
+                          supported_on=triton_supported))

@@ -1,0 +1,232 @@
+"""``qjax.decode_attention``: one query per sequence against a KV cache, and the registry of
+its kernels.
+
+At decode (one new token per sequence) attention reads the whole cache once and does
+little arithmetic on it: a memory-bound product and sum per layer, like the GEMVs around
+it. qjax defines the contract and its XLA implementation here; a faster implementation (a
+Pallas kernel that reads each cached key and value once, skips masked slots and splits
+the slots over programs: ``pallas_kernels.decode_attention``) registers itself with
+:func:`register_decode_attention_kernel`, as the matmul kernels register with
+:mod:`qjax._src.dispatch`. Implementation names are those of :func:`qjax.matmul`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qjax._src import dispatch
+
+log = logging.getLogger("qjax")
+
+# The score of a masked slot: the float32 minimum (not -inf: exp(-inf - -inf) is NaN where
+# every slot seen so far is masked).
+MASKED_SCORE = float(np.finfo(np.float32).min)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBackend:
+  """A registered implementation of :func:`decode_attention`.
+
+  Attributes:
+    name: e.g. "pallas_triton".
+    fn: ``fn(q, k_cache, v_cache, mask, layer, sinks, *, scale, interpret) ->
+      [batch, heads, head_dim]`` in q's dtype, with the arguments of
+      :func:`decode_attention` checked and normalized: ``k_cache`` / ``v_cache`` always
+      ``[layers, batch, slots, kv_heads, head_dim]``, ``layer`` a ``[1]`` int32 array in
+      ``[-layers, layers)`` (negative: from the end; a traced layer is passed as it is,
+      so that no extra XLA op runs before the kernel), ``mask`` ``[batch, slots]`` bool, ``sinks`` None or ``[heads]``
+      float32, ``scale`` a float. Raises NotImplementedError naming an argument it cannot
+      handle (``implementation=None`` then runs the XLA path).
+    supported_on: whether it compiles for a device (interpret mode runs anywhere).
+  """
+  name: str
+  fn: Callable[..., jax.Array]
+  supported_on: Callable[[jax.Device], bool]
+
+
+_KERNELS: list[AttentionBackend] = []
+
+
+def register_decode_attention_kernel(backend: AttentionBackend) -> None:
+  """Registers a kernel for :func:`decode_attention`; the first registered is the default
+  of "pallas" / "interpret", a later registration of a name replaces that backend."""
+  global _KERNELS
+  names = [b.name for b in _KERNELS]
+  if backend.name in names:
+    _KERNELS = [backend if b.name == backend.name else b for b in _KERNELS]
+  else:
+    _KERNELS = [*_KERNELS, backend]
+
+
+def decode_attention_kernels() -> list[AttentionBackend]:
+  """The registered :func:`decode_attention` kernels (plugins loaded first)."""
+  dispatch.load_plugins()
+  return list(_KERNELS)
+
+
+def _check(q, k_cache, v_cache, mask, layer, sinks):
+  """The arguments of :func:`decode_attention` checked; returns ``(k_cache, v_cache,
+  layer)`` with the caches 5-D and ``layer`` a ``[1]`` int32 array."""
+  if q.ndim != 3:
+    raise ValueError(f"q.shape={tuple(q.shape)}: want [batch, heads, head_dim] (one query "
+                     "per sequence)")
+  if jnp.dtype(q.dtype) not in [jnp.dtype(d) for d in dispatch.ACTIVATION_DTYPES]:
+    raise ValueError(f"q.dtype={jnp.dtype(q.dtype).name} is not supported; cast q to "
+                     "bfloat16, float16 or float32")
+  if tuple(k_cache.shape) != tuple(v_cache.shape):
+    raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} "
+                     "must have one shape")
+  want = 4 if layer is None else 5
+  if k_cache.ndim != want:
+    raise ValueError(
+        f"k_cache.shape={tuple(k_cache.shape)} with layer={layer!r}: want "
+        + ("[batch, slots, kv_heads, head_dim] (pass layer= for a stacked cache)"
+           if layer is None else "[layers, batch, slots, kv_heads, head_dim]"))
+  if layer is None:
+    k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
+  b, heads, d = q.shape
+  _, cb, slots, kv_heads, cd = k_cache.shape
+  if cb != b or cd != d or heads % kv_heads:
+    raise ValueError(f"q {tuple(q.shape)} does not fit a cache of batch {cb}, {kv_heads} KV "
+                     f"heads of {cd}: want q [batch={cb}, a multiple of {kv_heads} heads, "
+                     f"head_dim={cd}]")
+  if tuple(mask.shape) != (b, slots):
+    raise ValueError(f"mask.shape={tuple(mask.shape)}: want [batch, slots] = ({b}, {slots})")
+  if sinks is not None and tuple(jnp.shape(sinks)) != (heads,):
+    raise ValueError(f"sinks of shape {tuple(jnp.shape(sinks))}: want [heads] = ({heads},)")
+  layers = k_cache.shape[0]
+  if isinstance(layer, (int, np.integer)):
+    if not -layers <= int(layer) < layers:
+      raise ValueError(f"layer={int(layer)} is outside a cache of {layers} layers")
+    return k_cache, v_cache, np.asarray([int(layer) % layers], np.int32)
+  if jnp.shape(layer) != () or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+    raise ValueError(f"layer of shape {jnp.shape(layer)} and dtype "
+                     f"{jnp.result_type(layer)}: want an int or a scalar integer array")
+  return k_cache, v_cache, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+
+
+def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.Array, *,
+                     layer: Any = None, sinks: jax.Array | None = None,
+                     scale: float | None = None, implementation: str | None = None
+                     ) -> jax.Array:
+  """Grouped-query attention of one query per sequence over a KV cache.
+
+  ``out[b, h] = sum_s p[b, h, s] v[b, s, h // g]`` with ``p = softmax_s(scale * q[b, h] .
+  k[b, s, h // g])`` over the slots where ``mask[b, s]`` (``g = heads // kv_heads``);
+  with ``sinks``, head ``h``'s softmax also holds the logit ``sinks[h]``, which weighs no
+  value (GPT-OSS). Scores and the softmax in float32.
+
+  Args:
+    q: ``[batch, heads, head_dim]`` in bfloat16, float16 or float32.
+    k_cache, v_cache: ``[batch, slots, kv_heads, head_dim]``, or ``[layers, batch, slots,
+      kv_heads, head_dim]`` with ``layer``: the whole model's cache, of which layer
+      ``layer`` is read in place (no copy of it).
+    mask: ``[batch, slots]`` bool, the slots each query attends to (a kernel reads no key
+      or value of a masked slot).
+    layer: the layer of a stacked cache (an int or a scalar int32 array, e.g. a scan's
+      counter); None for a 4-D cache.
+    sinks: optional ``[heads]`` float, each head's sink logit.
+    scale: the factor on the scores; None: ``1 / sqrt(head_dim)``.
+    implementation: None (a registered kernel where it supports the device and q is
+      16-bit, else XLA), "xla", "pallas" or "interpret" (as :func:`qjax.matmul`).
+
+  Returns:
+    ``[batch, heads, head_dim]`` in q's dtype.
+
+  A query whose slots are all masked gets zeros (every implementation). Forward only
+  through a kernel (no derivative); the XLA path is differentiable.
+
+  >>> import jax.numpy as jnp, qjax
+  >>> q = jnp.ones((1, 8, 64), jnp.bfloat16)
+  >>> k = v = jnp.ones((1, 16, 2, 64), jnp.bfloat16)
+  >>> mask = jnp.arange(16)[None] < 5
+  >>> qjax.decode_attention(q, k, v, mask, implementation="xla").shape
+  (1, 8, 64)
+  """
+  k_cache, v_cache, layer = _check(q, k_cache, v_cache, mask, layer, sinks)
+  mask = jnp.asarray(mask, bool)
+  if sinks is not None:
+    sinks = jnp.asarray(sinks, jnp.float32)
+  scale = float(1.0 / np.sqrt(q.shape[-1]) if scale is None else scale)
+  _, fn = resolve(q, implementation)
+  return fn(q, k_cache, v_cache, mask, layer, sinks, scale=scale)
+
+
+def resolve(q: jax.Array, implementation: str | None) -> tuple[str, Callable[..., jax.Array]]:
+  """The implementation :func:`decode_attention` runs for ``q``: its name and a function
+  of the normalized arguments."""
+  if implementation not in (None, *dispatch.IMPLEMENTATIONS):
+    raise ValueError(f"{implementation=} must be None or one of {dispatch.IMPLEMENTATIONS}")
+  if implementation == "xla":
+    return "xla", decode_attention_xla
+  kernels = decode_attention_kernels()
+  if implementation in ("pallas", "interpret"):
+    if not kernels:
+      raise NotImplementedError("no decode-attention kernel is registered; use "
+                                "implementation='xla' (is pallas_kernels installed?)")
+    backend = kernels[0]
+    interpret = implementation == "interpret"
+    if not interpret and not backend.supported_on(dispatch.default_device()):
+      raise NotImplementedError(
+          f"the {backend.name} decode-attention kernel does not run on "
+          f"{dispatch.default_device().device_kind!r}; use implementation='interpret' or "
+          "'xla'")
+    return (f"{backend.name}{'-interpret' if interpret else ''}",
+            lambda *a, scale: backend.fn(*a, scale=scale, interpret=interpret))
+  backend = next((b for b in kernels if b.supported_on(dispatch.default_device())), None)
+  if backend is None or dispatch.runs_xla_for_dtype(q.dtype):
+    return "xla", decode_attention_xla
+
+  def auto(*args, scale):
+    try:
+      return backend.fn(*args, scale=scale, interpret=False)
+    except NotImplementedError as e:
+      log.info("%s fell back to XLA: %s", backend.name, e)
+      return decode_attention_xla(*args, scale=scale)
+
+  return backend.name, auto
+
+
+def decode_attention_implementation_name(q: jax.Array,
+                                         implementation: str | None = None) -> str:
+  """The name of the implementation :func:`decode_attention` would run for ``q`` here."""
+  return resolve(q, implementation)[0]
+
+
+def decode_attention_xla(q, k_cache, v_cache, mask, layer, sinks, *, scale: float):
+  """The XLA path of :func:`decode_attention` on its normalized arguments (see
+  :class:`AttentionBackend`).
+
+  The scores and the weighted sum of values are each a product and a sum that XLA fuses
+  with the dynamic slice of the layer out of the whole cache, reading it in place; as a
+  dot, the slice would be copied and transposed first (H100, 16 layers of 8 KV heads x 64
+  at 4096 slots: about 120 us a step; docs/experiments/s36_kv_cache.py). The
+  probabilities are rounded to q's dtype before they weigh the values.
+  """
+  b, heads, d = q.shape
+  kv_heads = k_cache.shape[3]
+  g = heads // kv_heads
+  at = jnp.where(layer[0] < 0, layer[0] + k_cache.shape[0], layer[0])
+  keys = jax.lax.dynamic_index_in_dim(k_cache, at, keepdims=False).astype(q.dtype)
+  values = jax.lax.dynamic_index_in_dim(v_cache, at, keepdims=False).astype(q.dtype)
+  qg = q.reshape(b, kv_heads, g, 1, d).astype(jnp.float32)
+  k = jnp.swapaxes(keys, 1, 2)[:, :, None].astype(jnp.float32)  # [b, kv, 1, s, d]
+  scores = (qg * k).sum(-1) * scale  # [b, kv, g, s]
+  scores = jnp.where(mask[:, None, None], scores, MASKED_SCORE)
+  if sinks is not None:  # one more logit per head in the denominator
+    sink = sinks.reshape(1, kv_heads, g, 1)
+    scores = jnp.concatenate([scores, jnp.broadcast_to(sink, (*scores.shape[:-1], 1))], -1)
+    probs = jax.nn.softmax(scores, axis=-1)[..., :-1]
+  else:
+    probs = jax.nn.softmax(scores, axis=-1)
+  p = probs.astype(q.dtype)[..., None].astype(jnp.float32)  # [b, kv, g, s, 1]
+  v = jnp.swapaxes(values, 1, 2)[:, :, None].astype(jnp.float32)  # [b, kv, 1, s, d]
+  out = (p * v).sum(-2).astype(q.dtype).reshape(b, heads, d)
+  # No slot to attend to: zeros (the softmax alone would give the mean of the values).
+  return jnp.where(jnp.any(mask, axis=-1)[:, None, None], out, jnp.zeros_like(out))
