@@ -105,7 +105,7 @@ def loop_shape(batch: int, kv_heads: int, slots: int, config: AttentionConfig,
 
 def _kernel(q_ref, k_ref, v_ref, mask_ref, layer_ref, sinks_ref, *out_refs, kv_heads: int,
             g: int, d: int, slots: int, block_s: int, steps: int, scale: float,
-            final: bool):
+            final: bool, interpret: bool):
   """One (sequence, KV head, split) program.
 
   Refs: q ``[b, kv_heads, g, d]``; k, v ``[layers, b, slots, kv_heads, d]``; mask ``[b,
@@ -121,7 +121,7 @@ def _kernel(q_ref, k_ref, v_ref, mask_ref, layer_ref, sinks_ref, *out_refs, kv_h
   layer = layer_ref[0]
   layer = jnp.where(layer < 0, layer + k_ref.shape[0], layer)
   q = common.load(q_ref.at[bi, h, pl.ds(0, gp), pl.ds(0, dp)], rows[:, None] & cols[None, :])
-  precision = common.dot_precision(q.dtype, False)
+  precision = common.dot_precision(q.dtype, interpret)
 
   def step(i, carry):
     m, l, acc = carry
@@ -210,7 +210,8 @@ def decode_attention(q, k_cache, v_cache, mask, layer, sinks, *, scale: float,
                  jax.ShapeDtypeStruct((b, kv_heads, splits, g), _f32),
                  jax.ShapeDtypeStruct((b, kv_heads, splits, g), _f32)]
   kernel = functools.partial(_kernel, kv_heads=kv_heads, g=g, d=d, slots=slots,
-                             block_s=block_s, steps=steps, scale=scale, final=final)
+                             block_s=block_s, steps=steps, scale=scale, final=final,
+                             interpret=interpret)
   args = [qg, k_cache, v_cache, mask, layer, sinks_g]
   aliases = {}
   if poison:

@@ -262,14 +262,22 @@ def test_kernel_refuses_wide_heads():
 
 
 def test_implementation_names():
-  q = jnp.zeros((1, 8, 64), jnp.bfloat16)
-  assert qjax.decode_attention_implementation_name(q, "xla") == "xla"
-  assert qjax.decode_attention_implementation_name(q, "interpret") == "pallas_triton-interpret"
+  name = qjax.decode_attention_implementation_name
+  assert name(jnp.bfloat16, "xla") == "xla"
+  assert name(jnp.bfloat16, "interpret") == "pallas_triton-interpret"
   on_gpu = jax.devices()[0].platform == "gpu"
-  assert qjax.decode_attention_implementation_name(q) == ("pallas_triton" if on_gpu else "xla")
+  assert name(jnp.bfloat16) == name() == ("pallas_triton" if on_gpu else "xla")
   # float32 queries run XLA by default (the kernel's dots would be TF32 on the GPU).
-  assert qjax.decode_attention_implementation_name(q.astype(jnp.float32)) == "xla"
+  assert name(jnp.float32) == "xla"
   assert llama.attention_implementation("pallas") == "pallas"
+  before = list(attention._KERNELS)  # pylint: disable=protected-access
+  try:  # without a kernel, the layers' "pallas" runs XLA (as their matmul does)
+    attention._KERNELS = []  # pylint: disable=protected-access
+    assert llama.attention_implementation("pallas") == "xla"
+    with pytest.raises(NotImplementedError, match="no decode-attention kernel"):
+      name(jnp.bfloat16, "pallas")
+  finally:
+    attention._KERNELS = before  # pylint: disable=protected-access
 
 
 def test_registration_replaces_by_name():
@@ -321,7 +329,7 @@ class TestDecodeAttentionGpu:
   def test_pallas_is_auto_and_matches_xla(self, request):
     rng = _rng(request)
     q, k, v, mask, _ = _inputs(rng, (1, 32, 8, 64, 1024, 3), jnp.bfloat16, "prefix")
-    assert qjax.decode_attention_implementation_name(q) == "pallas_triton"
+    assert qjax.decode_attention_implementation_name(q.dtype) == "pallas_triton"
     auto = qjax.decode_attention(q, k, v, jnp.asarray(mask), layer=1)
     xla = qjax.decode_attention(q, k, v, jnp.asarray(mask), layer=1, implementation="xla")
     ref = reference(q, k[1], v[1], mask)

@@ -270,6 +270,7 @@ def test_cli_generate_json():
   assert len(result["generated_ids"]) == 24
   assert result["text"].startswith(" Paris"), result["text"]
   assert "tokens/s" in err and "matmul implementation: xla" in err
+  assert "decode attention: xla," in err, err  # float32 on the CPU: XLA
 
 
 def test_cli_generate_tensor_parallel_matches_one_device():

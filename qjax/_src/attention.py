@@ -154,13 +154,13 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask:
   if sinks is not None:
     sinks = jnp.asarray(sinks, jnp.float32)
   scale = float(1.0 / np.sqrt(q.shape[-1]) if scale is None else scale)
-  _, fn = resolve(q, implementation)
+  _, fn = resolve(q.dtype, implementation)
   return fn(q, k_cache, v_cache, mask, layer, sinks, scale=scale)
 
 
-def resolve(q: jax.Array, implementation: str | None) -> tuple[str, Callable[..., jax.Array]]:
-  """The implementation :func:`decode_attention` runs for ``q``: its name and a function
-  of the normalized arguments."""
+def resolve(dtype, implementation: str | None) -> tuple[str, Callable[..., jax.Array]]:
+  """The implementation :func:`decode_attention` runs for queries of ``dtype``: its name
+  and a function of the normalized arguments."""
   if implementation not in (None, *dispatch.IMPLEMENTATIONS):
     raise ValueError(f"{implementation=} must be None or one of {dispatch.IMPLEMENTATIONS}")
   if implementation == "xla":
@@ -180,7 +180,7 @@ def resolve(q: jax.Array, implementation: str | None) -> tuple[str, Callable[...
     return (f"{backend.name}{'-interpret' if interpret else ''}",
             lambda *a, scale: backend.fn(*a, scale=scale, interpret=interpret))
   backend = next((b for b in kernels if b.supported_on(dispatch.default_device())), None)
-  if backend is None or dispatch.runs_xla_for_dtype(q.dtype):
+  if backend is None or dispatch.runs_xla_for_dtype(dtype):
     return "xla", decode_attention_xla
 
   def auto(*args, scale):
@@ -193,10 +193,16 @@ def resolve(q: jax.Array, implementation: str | None) -> tuple[str, Callable[...
   return backend.name, auto
 
 
-def decode_attention_implementation_name(q: jax.Array,
+def decode_attention_implementation_name(dtype=jnp.bfloat16,
                                          implementation: str | None = None) -> str:
-  """The name of the implementation :func:`decode_attention` would run for ``q`` here."""
-  return resolve(q, implementation)[0]
+  """The name of the implementation :func:`decode_attention` would run here for queries
+  of ``dtype`` ("xla", "pallas_triton", "pallas_triton-interpret", ...).
+
+  >>> import jax.numpy as jnp, qjax
+  >>> qjax.decode_attention_implementation_name(jnp.float32)  # float32: XLA by default
+  'xla'
+  """
+  return resolve(dtype, implementation)[0]
 
 
 def decode_attention_xla(q, k_cache, v_cache, mask, layer, sinks, *, scale: float):

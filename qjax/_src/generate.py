@@ -222,6 +222,14 @@ def _moe_impl_name(params: dict, cfg: Any, implementation: str | None) -> str:
   return decode if decode == prefill else f"{decode} (decode), {prefill} (prefill)"
 
 
+def _attention_impl_name(implementation: str | None, dtype: Any) -> str:
+  """What ``qjax.decode_attention`` runs at each decode step (as the layers call it)."""
+  import qjax  # pylint: disable=g-import-not-at-top
+  from flax_layers import llama  # pylint: disable=g-import-not-at-top
+  return qjax.decode_attention_implementation_name(
+      dtype, llama.attention_implementation(implementation))
+
+
 def expert_kernel_layouts(params: dict) -> dict:
   """``params`` with each GGUF expert stack in the layout its MoE kernel reads where one
   does (``gguf_tiled.kernel_layout``, lossless, which holds the rule: MXFP4 stacks, as in
@@ -280,6 +288,7 @@ def _load_gguf_model(args, path: str, dtype: Any, implementation: str | None):
   params = gguf_params(gfile, plan.cfg, implementation, consume=True)
   if plan.cfg.moe:
     impl_name += f"; experts: {_moe_impl_name(params, plan.cfg, implementation)}"
+  impl_name += f"; decode attention: {_attention_impl_name(implementation, plan.cfg.dtype)}"
   return plan, params, impl_name, file_bytes
 
 
@@ -349,6 +358,7 @@ def _load_hf_model(args, folder: str, dtype: Any, implementation: str | None):
   impl_name = _impl_name(qjax.layer_of(q, 0), implementation, cfg.dtype)
   if cfg.moe:  # the experts as loaded: MXFP4Weight (GPT-OSS) or float stacks
     impl_name += f"; experts: {_moe_impl_name(params, cfg, implementation)}"
+  impl_name += f"; decode attention: {_attention_impl_name(implementation, cfg.dtype)}"
   return plan, params, impl_name, _safetensors_data_bytes(folder)
 
 
