@@ -316,6 +316,17 @@ BAD_ARGUMENTS = [
     (["bench", "--offload", "--format", "int4"], "--offload does not use --format; drop it"),
     (["bench", "--offload", "--shapes", "512x512"], "--offload does not use --shapes; drop it"),
     (["bench", "--moe-top-k", "2"], "--moe-experts and --moe-top-k are options of --moe"),
+    (["bench", "--attention", "--shapes", "512x512"], "--attention does not use --shapes; "
+     "drop it"),
+    (["bench", "--attention", "--format", "int4"], "--attention does not use --format"),
+    (["bench", "--attention-slots", "64"], "--attention-slots and --attention-heads are "
+     "options of --attention"),
+    (["bench", "--attention", "--attention-slots", "0"], "argument --attention-slots: '0' "
+     "is not a positive integer"),
+    (["bench", "--attention", "--attention-heads", "32/8"], "argument --attention-heads: "
+     "'32/8' is not H/KV/D"),
+    (["bench", "--attention", "--attention-heads", "9/2/64"], "the query heads (9) must be "
+     "a multiple of the KV heads (2)"),
     (["check", "--formats", "foo"], "argument --formats: unknown format 'foo'; known "
      "formats: int4-sym-g32,"),
     (["check", "--impl", "bogus"], "argument --impl: unknown implementation 'bogus'"),

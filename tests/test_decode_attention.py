@@ -297,6 +297,29 @@ def test_registration_replaces_by_name():
     attention._KERNELS = before  # pylint: disable=protected-access
 
 
+@pytest.mark.skipif(jax.devices()[0].platform == "gpu", reason="the CPU smoke run; on a GPU "
+                    "`qjax bench --attention` times the full shapes (BENCHMARKS.md)")
+def test_bench_attention_cpu_smoke(tmp_path, capsys):
+  """``qjax bench --attention`` on the CPU: XLA and interpret, rows in the JSON, a floor
+  from the attended bytes."""
+  from qjax._src import attention_bench  # pylint: disable=g-import-not-at-top
+  from qjax._src import cli  # pylint: disable=g-import-not-at-top
+  path = tmp_path / "att.json"
+  assert cli.main(["bench", "--attention", "--calls", "1", "--m", "2", "--attention-slots",
+                   "40", "--attention-heads", "6/2/32", "--json", str(path)]) == 0
+  out = capsys.readouterr().out
+  assert "interpret xXLA" in out and "CPU run" in out
+  import json  # pylint: disable=g-import-not-at-top
+  rows = json.loads(path.read_text())["attention_rows"]
+  assert [(r["batch"], r["slots"], r["filled"]) for r in rows] == [(2, 40, 0.5), (2, 40, 1.0)]
+  for r in rows:
+    assert set(r["times_us"]) == {"xla", "interpret"}
+    assert all(t > 0 for t in r["times_us"].values()) and r["floor_us"] > 0
+  # The floor's bytes: 20 (then 40) attended slots of keys and values, q and the output.
+  assert attention_bench.attended_bytes(2, 40, 0.5, 6, 2, 32) == 2 * (2 * 2 * 20 * 2 * 32
+                                                                        + 2 * 2 * 6 * 32)
+
+
 @needs_gpu
 class TestDecodeAttentionGpu:
   """The compiled kernel on the GPU, poisoned, against float64."""

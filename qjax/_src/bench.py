@@ -793,6 +793,9 @@ def run(args) -> int:
           "Not kernel figures.")
   if getattr(args, "moe", False):
     return run_moe(args, env, on_gpu)
+  if getattr(args, "attention", False):
+    from qjax._src import attention_bench  # pylint: disable=g-import-not-at-top
+    return attention_bench.run(args, env, on_gpu)
   impls = args.impl.split(",") if args.impl else _timed_impls(on_gpu)
   if args.tune:
     if not on_gpu:

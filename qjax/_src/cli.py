@@ -76,6 +76,15 @@ def _shapes(text: str) -> str:
   return text
 
 
+def _heads(text: str) -> str:
+  """Query heads / KV heads / head_dim, positive integers (``--attention-heads 32/8/128``)."""
+  dims = [_int_or_none(v) for v in text.split("/")]
+  if len(dims) != 3 or any(d is None or d < 1 for d in dims):
+    raise argparse.ArgumentTypeError(f"{text!r} is not H/KV/D; give three positive integers "
+                                     "separated by /, e.g. 32/8/128")
+  return text
+
+
 def _names(known, what: str):
   """Comma-separated names out of ``known()`` (called when the option is given)."""
   def parse(text: str) -> str:
@@ -271,6 +280,17 @@ def _add_bench(sub) -> None:
                  help="experts for --moe (default GPU 128, CPU 8)")
   p.add_argument("--moe-top-k", type=_positive_int,
                  help="experts per token for --moe (default GPU 4, INT4 8; CPU 2)")
+  p.add_argument("--attention", action="store_true", help="instead, time "
+                 "qjax.decode_attention (one query per sequence over a bf16 KV cache) per "
+                 "implementation (default GPU: xla,pallas; CPU: xla,interpret) against the "
+                 "bandwidth floor of the attended keys and values, with half and all of the "
+                 "slots attended; --m sets the batch sizes (default GPU 1,8; CPU 1,2)")
+  p.add_argument("--attention-slots", type=_positive_ints, metavar="S,...",
+                 help="cache slots for --attention (default GPU 256,1024,4096,16384; CPU "
+                 "64,256)")
+  p.add_argument("--attention-heads", type=_heads, metavar="H/KV/D",
+                 help="query heads / KV heads / head_dim for --attention (default GPU "
+                 "32/8/128, Llama-3-8B's; CPU 8/2/64)")
   p.add_argument("--offload", action="store_true", help="instead: 32 layers of 4096x4096 "
                  "two-pass codebook weights, device time with pass 2 on the device and in "
                  "pinned host memory (prefetched ahead of the layers), the copy term and "
@@ -283,7 +303,8 @@ def _add_bench(sub) -> None:
                       "prefetched (default G: all of them; see qjax.stack_layers)")
 
   def refuse_unused(args, mode: str, names: tuple[str, ...]) -> None:
-    """--moe and --offload time other things: options they would ignore are errors."""
+    """--moe, --attention and --offload time other things: options they would ignore are
+    errors."""
     given = [f"--{n.replace('_', '-')}" for n in names if getattr(args, n)]
     if args.format is not None and mode != "moe":
       given.insert(0, "--format")
@@ -292,6 +313,21 @@ def _add_bench(sub) -> None:
               f"{'it' if len(given) == 1 else 'them'}")
 
   def run(args):
+    if not args.attention and (args.attention_slots or args.attention_heads):
+      p.error("--attention-slots and --attention-heads are options of --attention; add "
+              "--attention or drop them")
+    if args.attention:
+      refuse_unused(args, "attention", ("moe", "offload", "tune", "shapes", "plot", "model",
+                                        "moe_experts", "moe_top_k"))
+      if args.impl and "pallas" in args.impl.split(",") and not _on_gpu():
+        p.error(f"--impl {args.impl}: pallas needs a GPU (the compiled kernel); this "
+                f"device is {_device()}, where bench times xla,interpret")
+      if args.attention_heads:
+        h, kv, _ = (int(v) for v in args.attention_heads.split("/"))
+        if h % kv:
+          p.error(f"--attention-heads {args.attention_heads}: the query heads ({h}) must "
+                  f"be a multiple of the KV heads ({kv})")
+      return bench.run(args)
     if args.offload:
       refuse_unused(args, "offload", ("moe", "impl", "tune", "shapes", "json", "plot",
                                       "model", "moe_experts", "moe_top_k"))

@@ -1,0 +1,126 @@
+"""``qjax bench --attention``: :func:`qjax.decode_attention` (one query per sequence over a
+KV cache) per implementation, against the bandwidth floor of the attended keys and values.
+
+For each (batch, cache slots, attended fraction): the device time per call (profiler trace,
+every kernel of the call summed, a KV combine included) of one layer's attention over a
+stacked bfloat16 cache of ``LAYERS`` layers, a different layer each call so the cache is not
+served from L2. The floor is the bytes the attention must read (the attended slots' keys
+and values, q) and write, over the copy bandwidth measured in the same run. On the CPU:
+small shapes, XLA and interpret mode, wall-clock medians (a smoke test).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from qjax._src import attention
+from qjax._src import bench
+from qjax._src import devtime
+
+GPU_BATCH, CPU_BATCH = (1, 8), (1, 2)
+GPU_SLOTS, CPU_SLOTS = (256, 1024, 4096, 16384), (64, 256)
+GPU_HEADS, CPU_HEADS = (32, 8, 128), (8, 2, 64)  # query heads, KV heads, head_dim
+FILLS = (0.5, 1.0)
+LAYERS = 16
+
+
+@dataclasses.dataclass
+class AttentionRow:
+  """One measurement: times in us per call by implementation name."""
+  batch: int
+  slots: int
+  filled: float
+  heads: int
+  kv_heads: int
+  head_dim: int
+  floor_us: float
+  times_us: dict[str, float]
+
+  def fraction_of_floor(self, impl: str) -> float:
+    return bench._ratio(self.floor_us, self.times_us.get(impl))  # pylint: disable=protected-access
+
+  def speedup(self, impl: str) -> float:
+    return bench._ratio(self.times_us.get("xla"), self.times_us.get(impl))  # pylint: disable=protected-access
+
+
+def attended_bytes(batch: int, slots: int, filled: float, heads: int, kv_heads: int,
+                   head_dim: int, itemsize: int = 2) -> int:
+  """The bytes one call must move: the attended slots' keys and values, q and the output."""
+  attended = max(1, int(slots * filled))
+  return itemsize * (2 * batch * attended * kv_heads * head_dim + 2 * batch * heads * head_dim)
+
+
+def bench_attention(batch: int, slots: int, filled: float, *, heads: Sequence[int],
+                    impls: Sequence[str], bandwidth: float, calls: int,
+                    layers: int = LAYERS) -> AttentionRow:
+  """Times :func:`qjax.decode_attention` for each of ``impls`` on one cache shape."""
+  h, kvh, d = heads
+  keys = jax.random.split(jax.random.key(batch * 100003 + slots), 3)
+  shape = (layers, batch, slots, kvh, d)
+  k = jax.random.normal(keys[0], shape, jnp.bfloat16)  # made on the device: GBs at 16384
+  v = jax.random.normal(keys[1], shape, jnp.bfloat16)
+  q = jax.random.normal(keys[2], (batch, h, d), jnp.bfloat16)
+  mask = jnp.broadcast_to(jnp.arange(slots)[None] < max(1, int(slots * filled)),
+                          (batch, slots))
+  arg_sets = [(q, k, v, mask, jnp.int32(i)) for i in range(layers)]
+  times = {}
+  for impl in impls:
+    fn = jax.jit(lambda q, k, v, m, i, impl=impl: attention.decode_attention(
+        q, k, v, m, layer=i, implementation=impl))
+    times[impl] = devtime.device_time(fn, arg_sets, calls=calls).us
+  floor = attended_bytes(batch, slots, filled, h, kvh, d) / bandwidth * 1e6
+  return AttentionRow(batch=batch, slots=slots, filled=filled, heads=h, kv_heads=kvh,
+                      head_dim=d, floor_us=floor, times_us=times)
+
+
+def format_table(rows: Sequence[AttentionRow], impls: Sequence[str]) -> str:
+  kernels = [i for i in impls if i != "xla"]
+  head = (f"{'batch':>5} {'slots':>6} {'filled':>6} |" + "".join(f" {i:>10}" for i in impls)
+          + f" {'floor':>7} |" + "".join(f" {i + '%fl':>13}" for i in impls)
+          + "".join(f" {i + ' xXLA':>14}" for i in kernels))
+  lines = [head, "-" * len(head)]
+  for r in rows:
+    s = f"{r.batch:>5} {r.slots:>6} {r.filled:>6.0%} |"
+    s += "".join(f" {r.times_us[i]:>10.1f}" for i in impls) + f" {r.floor_us:>7.2f} |"
+    s += "".join(f" {r.fraction_of_floor(i):>12.0%}" for i in impls)
+    s += "".join(f" {r.speedup(i):>13.2f}x" for i in kernels)
+    lines.append(s)
+  return "\n".join(lines)
+
+
+def run(args, env: dict[str, str], on_gpu: bool) -> int:
+  """``qjax bench --attention`` (``args`` from cli.py: ``m`` the batch sizes,
+  ``attention_slots``, ``attention_heads`` "H/KV/D", ``impl``, ``calls``, ``json``)."""
+  batches = ([int(v) for v in args.m.split(",")] if args.m
+             else list(GPU_BATCH if on_gpu else CPU_BATCH))
+  slots = ([int(v) for v in args.attention_slots.split(",")] if args.attention_slots
+           else list(GPU_SLOTS if on_gpu else CPU_SLOTS))
+  heads = (tuple(int(v) for v in args.attention_heads.split("/")) if args.attention_heads
+           else (GPU_HEADS if on_gpu else CPU_HEADS))
+  impls = (args.impl.split(",") if args.impl
+           else ["xla", "pallas" if on_gpu else "interpret"])
+  bandwidth = bench.measure_copy_bandwidth(2**30 if on_gpu else 2**26)
+  print(f"# measured copy bandwidth: {bandwidth / 1e12:.3f} TB/s (read + write)")
+  print(f"# qjax.decode_attention, {heads[0]} query heads on {heads[1]} KV heads of "
+        f"{heads[2]}, bf16, one layer of a {LAYERS}-layer cache per call; times in us per "
+        "call; filled = attended slots (a causal prefix); floor = the attended keys and "
+        "values + q + output at the copy bandwidth; xXLA = speedup over the XLA path")
+  rows = []
+  for s in slots:
+    for b in batches:
+      for filled in FILLS:
+        rows.append(bench_attention(b, s, filled, heads=heads, impls=impls,
+                                    bandwidth=bandwidth, calls=args.calls))
+        print(format_table(rows[-1:], impls).splitlines()[-1], flush=True)
+  print()
+  print(format_table(rows, impls))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"environment": env, "bandwidth_bytes_per_s": bandwidth,
+                 "attention_rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
+  return 0
