@@ -974,18 +974,16 @@ def attention_implementation(implementation: str | None) -> str | None:
   return implementation
 
 
-def _prefill_attention(q, k_cache, v_cache, mask, layer, sinks, dtype) -> jax.Array:
-  """Several queries per sequence: ``q [b, t, heads, d]`` over layer ``layer`` of the
-  caches ``[layers, b, slots, kv_heads, d]`` where ``mask [b, t, slots]``; sinks None or
-  ``[heads]`` -> ``[b, t, heads, d]`` in ``dtype`` (float32 scores and softmax, the
-  probabilities rounded to ``dtype`` before they weigh the values)."""
+def _attention_over(q, keys, values, mask, sinks, dtype) -> jax.Array:
+  """Several queries per sequence: ``q [b, t, heads, d]`` over ``keys`` / ``values`` ``[b,
+  s, kv_heads, d]`` where ``mask [b, t, s]``; sinks None or ``[heads]`` -> ``[b, t, heads,
+  d]`` in ``dtype`` (float32 scores and softmax, the probabilities rounded to ``dtype``
+  before they weigh the values)."""
   b, t, heads, d = q.shape
-  kv_heads = k_cache.shape[3]
+  kv_heads = keys.shape[2]
   g = heads // kv_heads
-  keys = jax.lax.dynamic_index_in_dim(k_cache, layer, keepdims=False).astype(q.dtype)
-  values = jax.lax.dynamic_index_in_dim(v_cache, layer, keepdims=False).astype(dtype)
   qg = q.reshape(b, t, kv_heads, g, d)
-  scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys,
+  scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys.astype(q.dtype),
                       preferred_element_type=jnp.float32) / np.sqrt(d)
   scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
   if sinks is not None:  # [b, kv, g, t, 1]
@@ -994,15 +992,24 @@ def _prefill_attention(q, k_cache, v_cache, mask, layer, sinks, dtype) -> jax.Ar
     probs = jax.nn.softmax(scores, axis=-1)[..., :-1].astype(dtype)
   else:
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-  return jnp.einsum("bkgts,bskd->btkgd", probs, values,
+  return jnp.einsum("bkgts,bskd->btkgd", probs, values.astype(dtype),
                     preferred_element_type=jnp.float32).astype(dtype)
 
 
 class Attention(nn.Module):
   """Grouped-query attention with RoPE that writes its keys and values into a KV cache;
   with ``cfg.attn_sinks`` each head's softmax also holds its sink logit (param ``sinks``
-  ``[num_heads]``), which weighs no value."""
+  ``[num_heads]``), which weighs no value.
+
+  Attributes:
+    cfg: the model's config.
+    fresh_prompt: the tokens sit at positions ``0 .. seq - 1`` of every sequence
+      (:func:`prefill`), so the slots they attend to are the ones they write: several
+      queries then attend to the new keys and values themselves (``seq`` slots) instead
+      of the layer's whole cache (``max_len``), the same result for less work and memory.
+  """
   cfg: LlamaConfig
+  fresh_prompt: bool = False
 
   @nn.compact
   def __call__(self, x, positions, mask, k_cache, v_cache, layer, rope_freqs=None):
@@ -1054,8 +1061,13 @@ class Attention(nn.Module):
       out = qjax.decode_attention(q[:, 0], k_cache, v_cache, mask[:, 0], layer=layer,
                                   sinks=sinks,
                                   implementation=attention_implementation(c.implementation))
+    elif self.fresh_prompt:  # positions 0 .. t - 1: mask[..., t:] is all False
+      out = _attention_over(q, k.astype(k_cache.dtype), v.astype(v_cache.dtype),
+                            mask[..., :t], sinks, x.dtype)
     else:
-      out = _prefill_attention(q, k_cache, v_cache, mask, layer, sinks, x.dtype)
+      keys = jax.lax.dynamic_index_in_dim(k_cache, layer, keepdims=False)
+      values = jax.lax.dynamic_index_in_dim(v_cache, layer, keepdims=False)
+      out = _attention_over(q, keys, values, mask, sinks, x.dtype)
     out = out.reshape(b, t, c.num_heads * c.head_dim)
     return dense(c.hidden_size, use_bias=c.o_bias, name="o")(out), k_cache, v_cache
 
@@ -1185,8 +1197,10 @@ class MoE(nn.Module):
 
 class Block(nn.Module):
   """A pre-norm decoder layer (the scan body over layers, or one unrolled layer); its FFN
-  is :class:`MLP` (``mlp``), or :class:`MoE` (``moe``) where ``cfg.num_experts`` > 0."""
+  is :class:`MLP` (``mlp``), or :class:`MoE` (``moe``) where ``cfg.num_experts`` > 0;
+  ``fresh_prompt`` as :class:`Attention`'s."""
   cfg: LlamaConfig
+  fresh_prompt: bool = False
 
   @nn.compact
   def __call__(self, carry, per_layer, ctx):
@@ -1203,7 +1217,7 @@ class Block(nn.Module):
     layer, *slides = per_layer
     if slides and window_mask is not None:
       mask = jnp.where(slides[0], window_mask, mask)
-    h, k_cache, v_cache = Attention(self.cfg, name="attn")(
+    h, k_cache, v_cache = Attention(self.cfg, self.fresh_prompt, name="attn")(
         RMSNorm(self.cfg.rms_eps, name="attn_norm")(x), positions, mask, k_cache, v_cache,
         layer, rope_freqs)
     x = x + h
@@ -1219,9 +1233,11 @@ class Llama(nn.Module):
   ``lm_head`` only when the output is not tied, and ``rope_freqs`` (``[rope_dim // 2]``
   float32, each RoPE pair's frequency divisor) only under llama3 rope scaling. The blocks
   are ``blocks`` (every leaf with a leading ``[layers]`` axis) when ``cfg.scan_layers``,
-  else ``layers_0 ... layers_{n-1}`` (one layer's params each).
+  else ``layers_0 ... layers_{n-1}`` (one layer's params each). ``fresh_prompt``: as
+  :class:`Attention`'s (the caller vouches for the positions).
   """
   cfg: LlamaConfig
+  fresh_prompt: bool = False
 
   @nn.compact
   def __call__(self, tokens, positions, cache):
@@ -1272,12 +1288,14 @@ class Llama(nn.Module):
       per_layer = (jnp.arange(c.num_layers, dtype=jnp.int32),)
       if c.sliding_window:
         per_layer += (jnp.asarray(c.sliding_layers, bool),)
-      (x, k, v), _ = scan.scan_layers(Block(c, parent=None), self.param("blocks", _pretrained),
+      (x, k, v), _ = scan.scan_layers(Block(c, self.fresh_prompt, parent=None),
+                                      self.param("blocks", _pretrained),
                                       (x, k, v), per_layer, ctx)
     else:
       for i in range(c.num_layers):
         slides = (c.sliding_layers[i],) if c.sliding_window else ()
-        (x, k, v), _ = Block(c, name=f"layers_{i}")((x, k, v), (i, *slides), ctx)
+        (x, k, v), _ = Block(c, self.fresh_prompt, name=f"layers_{i}")((x, k, v),
+                                                                       (i, *slides), ctx)
     x = RMSNorm(c.rms_eps, name="final_norm")(x)
     head = embed
     if self.has_variable("params", "lm_head"):
@@ -1361,7 +1379,9 @@ def prefill(params, tokens, cache, *, cfg: LlamaConfig):
   """
   b, t = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  return Llama(cfg).apply(params, tokens.astype(jnp.int32), positions, cache)
+  # From position 0 the prompt's queries attend to its own keys, not the whole cache.
+  return Llama(cfg, fresh_prompt=True).apply(params, tokens.astype(jnp.int32), positions,
+                                             cache)
 
 
 @qjax.retraced_on_registration

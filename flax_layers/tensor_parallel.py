@@ -179,7 +179,7 @@ def init_tp_cache(cfg: llama.LlamaConfig, batch: int, max_len: int,
   return {k: jax.device_put(v, s) for k, v in cache.items()}
 
 
-def _apply(params, tokens, positions, cache, cfg, mesh, axis):
+def _apply(params, tokens, positions, cache, cfg, mesh, axis, fresh_prompt=False):
   local = local_config(cfg, sharding_lib.mesh_axis_size(mesh, axis))
   for path, w in _projections(params):
     try:
@@ -192,7 +192,8 @@ def _apply(params, tokens, positions, cache, cfg, mesh, axis):
   cspec = {"k": cache_spec(axis), "v": cache_spec(axis)}
 
   def body(params, tokens, positions, cache):
-    return llama.Llama(local).apply(params, tokens, positions, cache)
+    return llama.Llama(local, fresh_prompt=fresh_prompt).apply(params, tokens, positions,
+                                                               cache)
 
   fn = sharding_lib.shard_map(body, mesh,
                               in_specs=(param_specs(params, axis), P(), P(), cspec),
@@ -217,7 +218,9 @@ def tp_prefill(params, tokens, cache, *, cfg: llama.LlamaConfig, mesh: jax.shard
   """
   b, t = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  return _apply(params, tokens.astype(jnp.int32), positions, cache, cfg, mesh, axis)
+  # From position 0, as llama.prefill: the prompt's queries attend to its own keys.
+  return _apply(params, tokens.astype(jnp.int32), positions, cache, cfg, mesh, axis,
+                fresh_prompt=True)
 
 
 @qjax.retraced_on_registration

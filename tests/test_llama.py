@@ -182,6 +182,24 @@ def test_kv_cache_decode_matches_full_forward(model):
                              atol=1e-3 * np.abs(full).max())
 
 
+def test_prefill_attends_to_the_prompt_alone(model):
+  """``prefill`` (``fresh_prompt``: queries over the prompt's own keys) gives the logits and
+  cache of the whole-cache path, whatever the cache held before (random values here)."""
+  cfg, params, tok = model
+  ids = tok.encode(PROMPT)
+  tokens = jnp.asarray([ids + [0] * (16 - len(ids))] * 2, jnp.int32)
+  rng = np.random.default_rng(0)
+  cache = llama.init_cache(cfg, 2, 48)
+  stale = {k: jnp.asarray(rng.standard_normal(c.shape), c.dtype) for k, c in cache.items()}
+  positions = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (2, 16))
+  whole, whole_cache = llama.Llama(cfg).apply(params, tokens, positions, dict(stale))
+  logits, new_cache = llama.prefill(params, tokens, dict(stale), cfg=cfg)
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(whole), rtol=0,
+                             atol=1e-5 * float(jnp.abs(whole).max()))
+  for name in ("k", "v"):
+    np.testing.assert_array_equal(np.asarray(new_cache[name]), np.asarray(whole_cache[name]))
+
+
 def test_batch_rows_are_independent(model):
   cfg, params, tok = model
   a, b = tok.encode(PROMPT), tok.encode("One, two, three,")
