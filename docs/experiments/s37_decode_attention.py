@@ -18,7 +18,6 @@ and by XLA (the layers' ``attention_implementation`` patched), 256 and 4096 slot
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time

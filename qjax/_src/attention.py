@@ -167,18 +167,11 @@ def resolve(dtype, implementation: str | None) -> tuple[str, Callable[..., jax.A
     return "xla", decode_attention_xla
   kernels = decode_attention_kernels()
   if implementation in ("pallas", "interpret"):
-    if not kernels:
-      raise NotImplementedError("no decode-attention kernel is registered; use "
-                                "implementation='xla' (is pallas_kernels installed?)")
-    backend = kernels[0]
-    interpret = implementation == "interpret"
-    if not interpret and not backend.supported_on(dispatch.default_device()):
-      raise NotImplementedError(
-          f"the {backend.name} decode-attention kernel does not run on "
-          f"{dispatch.default_device().device_kind!r}; use implementation='interpret' or "
-          "'xla'")
-    return (f"{backend.name}{'-interpret' if interpret else ''}",
-            lambda *a, scale: backend.fn(*a, scale=scale, interpret=interpret))
+    name, backend, interpret = dispatch.explicit_kernel(
+        kernels, implementation, "decode-attention kernel",
+        "no decode-attention kernel is registered; use implementation='xla' (is "
+        "pallas_kernels installed?)")
+    return name, lambda *a, scale: backend.fn(*a, scale=scale, interpret=interpret)
   backend = next((b for b in kernels if b.supported_on(dispatch.default_device())), None)
   if backend is None or dispatch.runs_xla_for_dtype(dtype):
     return "xla", decode_attention_xla

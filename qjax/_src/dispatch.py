@@ -177,6 +177,27 @@ def kernels_for_format(format_cls: type) -> list[Backend]:
   return [_via_repack(b, repack) for b in kernels_for_format(target_cls)]
 
 
+def explicit_kernel(backends: list[Any], implementation: str, what: str, missing: str
+                    ) -> tuple[str, Any, bool]:
+  """For ``implementation`` "pallas" or "interpret": ``(name, backend, interpret)`` of the
+  first of ``backends`` (any registry's entries with ``name`` and ``supported_on``).
+
+  Raises:
+    NotImplementedError: ``missing`` where none is registered; where the compiled kernel
+      does not run on the default device, a message naming ``what`` (e.g. "MoE kernel")
+      and that device.
+  """
+  if not backends:
+    raise NotImplementedError(missing)
+  backend = backends[0]
+  interpret = implementation == "interpret"
+  if not interpret and not backend.supported_on(default_device()):
+    raise NotImplementedError(
+        f"the {backend.name} {what} does not run on {default_device().device_kind!r}; use "
+        "implementation='interpret' or 'xla'")
+  return f"{backend.name}{'-interpret' if interpret else ''}", backend, interpret
+
+
 def kernels_for(w: Any) -> list[Backend]:
   return kernels_for_format(type(w))
 
@@ -206,20 +227,12 @@ def resolve(w: Any, implementation: str | None) -> tuple[str, Callable[..., jax.
   if implementation == "xla" or (implementation is None and not kernels_for(w)):
     return "xla", _xla_fn(fmt)
   if implementation in ("pallas", "interpret"):
-    backends = kernels_for(w)
-    if not backends:
-      raise NotImplementedError(
-          f"no Pallas kernel is registered for {fmt.__name__}"
-          f"{not_inherited(fmt, _KERNELS, 'register_kernel')}; use implementation='xla' "
-          "(is the pallas_kernels package installed?)")
-    backend = backends[0]
-    interpret = implementation == "interpret"
-    if not interpret and not backend.supported_on(default_device()):
-      raise NotImplementedError(
-          f"the {backend.name} kernel for {fmt.__name__} does not run on "
-          f"{default_device().device_kind!r}; use implementation='interpret' or 'xla'")
-    return f"{backend.name}{'-interpret' if interpret else ''}", (
-        lambda x2, w_: backend.fn(x2, w_, interpret=interpret))
+    name, backend, interpret = explicit_kernel(
+        kernels_for(w), implementation, f"kernel for {fmt.__name__}",
+        f"no Pallas kernel is registered for {fmt.__name__}"
+        f"{not_inherited(fmt, _KERNELS, 'register_kernel')}; use implementation='xla' "
+        "(is the pallas_kernels package installed?)")
+    return name, lambda x2, w_: backend.fn(x2, w_, interpret=interpret)
   # Auto: first kernel that supports this device, else XLA.
   for backend in kernels_for(w):
     if backend.supported_on(default_device()):

@@ -445,20 +445,12 @@ def resolve_moe(w: Any, implementation: str | None, num_pairs: int | None = None
               if num_pairs is not None and _AUTO_WHEN[fmt, b.name](num_pairs, w)]
     kernels = chosen + [b for b in kernels if b not in ruled]
   if mode in ("pallas", "interpret"):
-    if not kernels:
-      raise NotImplementedError(
-          f"no Pallas MoE kernel is registered for {fmt.__name__}"
-          f"{dispatch.not_inherited(fmt, _MOE_KERNELS, 'register_moe_kernel')}; use "
-          "implementation='xla' "
-          "(is the pallas_kernels package installed?)")
-    backend = kernels[0]
-    interpret = mode == "interpret"
-    if not interpret and not backend.supported_on(dispatch.default_device()):
-      raise NotImplementedError(
-          f"the {backend.name} MoE kernel does not run on "
-          f"{dispatch.default_device().device_kind!r}; use implementation='interpret' or 'xla'")
-    return f"{backend.name}{'-interpret' if interpret else ''}", (
-        lambda *a: backend.fn(*a, interpret=interpret))
+    name, backend, interpret = dispatch.explicit_kernel(
+        kernels, mode, "MoE kernel",
+        f"no Pallas MoE kernel is registered for {fmt.__name__}"
+        f"{dispatch.not_inherited(fmt, _MOE_KERNELS, 'register_moe_kernel')}; use "
+        "implementation='xla' (is the pallas_kernels package installed?)")
+    return name, lambda *a: backend.fn(*a, interpret=interpret)
   if mode is None:
     for backend in kernels:
       if backend.supported_on(dispatch.default_device()):
