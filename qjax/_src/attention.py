@@ -129,8 +129,10 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask:
       ``layer`` is read in place (no copy of it).
     mask: ``[batch, slots]`` bool, the slots each query attends to (a kernel reads no key
       or value of a masked slot).
-    layer: the layer of a stacked cache (an int or a scalar int32 array, e.g. a scan's
-      counter); None for a 4-D cache.
+    layer: the layer of a stacked cache (an int, checked, or a scalar integer array, e.g.
+      a scan's counter: negative counts from the end; a traced value is not checked, and
+      one outside ``[-layers, layers)`` is clamped by the XLA path but read outside the
+      cache by a kernel); None for a 4-D cache.
     sinks: optional ``[heads]`` float, each head's sink logit.
     scale: the factor on the scores; None: ``1 / sqrt(head_dim)``.
     implementation: None (a registered kernel where it supports the device and q is
