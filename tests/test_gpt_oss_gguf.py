@@ -386,6 +386,27 @@ def test_cached_decoding_matches_the_full_forward_and_the_reference(model, scan_
   audit._close(got, np.asarray(full)[n - 1:-1], rel=1e-5)
 
 
+def test_prefill_equals_attending_to_the_whole_cache(model):
+  """``llama.prefill`` attends to the prompt's own keys (``fresh_prompt``); the whole
+  cache (twice the prompt's slots, masked past it) gives the same logits and cache up to
+  float32 rounding, with the sink logits and the sliding window of this model."""
+  path, _, prompt_ids, generated, _ = model
+  cfg, params = _load(path, True)
+  tokens = jnp.asarray([prompt_ids + generated], jnp.int32)
+  t = tokens.shape[1]
+  positions = jnp.arange(t, dtype=jnp.int32)[None]
+  with jax.default_matmul_precision("highest"):
+    whole, whole_cache = llama.Llama(cfg).apply(params, tokens, positions,
+                                                llama.init_cache(cfg, 1, 2 * t))
+    got, cache = llama.prefill(params, tokens, llama.init_cache(cfg, 1, 2 * t), cfg=cfg)
+  # Float32 sums over another number of slots round differently: the first layer's keys
+  # (before any attention) are equal, the rest and the logits within 1e-5 of the largest.
+  audit._close(got, whole, rel=1e-5)
+  for name in ("k", "v"):
+    np.testing.assert_array_equal(np.asarray(cache[name][0]), np.asarray(whole_cache[name][0]))
+    audit._close(cache[name], whole_cache[name], rel=1e-5)
+
+
 def test_greedy_generation_matches_the_float64_reference(model):
   """``qjax generate --temperature 0 --json``: the reference's greedy tokens."""
   path, _, prompt_ids, generated, _ = model
