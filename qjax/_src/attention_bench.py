@@ -42,10 +42,13 @@ class AttentionRow:
   times_us: dict[str, float]
 
   def fraction_of_floor(self, impl: str) -> float:
+    """The floor over ``impl``'s time."""
     return bench._ratio(self.floor_us, self.times_us.get(impl))  # pylint: disable=protected-access
 
   def speedup(self, impl: str) -> float:
-    return bench._ratio(self.times_us.get("xla"), self.times_us.get(impl))  # pylint: disable=protected-access
+    """The XLA path's time over ``impl``'s."""
+    xla = self.times_us.get("xla")
+    return bench._ratio(xla, self.times_us.get(impl))  # pylint: disable=protected-access
 
 
 def attended_bytes(batch: int, slots: int, filled: float, heads: int, kv_heads: int,
