@@ -110,8 +110,9 @@ def _kernel(q_ref, k_ref, v_ref, mask_ref, layer_ref, sinks_ref, *out_refs, kv_h
 
   Refs: q ``[b, kv_heads, g, d]``; k, v ``[layers, b, slots, kv_heads, d]``; mask ``[b,
   slots]`` bool; layer ``[1]`` int32 (negative: from the end); sinks ``[kv_heads, g]``
-  float32 or None. Outputs: ``final``: o ``[b, kv_heads, g, d]``; else acc ``[b, kv_heads, splits, g, d]``, m and l
-  ``[b, kv_heads, splits, g]`` float32 (the split's maximum score and sum of exponentials).
+  float32 or None. Outputs: ``final``: o ``[b, kv_heads, g, d]``; else acc ``[b,
+  kv_heads, splits, g, d]``, m and l ``[b, kv_heads, splits, g]`` float32 (the split's
+  maximum score and sum of exponentials).
   """
   pair, split = pl.program_id(0), pl.program_id(1)
   bi, h = pair // kv_heads, pair % kv_heads

@@ -41,8 +41,9 @@ class AttentionBackend:
       ``[layers, batch, slots, kv_heads, head_dim]``, ``layer`` a ``[1]`` int32 array in
       ``[-layers, layers)`` (negative: from the end; a traced layer is passed as it is,
       so that no extra XLA op runs before the kernel), ``mask`` ``[batch, slots]`` bool,
-      ``sinks`` None or ``[heads]`` float32, ``scale`` a float. Raises NotImplementedError naming an argument it cannot
-      handle (``implementation=None`` then runs the XLA path).
+      ``sinks`` None or ``[heads]`` float32, ``scale`` a float. Raises
+      NotImplementedError naming an argument it cannot handle (``implementation=None``
+      then runs the XLA path).
     supported_on: whether it compiles for a device (interpret mode runs anywhere).
   """
   name: str
