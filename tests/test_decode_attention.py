@@ -282,12 +282,25 @@ def test_implementation_names():
 
 def test_registration_replaces_by_name():
   """A backend registered under an existing name replaces it in place; the first
-  registered stays the default."""
+  registered stays the default; functions marked ``retraced_on_registration`` trace
+  again."""
   before = list(attention._KERNELS)  # pylint: disable=protected-access
+  traces = []
+
+  @qjax.retraced_on_registration
+  @jax.jit
+  def step(x):
+    traces.append(1)
+    return x + 1
+
   try:
+    step(1.0)
+    step(1.0)
     fake = qjax.AttentionBackend(name="pallas_triton", fn=lambda *a, **k: None,
                                  supported_on=lambda d: False)
     qjax.register_decode_attention_kernel(fake)
+    step(1.0)  # traced again: a jitted model step picks up the new kernel
+    assert len(traces) == 2
     assert attention.decode_attention_kernels()[0] is fake
     other = qjax.AttentionBackend(name="other", fn=lambda *a, **k: None,
                                   supported_on=lambda d: False)

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qjax._src import autodiff
 from qjax._src import dispatch
 
 log = logging.getLogger("qjax")
@@ -56,13 +57,12 @@ _KERNELS: list[AttentionBackend] = []
 
 def register_decode_attention_kernel(backend: AttentionBackend) -> None:
   """Registers a kernel for :func:`decode_attention`; the first registered is the default
-  of "pallas" / "interpret", a later registration of a name replaces that backend."""
+  of "pallas" / "interpret", a later registration of a name replaces that backend. The
+  jitted model steps (``flax_layers.llama.decode_step`` ...) trace again on their next
+  call, as after any registration."""
   global _KERNELS
-  names = [b.name for b in _KERNELS]
-  if backend.name in names:
-    _KERNELS = [backend if b.name == backend.name else b for b in _KERNELS]
-  else:
-    _KERNELS = [*_KERNELS, backend]
+  _KERNELS = dispatch.replaced_in_place(_KERNELS, backend)
+  autodiff.registry_changed()
 
 
 def decode_attention_kernels() -> list[AttentionBackend]:
