@@ -81,8 +81,9 @@ def default_block_s(slots: int, row_bytes: int) -> int:
 def fitted(block_s: int, num_stages: int, row_bytes: int) -> tuple[int, int]:
   """``(block_s, num_stages)`` cut until the stages' key and value blocks (``2 * block_s
   * row_bytes`` bytes a stage) fit :data:`STAGE_BYTES`: fewer stages first, then fewer
-  slots per step (16 at least). On the H100 a float32 cache of 128-wide heads in 128-slot
-  steps and 3 stages (384 KiB) failed to compile."""
+  slots per step (16 at least). On the H100, before this fit, the GPU tests of 128-wide
+  heads over 2000 slots failed at 128-slot steps and 3 stages (the traceback was not kept;
+  in float32 those stages take 384 KiB); with it they pass."""
   while num_stages > 1 and 2 * block_s * row_bytes * num_stages > STAGE_BYTES:
     num_stages -= 1
   while block_s > 16 and 2 * block_s * row_bytes > STAGE_BYTES:
@@ -198,7 +199,8 @@ def decode_attention(q, k_cache, v_cache, mask, layer, sinks, *, scale: float,
   g = heads // kv_heads
   if d > 256:
     raise NotImplementedError(f"head_dim={d}: the decode-attention kernel takes up to 256")
-  row_bytes = _pow2(d) * jnp.dtype(q.dtype).itemsize
+  # The stages hold the cache's rows as loaded (then converted to q's dtype).
+  row_bytes = _pow2(d) * max(jnp.dtype(q.dtype).itemsize, jnp.dtype(k_cache.dtype).itemsize)
   block_s, splits, steps = loop_shape(b, kv_heads, slots, config, row_bytes)
   _, num_stages = fitted(block_s, config.num_stages, row_bytes)
   final = splits == 1
