@@ -52,6 +52,11 @@ def dot_precision(dtype, interpret: bool):
   return None
 
 
+def next_pow2(v: int) -> int:
+  """The least power of two >= ``v`` (1 for ``v <= 1``): Triton's block shapes."""
+  return 1 << max(0, (v - 1).bit_length())
+
+
 def load(ref, mask=None, other=0):
   """Masked load where a mask is given, plain (vectorizable) load otherwise."""
   if isinstance(ref, LayerRef):

@@ -64,9 +64,9 @@ class AttentionConfig:
       raise ValueError(f"splits={self.splits} must be None or >= 1")
 
 
-def _pow2(n: int, least: int = 16) -> int:
-  """The least power of two >= ``max(n, least)``."""
-  return max(least, 1 << max(0, n - 1).bit_length())
+def _pow2(n: int) -> int:
+  """The least power of two >= ``n``, at least 16 (the dot's least dimension)."""
+  return max(16, common.next_pow2(n))
 
 
 def default_block_s(slots: int, row_bytes: int) -> int:

@@ -270,10 +270,6 @@ def _int4_kernel(x_ref, w_ref, s_ref, z_ref, b_ref, o_ref, *, m, k, group_size, 
                     split_k=split_k, mask=out_mask)
 
 
-def _next_pow2(v: int) -> int:
-  return 1 << max(0, (v - 1).bit_length())
-
-
 # Programs a small-M launch aims for: about two per SM of an H100 (132 SMs).
 _TARGET_PROGRAMS = 256
 
@@ -296,7 +292,7 @@ def heuristic_config(m: int, k: int, n: int) -> KernelConfig:
   cols = -(-n // block_n)
   split_k = max(1, min(-(-_TARGET_PROGRAMS // cols), tiles))
   block_k = 256 if tiles // split_k >= 2 else 128
-  return KernelConfig(block_m=max(16, _next_pow2(m)), block_n=block_n, block_k=block_k,
+  return KernelConfig(block_m=max(16, common.next_pow2(m)), block_n=block_n, block_k=block_k,
                       split_k=split_k, num_warps=4, num_stages=stages)
 
 
@@ -405,7 +401,7 @@ def candidate_configs(m: int, k: int, n: int) -> list[KernelConfig]:
   if m > 64:
     return [KernelConfig(block_m=bm, block_n=bn, block_k=128, num_warps=w, num_stages=3)
             for bm, bn, w in ((64, 128, 4), (128, 128, 8), (64, 64, 4))]
-  bm = max(16, _next_pow2(m))
+  bm = max(16, common.next_pow2(m))
   return [KernelConfig(block_m=bm, block_n=bn, block_k=bk, split_k=split, num_warps=4,
                        num_stages=stages)
           for bn, bk, split, stages in ((64, 256, 1, 4), (64, 256, 2, 4), (128, 256, 2, 3),

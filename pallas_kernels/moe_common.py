@@ -32,7 +32,6 @@ from qjax._src import moe
 from qjax._src import packing
 from pallas_kernels import common
 from pallas_kernels import int4_gemv
-from pallas_kernels import int4_matmul
 
 _TILE_K = packing.NATIVE_TILE_K
 
@@ -51,7 +50,7 @@ def grouped_heuristic_config(num_pairs: int, num_experts: int, k: int, n: int
   """
   active = min(num_experts, num_pairs)
   per_expert = -(-num_pairs // active)
-  block_m = min(64, max(16, int4_matmul._next_pow2(per_expert)))  # pylint: disable=protected-access
+  block_m = min(64, max(16, common.next_pow2(per_expert)))
   block_n = 64 if n >= 2048 else 32
   cols = -(-n // block_n)
   tiles = moe.max_row_tiles(num_pairs, num_experts, block_m)
