@@ -965,35 +965,14 @@ def apply_rope(x: jax.Array, positions: jax.Array, base: float, rope_dim: int, *
   return jnp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
 
 
-def attention_implementation(implementation: str | None) -> str | None:
-  """The :func:`qjax.decode_attention` implementation for the layers' ``implementation``:
-  "pallas" / "interpret" run XLA where no decode-attention kernel is registered (as
-  :func:`matmul` does for a format without one)."""
-  if implementation in ("pallas", "interpret") and not attention.decode_attention_kernels():
+def attention_implementation(implementation: str | None, op: str = "decode") -> str | None:
+  """The implementation of the attention operation ``op`` ("decode":
+  :func:`qjax.decode_attention`, "causal": :func:`qjax.causal_attention`) for the layers'
+  ``implementation``: "pallas" / "interpret" run XLA where no kernel of ``op`` is
+  registered (as :func:`matmul` does for a format without one)."""
+  if implementation in ("pallas", "interpret") and not attention.kernels(op):
     return "xla"
   return implementation
-
-
-def _attention_over(q, keys, values, mask, sinks, dtype) -> jax.Array:
-  """Several queries per sequence: ``q [b, t, heads, d]`` over ``keys`` / ``values`` ``[b,
-  s, kv_heads, d]`` where ``mask [b, t, s]``; sinks None or ``[heads]`` -> ``[b, t, heads,
-  d]`` in ``dtype`` (float32 scores and softmax, the probabilities rounded to ``dtype``
-  before they weigh the values)."""
-  b, t, heads, d = q.shape
-  kv_heads = keys.shape[2]
-  g = heads // kv_heads
-  qg = q.reshape(b, t, kv_heads, g, d)
-  scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys.astype(q.dtype),
-                      preferred_element_type=jnp.float32) / np.sqrt(d)
-  scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-  if sinks is not None:  # [b, kv, g, t, 1]
-    sink = sinks.astype(jnp.float32).reshape(1, kv_heads, g, 1, 1)
-    scores = jnp.concatenate([scores, jnp.broadcast_to(sink, (*scores.shape[:-1], 1))], -1)
-    probs = jax.nn.softmax(scores, axis=-1)[..., :-1].astype(dtype)
-  else:
-    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-  return jnp.einsum("bkgts,bskd->btkgd", probs, values.astype(dtype),
-                    preferred_element_type=jnp.float32).astype(dtype)
 
 
 class Attention(nn.Module):
@@ -1012,7 +991,8 @@ class Attention(nn.Module):
   fresh_prompt: bool = False
 
   @nn.compact
-  def __call__(self, x, positions, mask, k_cache, v_cache, layer, rope_freqs=None):
+  def __call__(self, x, positions, mask, k_cache, v_cache, layer, rope_freqs=None,
+               window=None):
     """One layer's attention, on the whole model's cache.
 
     Args:
@@ -1025,6 +1005,9 @@ class Attention(nn.Module):
       layer: this layer's index, an int or a scalar int32 array (the scan's counter).
       rope_freqs: optional ``[rope_dim // 2]`` RoPE frequency divisors (llama3 scaling,
         YaRN).
+      window: with ``fresh_prompt``, this layer's sliding window (None: none; an int or a
+        scalar int32 array, e.g. chosen inside the scan over layers), which ``mask``
+        holds too: a kernel of :func:`qjax.causal_attention` computes the mask itself.
 
     Returns:
       ``([batch, seq, hidden], k_cache, v_cache)``.
@@ -1061,13 +1044,14 @@ class Attention(nn.Module):
       out = qjax.decode_attention(q[:, 0], k_cache, v_cache, mask[:, 0], layer=layer,
                                   sinks=sinks,
                                   implementation=attention_implementation(c.implementation))
-    elif self.fresh_prompt:  # positions 0 .. t - 1: mask[..., t:] is all False
-      out = _attention_over(q, k.astype(k_cache.dtype), v.astype(v_cache.dtype),
-                            mask[..., :t], sinks, x.dtype)
+    elif self.fresh_prompt:  # positions 0 .. t - 1: causal over the prompt's own keys
+      out = qjax.causal_attention(
+          q, k.astype(k_cache.dtype), v.astype(v_cache.dtype), window=window, sinks=sinks,
+          implementation=attention_implementation(c.implementation, "causal"))
     else:
       keys = jax.lax.dynamic_index_in_dim(k_cache, layer, keepdims=False)
       values = jax.lax.dynamic_index_in_dim(v_cache, layer, keepdims=False)
-      out = _attention_over(q, keys, values, mask, sinks, x.dtype)
+      out = attention.attend(q, keys, values, mask, sinks, 1.0 / np.sqrt(c.head_dim))
     out = out.reshape(b, t, c.num_heads * c.head_dim)
     return dense(c.hidden_size, use_bias=c.o_bias, name="o")(out), k_cache, v_cache
 
@@ -1215,11 +1199,16 @@ class Block(nn.Module):
     x, k_cache, v_cache = carry
     positions, mask, rope_freqs, window_mask = ctx
     layer, *slides = per_layer
+    window = None
     if slides and window_mask is not None:
       mask = jnp.where(slides[0], window_mask, mask)
+      if isinstance(slides[0], (bool, np.bool_)):  # an unrolled layer
+        window = self.cfg.sliding_window if slides[0] else None
+      else:  # the scan's flag: no window is one as long as int32 allows
+        window = jnp.where(slides[0], self.cfg.sliding_window, np.iinfo(np.int32).max)
     h, k_cache, v_cache = Attention(self.cfg, self.fresh_prompt, name="attn")(
         RMSNorm(self.cfg.rms_eps, name="attn_norm")(x), positions, mask, k_cache, v_cache,
-        layer, rope_freqs)
+        layer, rope_freqs, window)
     x = x + h
     ffn = MoE(self.cfg, name="moe") if self.cfg.moe else MLP(self.cfg, name="mlp")
     x = x + ffn(RMSNorm(self.cfg.rms_eps, name="ffn_norm")(x))

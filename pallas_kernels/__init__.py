@@ -19,6 +19,7 @@ from pallas_kernels import int4_matmul as int4_matmul
 from pallas_kernels import int4_moe as int4_moe
 from pallas_kernels import int4_moe_gemv as int4_moe_gemv
 from pallas_kernels import int4_wgmma as int4_wgmma
+from pallas_kernels import prefill_attention as prefill_attention
 from qjax._src import gguf_formats as _gguf_formats
 from qjax._src import gguf_tiled as _gguf_tiled
 
@@ -130,4 +131,8 @@ del _fp4_nk_format
 # Attention of one query per sequence over a KV cache (qjax.decode_attention).
 qjax.register_decode_attention_kernel(
     qjax.AttentionBackend(name="pallas_triton", fn=decode_attention.decode_attention,
+                          supported_on=triton_supported))
+# Causal attention of a prompt over its own keys (qjax.causal_attention): flash attention.
+qjax.register_causal_attention_kernel(
+    qjax.AttentionBackend(name="pallas_triton", fn=prefill_attention.causal_attention,
                           supported_on=triton_supported))

@@ -218,13 +218,7 @@ def decode_attention(q, k_cache, v_cache, mask, layer, sinks, *, scale: float,
   args = [qg, k_cache, v_cache, mask, layer, sinks_g]
   aliases = {}
   if poison:
-    first = sum(a is not None for a in args)
-    aliases = {first + i: i for i in range(len(out_shape))}
-    args += [jnp.full(s.shape, jnp.nan, s.dtype) for s in out_shape]
-    body = kernel
-
-    def kernel(*refs):  # the poisoned buffers' input refs are the output refs
-      return body(*refs[:-2 * len(out_shape)], *refs[-len(out_shape):])
+    kernel, args, aliases = common.poisoned_outputs(kernel, args, out_shape)
 
   call = pl.pallas_call(
       kernel, out_shape=out_shape, grid=(b * kv_heads, splits),

@@ -70,13 +70,19 @@ from qjax._src.moe import moe_matmul as moe_matmul
 from qjax._src.moe import register_moe_kernel as register_moe_kernel
 from qjax._src.moe import register_moe_xla as register_moe_xla
 
-# Attention over a KV cache at decode
+# Attention over a KV cache at decode ...
 from qjax._src.attention import AttentionBackend as AttentionBackend
 from qjax._src.attention import decode_attention as decode_attention
 from qjax._src.attention import (decode_attention_implementation_name as
                                  decode_attention_implementation_name)
 from qjax._src.attention import (register_decode_attention_kernel as
                                  register_decode_attention_kernel)
+# ... and of a prompt over its own keys (prefill)
+from qjax._src.causal_attention import causal_attention as causal_attention
+from qjax._src.causal_attention import (causal_attention_implementation_name as
+                                        causal_attention_implementation_name)
+from qjax._src.causal_attention import (register_causal_attention_kernel as
+                                        register_causal_attention_kernel)
 
 # Codebook (rotated, two-pass residual, host offload of pass 2)
 from qjax._src.codebook import CodebookWeight as CodebookWeight

@@ -319,8 +319,9 @@ BAD_ARGUMENTS = [
     (["bench", "--attention", "--shapes", "512x512"], "--attention does not use --shapes; "
      "drop it"),
     (["bench", "--attention", "--format", "int4"], "--attention does not use --format"),
-    (["bench", "--attention-slots", "64"], "--attention-slots and --attention-heads are "
-     "options of --attention"),
+    (["bench", "--attention-slots", "64"], "--attention-slots, --attention-heads and "
+     "--prefill are options of --attention"),
+    (["bench", "--prefill"], "--prefill are options of --attention"),
     (["bench", "--attention", "--attention-slots", "0"], "argument --attention-slots: '0' "
      "is not a positive integer"),
     (["bench", "--attention", "--attention-heads", "32/8"], "argument --attention-heads: "

@@ -270,9 +270,9 @@ def test_implementation_names():
   # float32 queries run XLA by default (the kernel's dots would be TF32 on the GPU).
   assert name(jnp.float32) == "xla"
   assert llama.attention_implementation("pallas") == "pallas"
-  before = list(attention._KERNELS)  # pylint: disable=protected-access
+  before = dict(attention._KERNELS)  # pylint: disable=protected-access
   try:  # without a kernel, the layers' "pallas" runs XLA (as their matmul does)
-    attention._KERNELS = []  # pylint: disable=protected-access
+    attention._KERNELS = {**before, "decode": []}  # pylint: disable=protected-access
     assert llama.attention_implementation("pallas") == "xla"
     with pytest.raises(NotImplementedError, match="no decode-attention kernel"):
       name(jnp.bfloat16, "pallas")
@@ -284,7 +284,7 @@ def test_registration_replaces_by_name():
   """A backend registered under an existing name replaces it in place; the first
   registered stays the default; functions marked ``retraced_on_registration`` trace
   again."""
-  before = list(attention._KERNELS)  # pylint: disable=protected-access
+  before = dict(attention._KERNELS)  # pylint: disable=protected-access
   traces = []
 
   @qjax.retraced_on_registration

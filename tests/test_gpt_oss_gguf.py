@@ -400,10 +400,14 @@ def test_prefill_equals_attending_to_the_whole_cache(model):
                                                 llama.init_cache(cfg, 1, 2 * t))
     got, cache = llama.prefill(params, tokens, llama.init_cache(cfg, 1, 2 * t), cfg=cfg)
   # Float32 sums over another number of slots round differently: the first layer's keys
-  # (before any attention) are equal, the rest and the logits within 1e-5 of the largest.
+  # (before any attention) are equal on the CPU (on a GPU, XLA may compile the projection
+  # differently in the two programs: 9e-7 apart on the H200), the rest and the logits
+  # within 1e-5 of the largest.
   audit._close(got, whole, rel=1e-5)
   for name in ("k", "v"):
-    np.testing.assert_array_equal(np.asarray(cache[name][0]), np.asarray(whole_cache[name][0]))
+    if jax.default_backend() == "cpu":
+      np.testing.assert_array_equal(np.asarray(cache[name][0]),
+                                    np.asarray(whole_cache[name][0]))
     audit._close(cache[name], whole_cache[name], rel=1e-5)
 
 

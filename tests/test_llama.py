@@ -197,7 +197,13 @@ def test_prefill_attends_to_the_prompt_alone(model):
   np.testing.assert_allclose(np.asarray(logits), np.asarray(whole), rtol=0,
                              atol=1e-5 * float(jnp.abs(whole).max()))
   for name in ("k", "v"):
-    np.testing.assert_array_equal(np.asarray(new_cache[name]), np.asarray(whole_cache[name]))
+    if jax.default_backend() == "cpu":
+      np.testing.assert_array_equal(np.asarray(new_cache[name]),
+                                    np.asarray(whole_cache[name]))
+    else:  # XLA on a GPU may compile one projection two ways in two programs
+      want = np.asarray(whole_cache[name])
+      np.testing.assert_allclose(np.asarray(new_cache[name]), want, rtol=0,
+                                 atol=1e-5 * np.abs(want).max())
 
 
 def test_batch_rows_are_independent(model):
@@ -287,8 +293,11 @@ def test_cli_generate_json():
   assert result["prompt_ids"] == [504, 3575, 282, 4649, 314]
   assert len(result["generated_ids"]) == 24
   assert result["text"].startswith(" Paris"), result["text"]
-  assert "tokens/s" in err and "matmul implementation: xla" in err
-  assert "decode attention: xla," in err, err  # float32 on the CPU: XLA
+  assert "tokens/s" in err
+  if jax.default_backend() == "cpu":  # float32 on the CPU: XLA
+    assert "matmul implementation: xla" in err and "decode attention: xla; prefill attention: xla," in err, err
+  else:  # bfloat16 on a GPU: the kernels
+    assert "matmul implementation: " in err and "decode attention: " in err, err
 
 
 def test_cli_generate_tensor_parallel_matches_one_device():

@@ -52,7 +52,24 @@ class AttentionBackend:
   supported_on: Callable[[jax.Device], bool]
 
 
-_KERNELS: list[AttentionBackend] = []
+# The registered kernels of each attention operation: "decode" (:func:`decode_attention`)
+# and "causal" (:func:`qjax.causal_attention`).
+_KERNELS: dict[str, list[AttentionBackend]] = {"decode": [], "causal": []}
+
+
+def register(op: str, backend: AttentionBackend) -> None:
+  """Registers ``backend`` for the attention operation ``op`` ("decode" or "causal"): the
+  first registered is the default of "pallas" / "interpret", a later registration of a
+  name replaces that backend. The jitted model steps (``flax_layers.llama.decode_step``
+  ...) trace again on their next call, as after any registration."""
+  _KERNELS[op] = dispatch.replaced_in_place(_KERNELS[op], backend)
+  autodiff.registry_changed()
+
+
+def kernels(op: str) -> list[AttentionBackend]:
+  """The registered kernels of the attention operation ``op`` (plugins loaded first)."""
+  dispatch.load_plugins()
+  return list(_KERNELS[op])
 
 
 def register_decode_attention_kernel(backend: AttentionBackend) -> None:
@@ -60,15 +77,80 @@ def register_decode_attention_kernel(backend: AttentionBackend) -> None:
   of "pallas" / "interpret", a later registration of a name replaces that backend. The
   jitted model steps (``flax_layers.llama.decode_step`` ...) trace again on their next
   call, as after any registration."""
-  global _KERNELS
-  _KERNELS = dispatch.replaced_in_place(_KERNELS, backend)
-  autodiff.registry_changed()
+  register("decode", backend)
 
 
 def decode_attention_kernels() -> list[AttentionBackend]:
   """The registered :func:`decode_attention` kernels (plugins loaded first)."""
-  dispatch.load_plugins()
-  return list(_KERNELS)
+  return kernels("decode")
+
+
+def resolve_in(op: str, dtype, implementation: str | None,
+               xla: Callable[..., jax.Array]) -> tuple[str, Callable[..., jax.Array]]:
+  """The implementation the attention operation ``op`` runs for queries of ``dtype``: its
+  name and a function ``fn(*normalized arguments, scale)``; ``xla`` is the operation's
+  XLA path (``fn(*args, scale=...)``). ``implementation=None``: the first kernel that
+  supports the default device, for 16-bit queries, falling back to ``xla`` where it
+  raises NotImplementedError."""
+  if implementation not in (None, *dispatch.IMPLEMENTATIONS):
+    raise ValueError(f"{implementation=} must be None or one of {dispatch.IMPLEMENTATIONS}")
+  if implementation == "xla":
+    return "xla", xla
+  registered = kernels(op)
+  what = f"{op}-attention kernel"
+  if implementation in ("pallas", "interpret"):
+    name, backend, interpret = dispatch.explicit_kernel(
+        registered, implementation, what,
+        f"no {what} is registered; use implementation='xla' (is pallas_kernels "
+        "installed?)")
+    return name, lambda *a, scale: backend.fn(*a, scale=scale, interpret=interpret)
+  backend = next((b for b in registered if b.supported_on(dispatch.default_device())), None)
+  if backend is None or dispatch.runs_xla_for_dtype(dtype):
+    return "xla", xla
+
+  def auto(*args, scale):
+    try:
+      return backend.fn(*args, scale=scale, interpret=False)
+    except NotImplementedError as e:
+      log.info("%s fell back to XLA: %s", backend.name, e)
+      return xla(*args, scale=scale)
+
+  return backend.name, auto
+
+
+def softmax_with_sinks(scores: jax.Array, sinks: jax.Array | None) -> jax.Array:
+  """``softmax(scores)`` over the last axis, float32; with ``sinks`` (float32,
+  broadcastable to ``scores[..., :1]``) each row's denominator also holds its sink logit,
+  which weighs no value (GPT-OSS)."""
+  if sinks is None:
+    return jax.nn.softmax(scores, axis=-1)
+  sink = jnp.broadcast_to(sinks, (*scores.shape[:-1], 1)).astype(scores.dtype)
+  return jax.nn.softmax(jnp.concatenate([scores, sink], -1), axis=-1)[..., :-1]
+
+
+def attend(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array,
+           sinks: jax.Array | None, scale: float) -> jax.Array:
+  """Several queries per sequence in XLA: ``q [b, t, heads, d]`` over ``keys`` /
+  ``values`` ``[b, s, kv_heads, d]`` where ``mask [b, t, s]``, sinks None or ``[heads]``
+  -> ``[b, t, heads, d]`` in q's dtype (float32 scores and softmax, the probabilities
+  rounded to q's dtype before they weigh the values; float32 products at
+  ``Precision.HIGHEST``). The ``[b, heads, t, s]`` scores
+  are materialized: the kernels of :func:`qjax.causal_attention` are not."""
+  b, t, heads, d = q.shape
+  kv_heads = keys.shape[2]
+  g = heads // kv_heads
+  qg = q.reshape(b, t, kv_heads, g, d)
+  # float32 at full precision, as every XLA path of qjax (a GPU's default is TF32).
+  precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+  scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys.astype(q.dtype), precision=precision,
+                      preferred_element_type=jnp.float32) * scale
+  scores = jnp.where(mask[:, None, None], scores, MASKED_SCORE)
+  if sinks is not None:  # [b, kv, g, t, 1]
+    sinks = jnp.asarray(sinks, jnp.float32).reshape(1, kv_heads, g, 1, 1)
+  probs = softmax_with_sinks(scores, sinks).astype(q.dtype)
+  return jnp.einsum("bkgts,bskd->btkgd", probs, values.astype(q.dtype), precision=precision,
+                    preferred_element_type=jnp.float32).astype(q.dtype).reshape(
+                        b, t, heads, d)
 
 
 def _check(q, k_cache, v_cache, mask, layer, sinks):
@@ -164,29 +246,7 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask:
 def resolve(dtype, implementation: str | None) -> tuple[str, Callable[..., jax.Array]]:
   """The implementation :func:`decode_attention` runs for queries of ``dtype``: its name
   and a function of the normalized arguments."""
-  if implementation not in (None, *dispatch.IMPLEMENTATIONS):
-    raise ValueError(f"{implementation=} must be None or one of {dispatch.IMPLEMENTATIONS}")
-  if implementation == "xla":
-    return "xla", decode_attention_xla
-  kernels = decode_attention_kernels()
-  if implementation in ("pallas", "interpret"):
-    name, backend, interpret = dispatch.explicit_kernel(
-        kernels, implementation, "decode-attention kernel",
-        "no decode-attention kernel is registered; use implementation='xla' (is "
-        "pallas_kernels installed?)")
-    return name, lambda *a, scale: backend.fn(*a, scale=scale, interpret=interpret)
-  backend = next((b for b in kernels if b.supported_on(dispatch.default_device())), None)
-  if backend is None or dispatch.runs_xla_for_dtype(dtype):
-    return "xla", decode_attention_xla
-
-  def auto(*args, scale):
-    try:
-      return backend.fn(*args, scale=scale, interpret=False)
-    except NotImplementedError as e:
-      log.info("%s fell back to XLA: %s", backend.name, e)
-      return decode_attention_xla(*args, scale=scale)
-
-  return backend.name, auto
+  return resolve_in("decode", dtype, implementation, decode_attention_xla)
 
 
 def decode_attention_implementation_name(dtype=jnp.bfloat16,
@@ -221,12 +281,8 @@ def decode_attention_xla(q, k_cache, v_cache, mask, layer, sinks, *, scale: floa
   k = jnp.swapaxes(keys, 1, 2)[:, :, None].astype(jnp.float32)  # [b, kv, 1, s, d]
   scores = (qg * k).sum(-1) * scale  # [b, kv, g, s]
   scores = jnp.where(mask[:, None, None], scores, MASKED_SCORE)
-  if sinks is not None:  # one more logit per head in the denominator
-    sink = sinks.reshape(1, kv_heads, g, 1)
-    scores = jnp.concatenate([scores, jnp.broadcast_to(sink, (*scores.shape[:-1], 1))], -1)
-    probs = jax.nn.softmax(scores, axis=-1)[..., :-1]
-  else:
-    probs = jax.nn.softmax(scores, axis=-1)
+  # With sinks, one more logit per head in the denominator.
+  probs = softmax_with_sinks(scores, None if sinks is None else sinks.reshape(kv_heads, g, 1))
   p = probs.astype(q.dtype)[..., None].astype(jnp.float32)  # [b, kv, g, s, 1]
   v = jnp.swapaxes(values, 1, 2)[:, :, None].astype(jnp.float32)  # [b, kv, 1, s, d]
   out = (p * v).sum(-2).astype(q.dtype).reshape(b, heads, d)

@@ -285,9 +285,14 @@ def _add_bench(sub) -> None:
                  "implementation (default GPU: xla,pallas; CPU: xla,interpret) against the "
                  "bandwidth floor of the attended keys and values, with half and all of the "
                  "slots attended; --m sets the batch sizes (default GPU 1,8; CPU 1,2)")
+  p.add_argument("--prefill", action="store_true", help="with --attention: time "
+                 "qjax.causal_attention instead (a prompt over its own keys, causal, bf16) "
+                 "per implementation, in TFLOP/s of the causal half; --attention-slots sets "
+                 "the prompt lengths (default GPU 1024,4096,8192; CPU 64,128), --m the batch "
+                 "sizes (default 1)")
   p.add_argument("--attention-slots", type=_positive_ints, metavar="S,...",
-                 help="cache slots for --attention (default GPU 256,1024,4096,16384; CPU "
-                 "64,256)")
+                 help="cache slots for --attention, prompt tokens with --prefill (default "
+                 "GPU 256,1024,4096,16384; CPU 64,256)")
   p.add_argument("--attention-heads", type=_heads, metavar="H/KV/D",
                  help="query heads / KV heads / head_dim for --attention (default GPU "
                  "32/8/128, Llama-3-8B's; CPU 8/2/64)")
@@ -313,9 +318,9 @@ def _add_bench(sub) -> None:
               f"{'it' if len(given) == 1 else 'them'}")
 
   def run(args):
-    if not args.attention and (args.attention_slots or args.attention_heads):
-      p.error("--attention-slots and --attention-heads are options of --attention; add "
-              "--attention or drop them")
+    if not args.attention and (args.attention_slots or args.attention_heads or args.prefill):
+      p.error("--attention-slots, --attention-heads and --prefill are options of "
+              "--attention; add --attention or drop them")
     if args.attention:
       refuse_unused(args, "attention", ("moe", "offload", "tune", "shapes", "plot", "model",
                                         "moe_experts", "moe_top_k"))

@@ -223,11 +223,16 @@ def _moe_impl_name(params: dict, cfg: Any, implementation: str | None) -> str:
 
 
 def _attention_impl_name(implementation: str | None, dtype: Any) -> str:
-  """What ``qjax.decode_attention`` runs at each decode step (as the layers call it)."""
+  """What attention runs, as the layers call it: ``"decode attention: NAME; prefill
+  attention: NAME"`` (``qjax.decode_attention`` at each decode step,
+  ``qjax.causal_attention`` over the prompt)."""
   import qjax  # pylint: disable=g-import-not-at-top
   from flax_layers import llama  # pylint: disable=g-import-not-at-top
-  return qjax.decode_attention_implementation_name(
+  decode = qjax.decode_attention_implementation_name(
       dtype, llama.attention_implementation(implementation))
+  prefill = qjax.causal_attention_implementation_name(
+      dtype, llama.attention_implementation(implementation, "causal"))
+  return f"decode attention: {decode}; prefill attention: {prefill}"
 
 
 def expert_kernel_layouts(params: dict) -> dict:
@@ -288,7 +293,7 @@ def _load_gguf_model(args, path: str, dtype: Any, implementation: str | None):
   params = gguf_params(gfile, plan.cfg, implementation, consume=True)
   if plan.cfg.moe:
     impl_name += f"; experts: {_moe_impl_name(params, plan.cfg, implementation)}"
-  impl_name += f"; decode attention: {_attention_impl_name(implementation, plan.cfg.dtype)}"
+  impl_name += f"; {_attention_impl_name(implementation, plan.cfg.dtype)}"
   return plan, params, impl_name, file_bytes
 
 
@@ -358,7 +363,7 @@ def _load_hf_model(args, folder: str, dtype: Any, implementation: str | None):
   impl_name = _impl_name(qjax.layer_of(q, 0), implementation, cfg.dtype)
   if cfg.moe:  # the experts as loaded: MXFP4Weight (GPT-OSS) or float stacks
     impl_name += f"; experts: {_moe_impl_name(params, cfg, implementation)}"
-  impl_name += f"; decode attention: {_attention_impl_name(implementation, cfg.dtype)}"
+  impl_name += f"; {_attention_impl_name(implementation, cfg.dtype)}"
   return plan, params, impl_name, _safetensors_data_bytes(folder)
 
 
