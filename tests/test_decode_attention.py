@@ -121,8 +121,10 @@ def test_masks_and_dtypes(request, mask_kind, dtype, implementation):
   rng = _rng(request)
   shape = (2, 9, 3, 64, 200, 1)
   q, k, v, mask, _ = _inputs(rng, shape, dtype, mask_kind)
-  out = qjax.decode_attention(q, k[0], v[0], jnp.asarray(mask),
-                              implementation=implementation)
+  # Interpret mode's float32 dots take jax's default precision (TF32 on a GPU).
+  with jax.default_matmul_precision("highest"):
+    out = qjax.decode_attention(q, k[0], v[0], jnp.asarray(mask),
+                                implementation=implementation)
   _check(out, reference(q, k[0], v[0], mask), q, BOUND[dtype], (mask_kind, implementation))
 
 
@@ -207,8 +209,9 @@ def test_scale_argument(request):
   rng = _rng(request)
   q, k, v, mask, _ = _inputs(rng, (1, 4, 2, 32, 30, 1), jnp.float32)
   for impl in ("xla", "interpret"):
-    out = qjax.decode_attention(q, k[0], v[0], jnp.asarray(mask), scale=0.3,
-                                implementation=impl)
+    with jax.default_matmul_precision("highest"):  # interpret's float32 dots: no TF32
+      out = qjax.decode_attention(q, k[0], v[0], jnp.asarray(mask), scale=0.3,
+                                  implementation=impl)
     _check(out, reference(q, k[0], v[0], mask, scale=0.3), q, BOUND[jnp.float32], impl)
 
 

@@ -442,7 +442,9 @@ def test_greedy_generation_matches_the_float64_reference(model):
   got, err = qwen._greedy_cli(path)
   assert got["prompt_ids"] == prompt_ids
   assert got["generated_ids"] == generated
-  assert "matmul implementation: xla; experts: xla; decode attention: xla; prefill attention: xla," in err, err
+  if jax.default_backend() == "cpu":  # on a GPU the kernels' names (auto)
+    assert ("matmul implementation: xla; experts: xla; decode attention: xla; prefill "
+            "attention: xla,") in err, err
 
 
 def test_gguf_expert_stacks_run_xla_under_the_kernel_implementations(model):
