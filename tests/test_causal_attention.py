@@ -159,6 +159,26 @@ def test_traced_window_below_one_gives_zeros(implementation):
   np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
 
 
+def test_gradient_through_the_kernel_is_the_xla_paths(request):
+  """``jax.grad`` through the kernel (interpret) takes the XLA path's backward pass: the
+  same gradients in q, k, v and the sinks, with a traced window."""
+  rng = _rng(request)
+  q, k, v, sk = _inputs(rng, (1, 21, 4, 2, 16), jnp.float32, sinks=True)
+  cot = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+
+  def loss(impl):
+    return lambda *a: (qjax.causal_attention(a[0], a[1], a[2], sinks=a[3], window=a[4],
+                                             implementation=impl) * cot).sum()
+
+  args = (q, k, v, sk, jnp.int32(6))
+  with jax.default_matmul_precision("highest"):
+    want = jax.grad(loss("xla"), argnums=(0, 1, 2, 3))(*args)
+    got = jax.jit(jax.grad(loss("interpret"), argnums=(0, 1, 2, 3)))(*args)
+  for g, w in zip(got, want):
+    assert float(jnp.abs(w).max()) > 0
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
 def test_xla_path_differentiates():
   q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 6, 2, 16)), jnp.float32)
   grad = jax.grad(lambda q: qjax.causal_attention(q, q, q, implementation="xla").sum())(q)

@@ -215,6 +215,25 @@ def test_scale_argument(request):
     _check(out, reference(q, k[0], v[0], mask, scale=0.3), q, BOUND[jnp.float32], impl)
 
 
+def test_gradient_through_the_kernel_is_the_xla_paths(request):
+  """``jax.grad`` through the decode kernel (interpret) takes the XLA path's backward
+  pass: the same gradients in q, the cache and the sinks."""
+  rng = _rng(request)
+  q, k, v, mask, sk = _inputs(rng, (2, 4, 2, 16, 30, 2), jnp.float32, sinks=True)
+  mask = jnp.asarray(mask)
+
+  def loss(impl):
+    return lambda q_, k_, v_, s_: qjax.decode_attention(
+        q_, k_, v_, mask, layer=1, sinks=s_, implementation=impl).sum()
+
+  with jax.default_matmul_precision("highest"):
+    want = jax.grad(loss("xla"), argnums=(0, 1, 2, 3))(q, k, v, sk)
+    got = jax.grad(loss("interpret"), argnums=(0, 1, 2, 3))(q, k, v, sk)
+  for g, w in zip(got, want):
+    assert float(jnp.abs(w).max()) > 0
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
 def test_xla_path_is_differentiable(request):
   rng = _rng(request)
   q, k, v, mask, _ = _inputs(rng, (1, 4, 2, 32, 30, 1), jnp.float32)

@@ -13,6 +13,7 @@ the slots over programs: ``pallas_kernels.decode_attention``) registers itself w
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any, Callable
 
@@ -103,19 +104,28 @@ def resolve_in(op: str, dtype, implementation: str | None,
         registered, implementation, what,
         f"no {what} is registered; use implementation='xla' (is pallas_kernels "
         "installed?)")
-    return name, lambda *a, scale: backend.fn(*a, scale=scale, interpret=interpret)
+    return name, functools.partial(_kernel_call, backend, xla, interpret)
   backend = next((b for b in registered if b.supported_on(dispatch.default_device())), None)
   if backend is None or dispatch.runs_xla_for_dtype(dtype):
     return "xla", xla
 
   def auto(*args, scale):
     try:
-      return backend.fn(*args, scale=scale, interpret=False)
+      return _kernel_call(backend, xla, False, *args, scale=scale)
     except NotImplementedError as e:
       log.info("%s fell back to XLA: %s", backend.name, e)
       return xla(*args, scale=scale)
 
   return backend.name, auto
+
+
+def _kernel_call(backend: AttentionBackend, xla: Callable[..., jax.Array], interpret: bool,
+                 *args: Any, scale: float) -> jax.Array:
+  """``backend.fn(*args)``, differentiated in reverse mode as the XLA path ``xla(*args)``
+  (:func:`qjax._src.autodiff.kernel_call`, as the matmul kernels are)."""
+  return autodiff.kernel_call(
+      lambda *a: backend.fn(*a, scale=scale, interpret=interpret),
+      lambda *a: xla(*a, scale=scale), *args)
 
 
 def softmax_with_sinks(scores: jax.Array, sinks: jax.Array | None) -> jax.Array:
@@ -224,8 +234,9 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask:
   Returns:
     ``[batch, heads, head_dim]`` in q's dtype.
 
-  A query whose slots are all masked gets zeros (every implementation). Forward only
-  through a kernel (no derivative); the XLA path is differentiable.
+  A query whose slots are all masked gets zeros (every implementation). Through a kernel,
+  reverse mode (``jax.grad``) takes the XLA path's derivative; forward mode is the XLA
+  path's alone.
 
   >>> import jax.numpy as jnp, qjax
   >>> q = jnp.ones((1, 8, 64), jnp.bfloat16)

@@ -93,7 +93,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: Any = 
   Returns:
     ``[batch, seq, heads, head_dim]`` in q's dtype.
 
-  Forward only through a kernel (no derivative); the XLA path is differentiable.
+  Through a kernel, reverse mode (``jax.grad``) takes the XLA path's derivative (which
+  materializes the scores in the backward pass); forward mode is the XLA path's alone.
 
   >>> import jax.numpy as jnp, qjax
   >>> q = jnp.ones((1, 5, 8, 64), jnp.bfloat16)
