@@ -97,6 +97,18 @@ def rel_err(y, ref) -> float:
   return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
 
 
+def check_attention(out, ref, q, bound: float, what) -> float:
+  """An attention output against its float64 reference: q's shape and dtype, every
+  element finite (a poisoned, unwritten one is NaN), relative error below ``bound``;
+  returns the error."""
+  assert out.shape == q.shape and out.dtype == q.dtype, what
+  out = np.asarray(out, np.float64)
+  assert np.isfinite(out).all(), f"unwritten (poisoned) or non-finite outputs: {what}"
+  err = rel_err(out, ref)
+  assert err < bound, (what, err)
+  return err
+
+
 def assert_same_bits(first, second, what: str) -> None:
   """Asserts that the callables ``first()`` and ``second()`` return arrays of the same
   bits. On a difference the message says how many elements differ and whether each side,

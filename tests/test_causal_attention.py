@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import qjax
-from conftest import needs_gpu, rel_err, seed_from
+from conftest import check_attention as _check, needs_gpu, seed_from
 from flax_layers import llama
 from pallas_kernels import prefill_attention as kernel
 from qjax._src import attention
@@ -79,15 +79,6 @@ def reference(q, k, v, window=None, sinks=None, scale=None) -> np.ndarray:
       out[bi, :, h] = np.where(den > 0, (e / np.where(den > 0, den, 1)) @ v[bi, :, h // g],
                                0.0)
   return out
-
-
-def _check(out, ref, q, bound, what) -> float:
-  assert out.shape == q.shape and out.dtype == q.dtype, what
-  out = np.asarray(out, np.float64)
-  assert np.isfinite(out).all(), f"unwritten (poisoned) or non-finite outputs: {what}"
-  err = rel_err(out, ref)
-  assert err < bound, (what, err)
-  return err
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
