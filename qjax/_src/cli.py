@@ -435,7 +435,8 @@ def _add_generate(sub) -> None:
                  "loaded weights against the tensor bytes of the file")
   p.add_argument("--implementation", choices=("auto", "xla", "pallas", "interpret"),
                  default="auto", help="qjax.matmul implementation (and "
-                 "qjax.decode_attention's at each decode step): auto (the default: "
+                 "qjax.decode_attention's at each decode step, qjax.causal_attention's "
+                 "over the prompt): auto (the default: "
                  "qjax.matmul's choice for this device, the Pallas kernels on an NVIDIA GPU "
                  "after a lossless conversion of the blocks at load, XLA elsewhere; on an H100 "
                  "it decodes SmolLM2-135M as fast as xla does and a Qwen3-30B-A3B-shaped "
