@@ -148,6 +148,11 @@ def test_llama_scan_hands_the_kernels_the_stacked_weights(tmp_path):
   tokens = jnp.asarray(hf_case.TOKENS)
   jaxpr = jax.make_jaxpr(lambda p: llama.forward(p, tokens, cfg=cfg))(params).jaxpr
   calls = pallas_operand_shapes(jaxpr)
+  # The prompt's causal attention kernel, traced once in the scan body, takes q, k, v
+  # [batch, seq, heads, head_dim] and the window [1]; the matmuls take x [M, K].
+  attention_calls = [shapes for shapes in calls if len(shapes[0]) == 4]
+  assert len(attention_calls) == 1, calls
+  calls = [shapes for shapes in calls if len(shapes[0]) == 2]
   # q, k, v, o, gate, up and down, traced once in the scan body, take the stacked codes
   # and the layer index ([1] int32, last); the output head is a plain call.
   in_layers = [shapes for shapes in calls if shapes[-1] == (1,)]
