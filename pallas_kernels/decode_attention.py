@@ -122,6 +122,9 @@ def _kernel(q_ref, k_ref, v_ref, mask_ref, layer_ref, sinks_ref, *out_refs, kv_h
   cols = jnp.arange(dp) < d
   layer = layer_ref[0]
   layer = jnp.where(layer < 0, layer + k_ref.shape[0], layer)
+  # A traced layer outside the cache reads the nearest end's layer, as the XLA path does
+  # (a read outside the cache's buffer otherwise).
+  layer = jnp.clip(layer, 0, k_ref.shape[0] - 1)
   q = common.load(q_ref.at[bi, h, pl.ds(0, gp), pl.ds(0, dp)], rows[:, None] & cols[None, :])
   precision = common.dot_precision(q.dtype, interpret)
 

@@ -196,6 +196,21 @@ def test_layer_index_forms(request):
       _check(run(jnp.int32(traced)), ref, q, BOUND[jnp.bfloat16], (impl, "traced", traced))
 
 
+def test_traced_layer_outside_the_cache_is_clamped(request):
+  """A traced layer past either end of the cache reads the nearest end's layer, on the
+  XLA path and in the kernel (which read outside the cache's buffer before, on the GPU;
+  interpret mode's loads clamp by themselves, so this runs compiled there too)."""
+  rng = _rng(request)
+  q, k, v, mask, _ = _inputs(rng, (2, 8, 2, 64, 70, 3), jnp.bfloat16, "prefix")
+  impls = ("xla", "interpret") + (("pallas",) if jax.devices()[0].platform == "gpu" else ())
+  for impl in impls:
+    run = jax.jit(lambda i, impl=impl: qjax.decode_attention(
+        q, k, v, jnp.asarray(mask), layer=i, implementation=impl))
+    for traced, want in ((3, 2), (40, 2), (-4, 0), (-1000, 0)):
+      _check(run(jnp.int32(traced)), reference(q, k[want], v[want], mask), q,
+             BOUND[jnp.bfloat16], (impl, traced))
+
+
 def test_scale_argument(request):
   rng = _rng(request)
   q, k, v, mask, _ = _inputs(rng, (1, 4, 2, 32, 30, 1), jnp.float32)

@@ -42,7 +42,9 @@ class AttentionBackend:
       :func:`decode_attention` checked and normalized: ``k_cache`` / ``v_cache`` always
       ``[layers, batch, slots, kv_heads, head_dim]``, ``layer`` a ``[1]`` int32 array in
       ``[-layers, layers)`` (negative: from the end; a traced layer is passed as it is,
-      so that no extra XLA op runs before the kernel), ``mask`` ``[batch, slots]`` bool,
+      so that no extra XLA op runs before the kernel, which must clamp one outside that
+      range to the nearest end, ``[0, layers)`` after the wrap, as the XLA path does),
+      ``mask`` ``[batch, slots]`` bool,
       ``sinks`` None or ``[heads]`` float32, ``scale`` a float. Raises
       NotImplementedError naming an argument it cannot handle (``implementation=None``
       then runs the XLA path).
@@ -223,9 +225,9 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask:
     mask: ``[batch, slots]`` bool, the slots each query attends to (a kernel reads no key
       or value of a masked slot).
     layer: the layer of a stacked cache (an int, checked, or a scalar integer array, e.g.
-      a scan's counter: negative counts from the end; a traced value is not checked, and
-      one outside ``[-layers, layers)`` is clamped by the XLA path but read outside the
-      cache by a kernel); None for a 4-D cache.
+      a scan's counter: negative counts from the end; a traced value is not checked:
+      one outside ``[-layers, layers)`` reads the nearest end's layer, on the XLA path
+      and in the kernel alike); None for a 4-D cache.
     sinks: optional ``[heads]`` float, each head's sink logit.
     scale: the factor on the scores; None: ``1 / sqrt(head_dim)``.
     implementation: None (a registered kernel where it supports the device and q is
@@ -286,6 +288,7 @@ def decode_attention_xla(q, k_cache, v_cache, mask, layer, sinks, *, scale: floa
   kv_heads = k_cache.shape[3]
   g = heads // kv_heads
   at = jnp.where(layer[0] < 0, layer[0] + k_cache.shape[0], layer[0])
+  at = jnp.clip(at, 0, k_cache.shape[0] - 1)  # a traced layer outside: the nearest one
   keys = jax.lax.dynamic_index_in_dim(k_cache, at, keepdims=False).astype(q.dtype)
   values = jax.lax.dynamic_index_in_dim(v_cache, at, keepdims=False).astype(q.dtype)
   qg = q.reshape(b, kv_heads, g, 1, d).astype(jnp.float32)
