@@ -986,9 +986,14 @@ class Attention(nn.Module):
       (:func:`prefill`), so the slots they attend to are the ones they write: several
       queries then attend to the new keys and values themselves (``seq`` slots) instead
       of the layer's whole cache (``max_len``), the same result for less work and memory.
+    contiguous: the tokens of each sequence sit at consecutive positions from
+      ``positions[:, 0]`` (:func:`extend`): several queries then attend to the layer's
+      cache through :func:`qjax.causal_attention` with that offset (a kernel keeps the
+      ``[seq, max_len]`` scores in registers) instead of through the mask.
   """
   cfg: LlamaConfig
   fresh_prompt: bool = False
+  contiguous: bool = False
 
   @nn.compact
   def __call__(self, x, positions, mask, k_cache, v_cache, layer, rope_freqs=None,
@@ -1005,9 +1010,10 @@ class Attention(nn.Module):
       layer: this layer's index, an int or a scalar int32 array (the scan's counter).
       rope_freqs: optional ``[rope_dim // 2]`` RoPE frequency divisors (llama3 scaling,
         YaRN).
-      window: with ``fresh_prompt``, this layer's sliding window (None: none; an int or a
-        scalar int32 array, e.g. chosen inside the scan over layers), which ``mask``
-        holds too: a kernel of :func:`qjax.causal_attention` computes the mask itself.
+      window: with ``fresh_prompt`` or ``contiguous``, this layer's sliding window (None:
+        none; an int or a scalar int32 array, e.g. chosen inside the scan over layers),
+        which ``mask`` holds too: a kernel of :func:`qjax.causal_attention` computes the
+        mask itself.
 
     Returns:
       ``([batch, seq, hidden], k_cache, v_cache)``.
@@ -1051,7 +1057,12 @@ class Attention(nn.Module):
     else:
       keys = jax.lax.dynamic_index_in_dim(k_cache, layer, keepdims=False)
       values = jax.lax.dynamic_index_in_dim(v_cache, layer, keepdims=False)
-      out = attention.attend(q, keys, values, mask, sinks, 1.0 / np.sqrt(c.head_dim))
+      if self.contiguous:  # positions p0 .. p0 + t - 1: causal over the cache from p0
+        out = qjax.causal_attention(
+            q, keys, values, offset=positions[:, 0], window=window, sinks=sinks,
+            implementation=attention_implementation(c.implementation, "causal"))
+      else:
+        out = attention.attend(q, keys, values, mask, sinks, 1.0 / np.sqrt(c.head_dim))
     out = out.reshape(b, t, c.num_heads * c.head_dim)
     return dense(c.hidden_size, use_bias=c.o_bias, name="o")(out), k_cache, v_cache
 
@@ -1182,9 +1193,10 @@ class MoE(nn.Module):
 class Block(nn.Module):
   """A pre-norm decoder layer (the scan body over layers, or one unrolled layer); its FFN
   is :class:`MLP` (``mlp``), or :class:`MoE` (``moe``) where ``cfg.num_experts`` > 0;
-  ``fresh_prompt`` as :class:`Attention`'s."""
+  ``fresh_prompt`` and ``contiguous`` as :class:`Attention`'s."""
   cfg: LlamaConfig
   fresh_prompt: bool = False
+  contiguous: bool = False
 
   @nn.compact
   def __call__(self, carry, per_layer, ctx):
@@ -1206,7 +1218,8 @@ class Block(nn.Module):
         window = self.cfg.sliding_window if slides[0] else None
       else:  # the scan's flag: no window is one as long as int32 allows
         window = jnp.where(slides[0], self.cfg.sliding_window, np.iinfo(np.int32).max)
-    h, k_cache, v_cache = Attention(self.cfg, self.fresh_prompt, name="attn")(
+    h, k_cache, v_cache = Attention(self.cfg, self.fresh_prompt, self.contiguous,
+                                    name="attn")(
         RMSNorm(self.cfg.rms_eps, name="attn_norm")(x), positions, mask, k_cache, v_cache,
         layer, rope_freqs, window)
     x = x + h
@@ -1222,11 +1235,12 @@ class Llama(nn.Module):
   ``lm_head`` only when the output is not tied, and ``rope_freqs`` (``[rope_dim // 2]``
   float32, each RoPE pair's frequency divisor) only under llama3 rope scaling. The blocks
   are ``blocks`` (every leaf with a leading ``[layers]`` axis) when ``cfg.scan_layers``,
-  else ``layers_0 ... layers_{n-1}`` (one layer's params each). ``fresh_prompt``: as
-  :class:`Attention`'s (the caller vouches for the positions).
+  else ``layers_0 ... layers_{n-1}`` (one layer's params each). ``fresh_prompt``,
+  ``contiguous``: as :class:`Attention`'s (the caller vouches for the positions).
   """
   cfg: LlamaConfig
   fresh_prompt: bool = False
+  contiguous: bool = False
 
   @nn.compact
   def __call__(self, tokens, positions, cache):
@@ -1277,14 +1291,15 @@ class Llama(nn.Module):
       per_layer = (jnp.arange(c.num_layers, dtype=jnp.int32),)
       if c.sliding_window:
         per_layer += (jnp.asarray(c.sliding_layers, bool),)
-      (x, k, v), _ = scan.scan_layers(Block(c, self.fresh_prompt, parent=None),
+      (x, k, v), _ = scan.scan_layers(Block(c, self.fresh_prompt, self.contiguous,
+                                            parent=None),
                                       self.param("blocks", _pretrained),
                                       (x, k, v), per_layer, ctx)
     else:
       for i in range(c.num_layers):
         slides = (c.sliding_layers[i],) if c.sliding_window else ()
-        (x, k, v), _ = Block(c, self.fresh_prompt, name=f"layers_{i}")((x, k, v),
-                                                                       (i, *slides), ctx)
+        (x, k, v), _ = Block(c, self.fresh_prompt, self.contiguous,
+                             name=f"layers_{i}")((x, k, v), (i, *slides), ctx)
     x = RMSNorm(c.rms_eps, name="final_norm")(x)
     head = embed
     if self.has_variable("params", "lm_head"):
@@ -1371,6 +1386,40 @@ def prefill(params, tokens, cache, *, cfg: LlamaConfig):
   # From position 0 the prompt's queries attend to its own keys, not the whole cache.
   return Llama(cfg, fresh_prompt=True).apply(params, tokens.astype(jnp.int32), positions,
                                              cache)
+
+
+@qjax.retraced_on_registration
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def extend(params, tokens, start, cache, *, cfg: LlamaConfig):
+  """Runs more tokens after what the cache holds: a conversation's next turn, or a long
+  prompt in chunks (:func:`prefill` the first, ``extend`` the rest).
+
+  Each sequence's tokens sit at positions ``start[b] .. start[b] + seq - 1``; its cache
+  must hold positions ``0 .. start[b] - 1`` (from :func:`prefill`, :func:`decode_step` or
+  an earlier ``extend``). Several queries attend to the cache through
+  :func:`qjax.causal_attention` (on a GPU its flash kernel: the ``[seq, max_len]`` scores
+  stay in registers); the logits equal those of one :func:`prefill` of the whole
+  sequence, up to float rounding.
+
+  Args:
+    params: from :func:`params_from_gguf`.
+    tokens: ``[batch, seq]`` int32 (a shorter sequence may be padded on the right: the
+      padding's keys land past its text and are overwritten later).
+    start: ``[batch]`` (or scalar) int32, the position of each sequence's first token.
+      Tokens at positions past the cache get NaN logits.
+    cache: the KV cache (donated).
+    cfg: the config (static).
+
+  Returns:
+    (logits ``[batch, seq, vocab]`` float32, cache).
+
+  >>> # logits, cache = prefill(params, turn1, cache, cfg=cfg)
+  >>> # logits, cache = extend(params, turn2, jnp.asarray([turn1_len]), cache, cfg=cfg)
+  """
+  b, t = tokens.shape
+  start = jnp.broadcast_to(jnp.asarray(start, jnp.int32).reshape(-1), (b,))
+  positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+  return Llama(cfg, contiguous=True).apply(params, tokens.astype(jnp.int32), positions, cache)
 
 
 @qjax.retraced_on_registration

@@ -1,9 +1,11 @@
-"""Causal self-attention of a prompt (prefill) in Pallas, lowered to Triton: flash attention.
+"""Causal attention of a prompt (prefill) in Pallas, lowered to Triton: flash attention.
 
-Contract: :func:`qjax.causal_attention` (``qjax._src.causal_attention``). A program owns
-one (sequence, query head) pair and ``block_q`` consecutive queries. It walks the key
-blocks its queries can see, from the window's first (or 0) to the block of its last query
-(the causal mask hides the later ones, which are not read), and keeps flash attention's
+Contract: :func:`qjax.causal_attention` (``qjax._src.causal_attention``): queries at
+positions ``offset[b] + i`` over keys at positions ``0 .. s - 1`` (the prompt's own keys,
+``offset`` 0, or a cache that already holds the earlier ones). A program owns one
+(sequence, query head) pair and ``block_q`` consecutive queries. It walks the key blocks
+its queries can see, from the window's first (or 0) to the block of its last query (the
+causal mask hides the later ones, which are not read), and keeps flash attention's
 running softmax: per block the scores ``q [block_q, D] @ k^T`` and the weighted values
 ``p @ v`` on the tensor cores, the maximum, the sum of exponentials and the weighted
 values rescaled as the maximum grows. The ``[t, t]`` scores never leave the registers.
@@ -57,12 +59,15 @@ class PrefillConfig:
         raise ValueError(f"{name}={v} must be a power of two >= 16")
 
 
-def _kernel(q_ref, k_ref, v_ref, window_ref, sinks_ref, o_ref, *, heads: int, g: int,
-            d: int, t: int, block_q: int, block_k: int, scale: float, interpret: bool):
+def _kernel(q_ref, k_ref, v_ref, offset_ref, window_ref, sinks_ref, o_ref, *, heads: int,
+            g: int, d: int, t: int, s: int, block_q: int, block_k: int, scale: float,
+            interpret: bool):
   """One (sequence, query head, query block) program.
 
-  Refs: q and o ``[b, t, heads, d]``; k, v ``[b, t, kv_heads, d]``; window ``[1]`` int32
-  (query ``i`` sees keys ``i - window < j <= i``); sinks ``[heads]`` float32 or None.
+  Refs: q and o ``[b, t, heads, d]``; k, v ``[b, s, kv_heads, d]``; offset ``[b]`` int32
+  (query ``i`` of sequence ``b`` sits at position ``p = offset[b] + i``); window ``[1]``
+  int32 (query ``p`` sees keys ``p - window < j <= p``, ``j < s``); sinks ``[heads]``
+  float32 or None.
   """
   pair = pl.program_id(0)
   qb = pl.num_programs(1) - 1 - pl.program_id(1)  # the longest rows first
@@ -71,8 +76,9 @@ def _kernel(q_ref, k_ref, v_ref, window_ref, sinks_ref, o_ref, *, heads: int, g:
   dp = max(16, common.next_pow2(d))
   cols = jnp.arange(dp) < d
   q0 = qb * block_q
-  qpos = q0 + jnp.arange(block_q)
-  rows = qpos < t
+  rows = q0 + jnp.arange(block_q) < t
+  p0 = offset_ref[bi] + q0  # the block's first query position
+  qpos = p0 + jnp.arange(block_q)
   q = common.load(q_ref.at[bi, pl.ds(q0, block_q), hq, pl.ds(0, dp)],
                   rows[:, None] & cols[None, :])
   precision = common.dot_precision(q.dtype, interpret)
@@ -82,21 +88,21 @@ def _kernel(q_ref, k_ref, v_ref, window_ref, sinks_ref, o_ref, *, heads: int, g:
   # Key blocks [lo, hi): from the block of the first query's earliest key to the block of
   # the last query (later keys are hidden from every query here). Those in [full_lo,
   # full_hi) are seen whole by every query of the block and skip the mask.
-  lo = jnp.maximum(q0 - window + 1, 0) // block_k
-  hi = (jnp.minimum(q0 + block_q, t) + block_k - 1) // block_k
-  full_lo = jnp.clip(-((window - q0 - block_q) // block_k), lo, hi)
-  full_hi = jnp.clip((q0 + 1) // block_k, full_lo, hi)
+  lo = jnp.maximum(p0 - window + 1, 0) // block_k
+  hi = (jnp.minimum(p0 + jnp.minimum(block_q, t - q0), s) + block_k - 1) // block_k
+  full_lo = jnp.clip(-((window - p0 - block_q) // block_k), lo, hi)
+  full_hi = jnp.clip(jnp.minimum(p0 + 1, s) // block_k, full_lo, hi)
 
   def step(i, carry, *, masked: bool):
     m, l, acc = carry
     k0 = i * block_k
     kpos = k0 + jnp.arange(block_k)
-    kv_mask = (kpos < t)[:, None] & cols[None, :]
+    kv_mask = (kpos < s)[:, None] & cols[None, :]
     k = common.load(k_ref.at[bi, pl.ds(k0, block_k), hk, pl.ds(0, dp)], kv_mask)
     scores = plgpu.dot(q, k.astype(q.dtype), trans_b=True, precision=precision) * scale2
     if masked:
       seen = ((kpos[None, :] <= qpos[:, None]) & (qpos[:, None] - kpos[None, :] < window)
-              & (kpos < t)[None, :])
+              & (kpos < s)[None, :])
       scores = jnp.where(seen, scores, attention.MASKED_SCORE)  # [block_q, block_k]
     m_new = jnp.maximum(m, jnp.max(scores, axis=1))
     alpha = jnp.exp2(m - m_new)
@@ -120,24 +126,25 @@ def _kernel(q_ref, k_ref, v_ref, window_ref, sinks_ref, o_ref, *, heads: int, g:
               mask=rows[:, None] & cols[None, :])
 
 
-def launch_shape(t: int, d: int, itemsize: int, config: PrefillConfig
+def launch_shape(t: int, d: int, itemsize: int, config: PrefillConfig, s: int | None = None
                  ) -> tuple[int, int, int]:
-  """``(block_q, block_k, num_stages)``: the blocks cut to the sequence (16 at least) and
-  the stages to the shared memory (``decode_attention.fitted``)."""
+  """``(block_q, block_k, num_stages)``: the blocks cut to the ``t`` queries and ``s``
+  keys (default ``t``; 16 at least) and the stages to the shared memory
+  (``decode_attention.fitted``)."""
   block_q = min(config.block_q, max(16, common.next_pow2(t)))
-  block_k = min(config.block_k, max(16, common.next_pow2(t)))
+  block_k = min(config.block_k, max(16, common.next_pow2(t if s is None else s)))
   row_bytes = max(16, common.next_pow2(d)) * itemsize
   block_k, num_stages = decode_attention.fitted(block_k, config.num_stages, row_bytes)
   return block_q, block_k, num_stages
 
 
-def causal_attention(q, k, v, window, sinks, *, scale: float, interpret: bool = False,
+def causal_attention(q, k, v, offset, window, sinks, *, scale: float, interpret: bool = False,
                      config: PrefillConfig | None = None, poison: bool = False
                      ) -> jax.Array:
   """:func:`qjax.causal_attention` on its normalized arguments (see
   ``qjax._src.causal_attention.causal_attention_xla``): q ``[b, t, heads, d]``, k / v ``[b,
-  t, kv_heads, d]``, window ``[1]`` int32, sinks None or ``[heads]`` float32 -> ``[b, t,
-  heads, d]`` in q's dtype.
+  s, kv_heads, d]``, offset ``[b]`` int32, window ``[1]`` int32, sinks None or ``[heads]``
+  float32 -> ``[b, t, heads, d]`` in q's dtype.
 
   Args:
     config: block sizes, warps, stages; None: :class:`PrefillConfig`'s defaults.
@@ -152,11 +159,12 @@ def causal_attention(q, k, v, window, sinks, *, scale: float, interpret: bool = 
   if d > 256:
     raise NotImplementedError(f"head_dim={d}: the prefill-attention kernel takes up to 256")
   itemsize = max(jnp.dtype(q.dtype).itemsize, jnp.dtype(k.dtype).itemsize)
-  block_q, block_k, num_stages = launch_shape(t, d, itemsize, config)
+  s = k.shape[1]
+  block_q, block_k, num_stages = launch_shape(t, d, itemsize, config, s)
   out_shape = [jax.ShapeDtypeStruct((b, t, heads, d), q.dtype)]
-  kernel = functools.partial(_kernel, heads=heads, g=g, d=d, t=t, block_q=block_q,
+  kernel = functools.partial(_kernel, heads=heads, g=g, d=d, t=t, s=s, block_q=block_q,
                              block_k=block_k, scale=scale, interpret=interpret)
-  args = [q, k, v, jnp.asarray(window, jnp.int32), sinks]
+  args = [q, k, v, jnp.asarray(offset, jnp.int32), jnp.asarray(window, jnp.int32), sinks]
   aliases = {}
   if poison:
     kernel, args, aliases = common.poisoned_outputs(kernel, args, out_shape)

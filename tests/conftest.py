@@ -99,13 +99,20 @@ def rel_err(y, ref) -> float:
 
 def check_attention(out, ref, q, bound: float, what) -> float:
   """An attention output against its float64 reference: q's shape and dtype, every
-  element finite (a poisoned, unwritten one is NaN), relative error below ``bound``;
-  returns the error."""
+  element finite (a poisoned, unwritten one is NaN), relative error below ``bound`` over
+  the whole output and over each row (one query head's ``head_dim`` values: a single
+  wrong row hides in the whole output's norm); returns the whole output's error."""
   assert out.shape == q.shape and out.dtype == q.dtype, what
   out = np.asarray(out, np.float64)
   assert np.isfinite(out).all(), f"unwritten (poisoned) or non-finite outputs: {what}"
   err = rel_err(out, ref)
   assert err < bound, (what, err)
+  ref = np.asarray(ref, np.float64)
+  row_ref = np.linalg.norm(ref, axis=-1)
+  row_err = np.linalg.norm(out - ref, axis=-1) / np.where(row_ref > 0, row_ref, 1.0)
+  worst = np.unravel_index(np.argmax(row_err), row_err.shape)
+  assert row_err[worst] < bound, (what, "row", tuple(int(i) for i in worst),
+                                  float(row_err[worst]))
   return err
 
 

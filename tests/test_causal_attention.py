@@ -39,6 +39,7 @@ SHAPES = (
 )
 WINDOWS = (None, 1, 7, 64)
 SMALL = kernel.PrefillConfig(block_q=32, block_k=16, num_warps=4, num_stages=2)
+ZERO = np.zeros((8,), np.int32)  # offsets of prompts from position 0
 
 
 def _rng(request, extra: str = "") -> np.random.Generator:
@@ -54,20 +55,23 @@ def _inputs(rng, shape, dtype, sinks=False):
   return q, k, v, sk
 
 
-def reference(q, k, v, window=None, sinks=None, scale=None) -> np.ndarray:
-  """float64 causal softmax attention: q ``[b, t, heads, d]``, k / v ``[b, t, kv_heads,
-  d]``; query ``i`` sees keys ``j <= i`` with ``i - j < window``; sinks None or
-  ``[heads]``; zeros for a row with no key."""
+def reference(q, k, v, window=None, sinks=None, scale=None, offset=None) -> np.ndarray:
+  """float64 causal softmax attention: q ``[b, t, heads, d]``, k / v ``[b, s, kv_heads,
+  d]``; query ``i`` of sequence ``b`` (position ``p = offset[b] + i``, offset None: 0)
+  sees keys ``j <= p`` with ``p - j < window``; sinks None or ``[heads]``; zeros for a
+  row with no key."""
   q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
   b, t, heads, d = q.shape
+  keys = k.shape[1]
   g = heads // k.shape[2]
   scale = 1 / np.sqrt(d) if scale is None else scale
-  i, j = np.arange(t)[:, None], np.arange(t)[None, :]
-  seen = (j <= i) & (i - j < (t + 1 if window is None else window))
+  offset = np.zeros(b, int) if offset is None else np.broadcast_to(offset, (b,))
   out = np.zeros_like(q)
   for bi in range(b):
+    i, j = offset[bi] + np.arange(t)[:, None], np.arange(keys)[None, :]
+    seen = (j <= i) & (i - j < (keys + 1 if window is None else window))
     for h in range(heads):
-      s = np.where(seen, q[bi, :, h] @ k[bi, :, h // g].T * scale, -np.inf)  # [t, t]
+      s = np.where(seen, q[bi, :, h] @ k[bi, :, h // g].T * scale, -np.inf)  # [t, keys]
       top = s.max(1, keepdims=True)
       if sinks is not None:
         top = np.maximum(top, float(sinks[h]))
@@ -115,11 +119,12 @@ def test_kernel_small_blocks_poisoned(request, window, sinks, shape):
   ref = reference(q, k, v, window, sk)
   w = np.asarray([window or shape[1]], np.int32)
   scale = shape[4] ** -0.5
-  out = kernel.causal_attention(q, k, v, w, sk, scale=scale, interpret=True, config=SMALL,
-                                poison=True)
+  out = kernel.causal_attention(q, k, v, ZERO[:shape[0]], w, sk, scale=scale, interpret=True,
+                                config=SMALL, poison=True)
   _check(out, ref, q, BOUND[jnp.bfloat16], "static window")
-  traced = jax.jit(lambda w: kernel.causal_attention(q, k, v, w, sk, scale=scale,
-                                                     interpret=True, config=SMALL))(w)
+  traced = jax.jit(lambda w: kernel.causal_attention(q, k, v, ZERO[:shape[0]], w, sk,
+                                                     scale=scale, interpret=True,
+                                                     config=SMALL))(w)
   np.testing.assert_array_equal(np.asarray(traced, np.float32), np.asarray(out, np.float32))
 
 
@@ -176,10 +181,65 @@ def test_xla_path_differentiates():
   assert np.isfinite(np.asarray(grad)).all() and float(jnp.abs(grad).max()) > 0
 
 
+# (batch, queries, keys, heads, kv_heads, head_dim, offsets): queries from a position past 0
+# over a cache of keys that holds the earlier positions (and, past the last query, slots
+# not yet written, here random: they must not be seen).
+OFFSET_CASES = (
+    (1, 5, 40, 8, 2, 64, (35,)),         # a short turn at the cache's end
+    (2, 37, 100, 9, 3, 64, (50, 13)),     # two sequences at different positions
+    (1, 64, 64, 4, 4, 32, (0,)),          # offset 0: the prompt's own keys
+    (3, 17, 90, 6, 2, 80, (1, 40, 73)),   # blocks that start mid key-block
+    (1, 1, 33, 4, 2, 64, (32,)),          # one query, the decode case
+    (16, 20, 60, 4, 2, 32, tuple(range(14, 30))),  # every offset modulo the small blocks
+)
+
+
+@pytest.mark.parametrize("case", OFFSET_CASES, ids=str)
+@pytest.mark.parametrize("window", [None, 1, 7, 30])
+@pytest.mark.parametrize("implementation", ["xla", "interpret"])
+def test_offset_over_a_cache_matches_float64(request, case, window, implementation):
+  rng = _rng(request)
+  b, t, s, heads, kv_heads, d, offsets = case
+  q, k, v, sk = _inputs(rng, (b, s, heads, kv_heads, d), jnp.bfloat16, sinks=True)
+  q = q[:, :t]
+  offset = np.asarray(offsets, np.int32)
+  ref = reference(q, k, v, window, sk, offset=offset)
+  out = qjax.causal_attention(q, k, v, offset=offset, window=window, sinks=sk,
+                              implementation=implementation)
+  _check(out, ref, q, BOUND[jnp.bfloat16], (case, window, implementation))
+  if implementation == "interpret":  # small blocks, poisoned; offset and window traced
+    w = np.asarray([window or s], np.int32)
+    run = jax.jit(lambda o, w: kernel.causal_attention(
+        q, k, v, o, w, sk, scale=d ** -0.5, interpret=True, config=SMALL, poison=True))
+    _check(run(offset, w), ref, q, BOUND[jnp.bfloat16], (case, window, "small blocks"))
+
+
+def test_offset_as_an_int_and_traced():
+  rng = np.random.default_rng(7)
+  q, k, v, _ = _inputs(rng, (2, 30, 4, 2, 32), jnp.float32)
+  with jax.default_matmul_precision("highest"):
+    want = qjax.causal_attention(q[:, :6], k, v, offset=np.asarray([24, 24]),
+                                 implementation="xla")
+  got = qjax.causal_attention(q[:, :6], k, v, offset=24, implementation="xla")
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  traced = jax.jit(lambda o: qjax.causal_attention(q[:, :6], k, v, offset=o,
+                                                   implementation="interpret"))
+  with jax.default_matmul_precision("highest"):  # float32: no TF32 on a GPU
+    got = traced(jnp.int32(24))
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
 @pytest.mark.parametrize("args,match", [
     (dict(q=(1, 5, 4, 16), k=(1, 5, 2, 16), window=0), "window=0 must be at least 1"),
     (dict(q=(1, 5, 4), k=(1, 5, 2, 16)), r"want \[batch, seq, heads, head_dim\]"),
-    (dict(q=(1, 5, 4, 16), k=(1, 6, 2, 16)), "does not fit keys"),
+    (dict(q=(1, 5, 4, 16), k=(2, 5, 2, 16)), "does not fit keys"),
+    (dict(q=(1, 5, 4, 16), k=(1, 6, 2, 16)), "without offset= they must be equal"),
+    (dict(q=(1, 5, 4, 16), k=(1, 9, 2, 16), offset=5), r"offset\[0\]=5: the 5 queries at "
+     r"positions 5 \.\. 9 must lie inside the 9 keys \(0 <= offset <= 4\)"),
+    (dict(q=(2, 5, 4, 16), k=(2, 9, 2, 16), offset=np.asarray([0, -1])), r"offset\[1\]=-1"),
+    (dict(q=(2, 5, 4, 16), k=(2, 9, 2, 16), offset=np.zeros(3, np.int32)),
+     r"offset of shape \(3,\).*want an int or \[batch\] = \(2,\)"),
+    (dict(q=(1, 5, 4, 16), k=(1, 9, 2, 16), offset=1.5), "offset of shape"),
     (dict(q=(1, 5, 3, 16), k=(1, 5, 2, 16)), "multiple of 2 heads"),
     (dict(q=(1, 5, 4, 16), k=(1, 5, 2, 16), sinks=(3,)), r"sinks of shape \(3,\)"),
     (dict(q=(1, 5, 4, 16), k=(1, 5, 2, 16), window=np.ones(2, np.int32)),
@@ -190,7 +250,8 @@ def test_errors_name_the_bad_value(args, match):
   k = jnp.ones(args["k"], jnp.bfloat16)
   sinks = None if "sinks" not in args else jnp.ones(args["sinks"])
   with pytest.raises(ValueError, match=match):
-    qjax.causal_attention(q, k, k, window=args.get("window"), sinks=sinks)
+    qjax.causal_attention(q, k, k, offset=args.get("offset"), window=args.get("window"),
+                          sinks=sinks)
 
 
 def test_bad_dtype_and_implementation():
@@ -208,7 +269,7 @@ def test_kernel_refuses_wide_heads_and_auto_falls_back(monkeypatch):
   q = jnp.ones((1, 4, 2, 272), jnp.bfloat16)
   w = np.asarray([4], np.int32)
   with pytest.raises(NotImplementedError, match="head_dim=272"):
-    kernel.causal_attention(q, q, q, w, None, scale=0.1, interpret=True)
+    kernel.causal_attention(q, q, q, ZERO[:1], w, None, scale=0.1, interpret=True)
   backend = causal.causal_attention_kernels()[0]
   monkeypatch.setattr(attention, "_KERNELS", {**attention._KERNELS, "causal": [  # pylint: disable=protected-access
       qjax.AttentionBackend(backend.name, backend.fn, lambda d: True)]})
@@ -302,6 +363,47 @@ def test_llama_prefill_kernel_equals_xla(request, scan_layers, monkeypatch):
                                err_msg=impl)
 
 
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_llama_extend_in_chunks_equals_one_prefill(request, scan_layers, monkeypatch):
+  """``llama.extend`` after ``llama.prefill`` (a next turn; chunks of 1 and 13 tokens, the
+  two sequences from different positions) gives the logits of one prefill of the whole
+  sequence, its attention by XLA and by the kernel (interpret), with sliding-window
+  layers and sinks, scanned and unrolled."""
+  rng = _rng(request)
+  cfg, params = _small_llama(rng, scan_layers)
+  tokens = jnp.asarray(rng.integers(0, 64, (2, 30)), jnp.int32)
+  original = causal.resolve
+  with jax.default_matmul_precision("highest"):  # float32 model: no TF32 on a GPU
+    whole = np.asarray(llama.prefill(params, tokens, llama.init_cache(cfg, 2, 32),
+                                     cfg=cfg)[0])
+    for impl in ("xla", "interpret"):
+      monkeypatch.setattr(causal, "resolve",
+                          lambda dtype, implementation, impl=impl: original(dtype, impl))
+      llama.extend.clear_cache()
+      _, cache = llama.prefill(params, tokens[:, :9], llama.init_cache(cfg, 2, 32), cfg=cfg)
+      start = np.asarray([9, 5])  # the second sequence runs again from position 5
+      for size in (1, 13, 3):
+        chunk = jnp.stack([tokens[i, p:p + size] for i, p in enumerate(start)])
+        logits, cache = llama.extend(params, chunk, jnp.asarray(start), cache, cfg=cfg)
+        for i, p in enumerate(start):
+          want = whole[i, p:p + size]
+          np.testing.assert_allclose(np.asarray(logits[i]), want, rtol=0,
+                                     atol=1e-4 * np.abs(want).max(),
+                                     err_msg=f"{impl}, chunk of {size} from {p}")
+        start = start + size
+  llama.extend.clear_cache()
+
+
+def test_llama_extend_past_the_cache_gives_nan_logits():
+  rng = np.random.default_rng(3)
+  cfg, params = _small_llama(rng, True)
+  _, cache = llama.prefill(params, jnp.ones((1, 6), jnp.int32), llama.init_cache(cfg, 1, 8),
+                           cfg=cfg)
+  logits, _ = llama.extend(params, jnp.ones((1, 4), jnp.int32), 6, cache, cfg=cfg)
+  assert np.isfinite(np.asarray(logits[0, :2])).all()
+  assert np.isnan(np.asarray(logits[0, 2:])).all()
+
+
 @needs_gpu
 @pytest.mark.parametrize("shape", SHAPES + ((1, 1000, 32, 8, 64), (2, 700, 32, 8, 128)),
                          ids=str)
@@ -314,9 +416,30 @@ def test_compiled_kernel_on_gpu(request, shape, window, sinks):
   ref = reference(q, k, v, window, sk)
   w = np.asarray([window or shape[1]], np.int32)
   for config in (None, SMALL):
-    out = kernel.causal_attention(q, k, v, w, sk, scale=shape[4] ** -0.5, config=config,
-                                  poison=True)
+    out = kernel.causal_attention(q, k, v, ZERO[:shape[0]], w, sk, scale=shape[4] ** -0.5,
+                                  config=config, poison=True)
     _check(out, ref, q, GPU_BOUND[jnp.bfloat16], (shape, config))
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", OFFSET_CASES + ((2, 700, 3000, 32, 8, 128, (2300, 1017)),
+                                                 (1, 1000, 4096, 32, 8, 64, (3096,))),
+                         ids=str)
+@pytest.mark.parametrize("window", [None, 30])
+def test_compiled_kernel_with_offsets_on_gpu(request, case, window):
+  """The compiled kernel from offsets past 0 over a longer cache (default blocks and the
+  small ones), sinks, poisoned output."""
+  rng = _rng(request)
+  b, t, s, heads, kv_heads, d, offsets = case
+  q, k, v, sk = _inputs(rng, (b, s, heads, kv_heads, d), jnp.bfloat16, sinks=True)
+  q = q[:, :t]
+  offset = np.asarray(offsets, np.int32)
+  ref = reference(q, k, v, window, sk, offset=offset)
+  w = np.asarray([window or s], np.int32)
+  for config in (None, SMALL):
+    out = kernel.causal_attention(q, k, v, offset, w, sk, scale=d ** -0.5, config=config,
+                                  poison=True)
+    _check(out, ref, q, GPU_BOUND[jnp.bfloat16], (case, window, config))
 
 
 @needs_gpu

@@ -56,7 +56,8 @@ def layer_times(t: int, heads, window, configs) -> list[tuple[str, float, float]
     else:
       w = np.asarray([window or t], np.int32)
       fn = jax.jit(lambda q, k, v, config=config, w=w: kernel.causal_attention(
-          q, k, v, w, None, scale=d ** -0.5, config=config, interpret=not gpu))
+          q, k, v, np.zeros((q.shape[0],), np.int32), w, None, scale=d ** -0.5,
+          config=config, interpret=not gpu))
     out = np.asarray(fn(*sets[0]), np.float32)
     if ref is None:
       ref = out
