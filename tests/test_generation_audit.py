@@ -15,6 +15,7 @@ import functools
 import io
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -597,6 +598,79 @@ def test_generate_matches_a_step_by_step_loop_of_the_library(monkeypatch, max_ne
   assert got["generated_ids"] == want
   assert len(want) == max_new  # no stop token in these few (else the count below differs)
   assert [int(p[0]) for p in seen["steps"]] == list(range(n, n + max_new - 1))
+
+
+def _chat(monkeypatch, lines, *args):
+  """``qjax generate --interactive --json`` with ``lines`` as stdin: (rc, turns, stderr,
+  what _run_chat got: params and plan)."""
+  import sys  # pylint: disable=g-import-not-at-top
+  seen = {}
+  real = generate._run_chat  # pylint: disable=protected-access
+
+  def recorded(args, params, plan, impl_name):
+    seen.update(params=params, plan=plan)
+    return real(args, params, plan, impl_name)
+
+  monkeypatch.setattr(generate, "_run_chat", recorded)
+  monkeypatch.setattr(sys, "stdin", io.StringIO("".join(f"{line}\n" for line in lines)))
+  rc, out, err = _cli(["generate", "--interactive", "--json", *args])
+  return rc, [json.loads(line) for line in out.splitlines()], err, seen
+
+
+@needs_model
+def test_interactive_turns_reuse_the_cache_and_equal_a_whole_prefill(monkeypatch):
+  """Two turns (an empty line between them is skipped): the second runs only the ids past
+  what the cache holds (the first turn and its reply) through llama.extend, and its reply
+  equals greedy decoding after one prefill of the whole conversation."""
+  rc, turns, err, seen = _chat(monkeypatch, ["What is the capital of France?", "",
+                                             "And of Italy?"],
+                               "--context", "256", "--max-new-tokens", "12")
+  assert rc == 0, err
+  assert [t["turn"] for t in turns] == [1, 2] and "turn 2: conversation" in err
+  first, second = turns
+  assert first["run_from"] == 0
+  held = first["prompt_ids"] + first["generated_ids"][:-1]
+  assert 0 < second["run_from"] <= len(held)
+  assert second["prompt_ids"][:second["run_from"]] == held[:second["run_from"]]
+  assert second["run_from"] > len(first["prompt_ids"])  # the reply's ids were reused too
+  plan = seen["plan"]
+  ids = second["prompt_ids"]
+  n = len(ids)
+  cache = llama.init_cache(plan.cfg, 1, plan.max_len)
+  width = generate._bucket(n)  # pylint: disable=protected-access
+  logits, cache = llama.prefill(seen["params"], jnp.asarray([ids + [0] * (width - n)]), cache,
+                                cfg=plan.cfg)
+  want = [int(jnp.argmax(logits[0, n - 1]))]
+  token, pos, key = jnp.asarray(want, jnp.int32), jnp.asarray([n], jnp.int32), jax.random.key(0)
+  while len(want) < 12 and want[-1] not in plan.tok.stop_ids:
+    token, pos, cache, key = llama.decode_and_sample(seen["params"], token, pos, cache, key,
+                                                     cfg=plan.cfg)
+    want.append(int(token[0]))
+  assert second["generated_ids"] == want
+  assert "Rome" in second["text"], second["text"]
+
+
+@needs_model
+def test_interactive_first_turn_from_prompt_and_a_full_cache(monkeypatch):
+  """--prompt is the first turn; a turn that would not fit the cache stops the run with an
+  error that names it, after the turns before it were answered."""
+  rc, turns, err, _ = _chat(monkeypatch, ["And of Italy?"], "--prompt",
+                            "What is the capital of France?", "--context", "64",
+                            "--max-new-tokens", "16")
+  assert rc == 2 and len(turns) == 1 and turns[0]["turn"] == 1
+  assert "turn 2: the conversation (" in err and "exceeds the 64-slot cache" in err, err
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--context", "0"], "--context=0 must be positive"),
+    (["--context", "30", "--prompt", "What is the capital of France?"],
+     r"the first turn \(\d+ tokens\) \+ --max-new-tokens=64 exceeds the 30-slot cache"),
+])
+@needs_model
+def test_interactive_refusals(monkeypatch, argv, match):
+  rc, turns, err, _ = _chat(monkeypatch, [], *argv)
+  assert rc == 2 and not turns
+  assert re.search(match, err), err
 
 
 def test_generate_asks_xla_for_deterministic_ops(monkeypatch):

@@ -417,12 +417,22 @@ def _add_generate(sub) -> None:
                  "and tokenizer.json, of a Llama, Mistral, Qwen2 or Qwen3 model, or of the "
                  "mixtures of experts GPT-OSS (e.g. openai/gpt-oss-20b: its MXFP4 experts "
                  "as stored), Qwen3-MoE and Mixtral (float experts)")
-  p.add_argument("--prompt", default="The capital of France is", help="the prompt text "
-                 "(default: %(default)r)")
+  p.add_argument("--prompt", default=None, help="the prompt text (default: 'The capital of "
+                 "France is'; with --interactive: the first user message, if given)")
   p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in "
                  "the file's chat template, ending with the assistant's turn")
-  p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most; "
-                 "stops earlier at the end-of-sequence token (default 64)")
+  p.add_argument("--interactive", action="store_true", help="chat turn by turn: each "
+                 "non-empty line of stdin (after --prompt, if given) is a user message in the "
+                 "file's chat template; each reply streams to stdout and stays in the KV "
+                 "cache with the conversation, so a turn runs only its new tokens "
+                 "(flax_layers.llama.extend). Ends at the end of stdin (Ctrl-D); with --json, "
+                 "one JSON object per turn")
+  p.add_argument("--context", type=int, default=4096, metavar="SLOTS", help="--interactive's "
+                 "KV cache slots, the conversation's limit (default 4096, at most the model's "
+                 "context length); a turn beyond it stops the run with an error")
+  p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most "
+                 "(per turn with --interactive); stops earlier at the end-of-sequence token "
+                 "(default 64)")
   p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy; "
                  "above 0 samples with top-p")
   p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass in (0, 1] "

