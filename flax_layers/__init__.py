@@ -16,6 +16,7 @@ from flax_layers.llama import QuantizedDense as QuantizedDense
 from flax_layers.llama import RMSNorm as RMSNorm
 from flax_layers.llama import apply_rope as apply_rope
 from flax_layers.llama import decode_step as decode_step
+from flax_layers.llama import extend as extend
 from flax_layers.llama import forward as forward
 from flax_layers.llama import fuse_projections as fuse_projections
 from flax_layers.llama import init_cache as init_cache
@@ -31,6 +32,7 @@ from flax_layers.moe import route as route
 from flax_layers.tensor_parallel import init_tp_cache as init_tp_cache
 from flax_layers.tensor_parallel import shard_llama_params as shard_llama_params
 from flax_layers.tensor_parallel import tp_decode_step as tp_decode_step
+from flax_layers.tensor_parallel import tp_extend as tp_extend
 from flax_layers.tensor_parallel import tp_forward as tp_forward
 from flax_layers.tensor_parallel import tp_prefill as tp_prefill
 
@@ -51,6 +53,7 @@ __all__ = [  # the public names (pyflakes reads the re-exports from it)
     "RMSNorm",
     "apply_rope",
     "decode_step",
+    "extend",
     "forward",
     "init_cache",
     "params_from_gguf",
@@ -65,6 +68,7 @@ __all__ = [  # the public names (pyflakes reads the re-exports from it)
     "init_tp_cache",
     "shard_llama_params",
     "tp_decode_step",
+    "tp_extend",
     "tp_forward",
     "tp_prefill",
 ]

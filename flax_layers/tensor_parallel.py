@@ -179,7 +179,8 @@ def init_tp_cache(cfg: llama.LlamaConfig, batch: int, max_len: int,
   return {k: jax.device_put(v, s) for k, v in cache.items()}
 
 
-def _apply(params, tokens, positions, cache, cfg, mesh, axis, fresh_prompt=False):
+def _apply(params, tokens, positions, cache, cfg, mesh, axis, fresh_prompt=False,
+           contiguous=False):
   local = local_config(cfg, sharding_lib.mesh_axis_size(mesh, axis))
   for path, w in _projections(params):
     try:
@@ -192,8 +193,8 @@ def _apply(params, tokens, positions, cache, cfg, mesh, axis, fresh_prompt=False
   cspec = {"k": cache_spec(axis), "v": cache_spec(axis)}
 
   def body(params, tokens, positions, cache):
-    return llama.Llama(local, fresh_prompt=fresh_prompt).apply(params, tokens, positions,
-                                                               cache)
+    return llama.Llama(local, fresh_prompt=fresh_prompt, contiguous=contiguous).apply(
+        params, tokens, positions, cache)
 
   fn = sharding_lib.shard_map(body, mesh,
                               in_specs=(param_specs(params, axis), P(), P(), cspec),
@@ -221,6 +222,22 @@ def tp_prefill(params, tokens, cache, *, cfg: llama.LlamaConfig, mesh: jax.shard
   # From position 0, as llama.prefill: the prompt's queries attend to its own keys.
   return _apply(params, tokens.astype(jnp.int32), positions, cache, cfg, mesh, axis,
                 fresh_prompt=True)
+
+
+@qjax.retraced_on_registration
+@functools.partial(jax.jit, static_argnames=("cfg", "mesh", "axis"),
+                   donate_argnames=("cache",))
+def tp_extend(params, tokens, start, cache, *, cfg: llama.LlamaConfig,
+              mesh: jax.sharding.Mesh, axis: Any = "tp"):
+  """:func:`flax_layers.extend`, tensor-parallel: tokens ``[batch, seq]`` int32 at
+  positions ``start[b] ..`` over a cache from :func:`init_tp_cache` (donated) that holds
+  the earlier positions -> (logits ``[batch, seq, vocab]`` float32, replicated; the
+  cache)."""
+  b, t = tokens.shape
+  start = jnp.broadcast_to(jnp.asarray(start, jnp.int32).reshape(-1), (b,))
+  positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+  return _apply(params, tokens.astype(jnp.int32), positions, cache, cfg, mesh, axis,
+                contiguous=True)
 
 
 @qjax.retraced_on_registration

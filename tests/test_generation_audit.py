@@ -548,7 +548,7 @@ def _recorded_steps(monkeypatch):
   real = generate._model_steps  # pylint: disable=protected-access
 
   def recorded(devices, params, cfg, max_len):
-    prefill, step, cache = real(devices, params, cfg, max_len)
+    prefill, step, extend, cache = real(devices, params, cfg, max_len)
     seen.update(params=params, cfg=cfg, max_len=max_len)
 
     def recorded_prefill(tokens, cache):
@@ -559,7 +559,7 @@ def _recorded_steps(monkeypatch):
       seen["steps"].append(pos)
       return step(token, pos, cache, key, **kw)
 
-    return recorded_prefill, recorded_step, cache
+    return generate._Steps(recorded_prefill, recorded_step, extend, cache)  # pylint: disable=protected-access
 
   monkeypatch.setattr(generate, "_model_steps", recorded)
   return seen
@@ -659,6 +659,23 @@ def test_interactive_first_turn_from_prompt_and_a_full_cache(monkeypatch):
                             "--max-new-tokens", "16")
   assert rc == 2 and len(turns) == 1 and turns[0]["turn"] == 1
   assert "turn 2: the conversation (" in err and "exceeds the 64-slot cache" in err, err
+
+
+@needs_model
+def test_interactive_tensor_parallel_matches_one_device(monkeypatch):
+  """--interactive --devices 3 (tp_extend, tp_decode_step over SmolLM2's heads split 3
+  ways): the greedy replies of two turns equal one device's."""
+  if jax.device_count() < 3:
+    pytest.skip("needs 3 devices (tests/conftest.py sets 8 CPU devices)")
+  lines = ["What is the capital of France?", "And of Italy?"]
+  args = ("--context", "128", "--max-new-tokens", "8")
+  rc, one, err, _ = _chat(monkeypatch, lines, *args)
+  assert rc == 0, err
+  rc, three, err, _ = _chat(monkeypatch, lines, *args, "--devices", "3")
+  assert rc == 0, err
+  assert "tensor-parallel over 3 devices" in err
+  assert [t["generated_ids"] for t in three] == [t["generated_ids"] for t in one]
+  assert three[1]["run_from"] > 0
 
 
 @pytest.mark.parametrize("argv,match", [

@@ -697,6 +697,28 @@ def test_llama_tensor_parallel_prefill_and_decode_match_single_device():
   assert rel_err(got, want) < TOL
 
 
+def test_llama_tensor_parallel_extend_matches_single_device():
+  """Two devices, scanned layers: a prefill of 5 tokens, then tp_extend of the other 2
+  (the second sequence from position 3) over the split cache, against llama.extend."""
+  import flax_layers  # pylint: disable=g-import-not-at-top
+  mesh = _mesh(2)
+  cfg, params, tokens = llama_case(True)
+  start = jnp.asarray([5, 3], jnp.int32)
+  chunk = jnp.stack([tokens[0, 5:7], tokens[1, 3:5]])
+  with _highest_precision():
+    _, cache = flax_layers.prefill(params, tokens[:, :5], flax_layers.init_cache(cfg, 2, 8),
+                                   cfg=cfg)
+    want, _ = flax_layers.extend(params, chunk, start, cache, cfg=cfg)
+    whole = flax_layers.forward(params, tokens, cfg=cfg)
+    sharded = flax_layers.shard_llama_params(params, mesh, cfg)
+    _, tp_cache = flax_layers.tp_prefill(sharded, tokens[:, :5],
+                                         flax_layers.init_tp_cache(cfg, 2, 8, mesh), cfg=cfg,
+                                         mesh=mesh)
+    got, _ = flax_layers.tp_extend(sharded, chunk, start, tp_cache, cfg=cfg, mesh=mesh)
+  assert rel_err(got, want) < TOL
+  assert tokens.shape[1] == 7 and rel_err(want[0], whole[0, 5:7]) < TOL  # extend is the whole prefill's rows
+
+
 def test_llama_tensor_parallel_scanned_layers_read_the_stack_in_place():
   """Two devices, scanned layers, the kernels (interpret mode): each layer's kernels take
   the device's slice of the whole stack (qjax.layer_of through the ShardedWeight), not a

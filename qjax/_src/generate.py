@@ -134,26 +134,38 @@ def _xla_layouts(name: str, w: Any) -> Any:
   return w
 
 
-def _model_steps(devices: int, params: dict, cfg: Any, max_len: int):
-  """``(prefill(tokens, cache), next_token(token, pos, cache, key, *, temperature, top_p),
-  cache)`` on one device (``next_token``: :func:`flax_layers.llama.decode_and_sample`, one
-  jitted program per token), or tensor-parallel over the first ``devices`` devices
-  (flax_layers.tensor_parallel: heads and MLP split, KV cache split along its heads)."""
+class _Steps(NamedTuple):
+  """The jitted programs a run calls, with the params bound, and the empty KV cache."""
+  prefill: Any  # (tokens, cache) -> (logits, cache), a prompt from position 0
+  next_token: Any  # (token, pos, cache, key, *, temperature, top_p) -> (token, pos, cache, key)
+  extend: Any  # (tokens, start, cache) -> (logits, cache), more tokens after the cache's
+  cache: Any
+
+
+def _model_steps(devices: int, params: dict, cfg: Any, max_len: int) -> _Steps:
+  """The :class:`_Steps` on one device (``next_token``:
+  :func:`flax_layers.llama.decode_and_sample`, one jitted program per token;
+  ``extend``: :func:`flax_layers.llama.extend`), or tensor-parallel over the first
+  ``devices`` devices (flax_layers.tensor_parallel: heads and MLP split, KV cache split
+  along its heads)."""
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from flax_layers import llama  # pylint: disable=g-import-not-at-top
 
   if devices == 1:
-    return (functools.partial(llama.prefill, params, cfg=cfg),
-            functools.partial(llama.decode_and_sample, params, cfg=cfg),
-            llama.init_cache(cfg, 1, max_len))
+    return _Steps(functools.partial(llama.prefill, params, cfg=cfg),
+                  functools.partial(llama.decode_and_sample, params, cfg=cfg),
+                  functools.partial(llama.extend, params, cfg=cfg),
+                  llama.init_cache(cfg, 1, max_len))
   from flax_layers import tensor_parallel as tp  # pylint: disable=g-import-not-at-top
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("tp",))
   sharded = tp.shard_llama_params(params, mesh, cfg)
-  return (functools.partial(tp.tp_prefill, sharded, cfg=cfg, mesh=mesh),
-          functools.partial(llama.next_token_step,
-                            functools.partial(tp.tp_decode_step, sharded, cfg=cfg, mesh=mesh)),
-          tp.init_tp_cache(cfg, 1, max_len, mesh))
+  return _Steps(functools.partial(tp.tp_prefill, sharded, cfg=cfg, mesh=mesh),
+                functools.partial(llama.next_token_step,
+                                  functools.partial(tp.tp_decode_step, sharded, cfg=cfg,
+                                                    mesh=mesh)),
+                functools.partial(tp.tp_extend, sharded, cfg=cfg, mesh=mesh),
+                tp.init_tp_cache(cfg, 1, max_len, mesh))
 
 
 class _Plan(NamedTuple):
@@ -190,12 +202,9 @@ def _prompt_plan(args, cfg: Any, tok: Any) -> _Plan:
 
 def _chat_plan(args, cfg: Any, tok: Any) -> _Plan:
   """--interactive's :class:`_Plan`: a cache of --context slots (at most the model's
-  context) and the first turn's ids where --prompt gives one; refuses --devices > 1, a
-  file without a chat template and a first turn beyond the cache."""
-  if args.devices > 1:
-    raise UsageError(f"--interactive runs on one device (llama.extend, which runs each "
-                     f"turn's new tokens over the cache, has no tensor-parallel form); drop "
-                     f"--devices={args.devices}")
+  context) and the first turn's ids where --prompt gives one; refuses a file without a
+  chat template, a first turn beyond the cache, and a --devices count that does not
+  divide the heads."""
   if args.context < 1:
     raise UsageError(f"--context={args.context} must be positive")
   max_len = min(cfg.context_length, args.context)
@@ -207,6 +216,9 @@ def _chat_plan(args, cfg: Any, tok: Any) -> _Plan:
     raise UsageError(f"the first turn ({len(prompt_ids)} tokens) + --max-new-tokens="
                      f"{args.max_new_tokens} exceeds the {max_len}-slot cache; raise "
                      f"--context (at most the model's {cfg.context_length})")
+  if args.devices > 1:
+    from flax_layers import tensor_parallel as tp  # pylint: disable=g-import-not-at-top
+    tp.local_config(cfg, args.devices)  # heads and MLP split evenly, or a ValueError
   return _Plan(cfg, tok, prompt_ids, max_len, 0)
 
 
@@ -472,7 +484,7 @@ def _run_once(args, params, plan: _Plan, impl_name: str) -> None:
 
   cfg, tok, prompt_ids, max_len, bucket = plan
   n = len(prompt_ids)
-  prefill, next_token, cache = _model_steps(args.devices, params, cfg, max_len)
+  prefill, next_token, _, cache = _model_steps(args.devices, params, cfg, max_len)
   tokens = jnp.asarray([prompt_ids + [0] * (bucket - n)], jnp.int32)
   key = jax.random.key(args.seed)
 
@@ -572,15 +584,15 @@ def _user_turns(args):
 def _run_chat(args, params, plan: _Plan, impl_name: str) -> None:
   """--interactive: a conversation turn by turn over one KV cache. Each turn renders the
   whole conversation in the chat template and runs only the ids past what the cache
-  already holds (``llama.extend`` from the first id that differs), then decodes the reply."""
+  already holds (``llama.extend``, or ``tp_extend`` over --devices, from the first id
+  that differs), then decodes the reply."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from flax_layers import llama  # pylint: disable=g-import-not-at-top
 
   cfg, tok, _, max_len, _ = plan
-  cache = llama.init_cache(cfg, 1, max_len)
-  step = functools.partial(llama.decode_and_sample, params, cfg=cfg)
+  _, step, extend, cache = _model_steps(args.devices, params, cfg, max_len)
   key = jax.random.key(args.seed)
+  across = f", tensor-parallel over {args.devices} devices" if args.devices > 1 else ""
   messages: list[dict[str, str]] = []
   cached: list[int] = []  # the ids whose keys and values the cache holds, from position 0
   for turn, text in enumerate(_user_turns(args), 1):
@@ -594,8 +606,8 @@ def _run_chat(args, params, plan: _Plan, impl_name: str) -> None:
     new = ids[start:]
     width = min(_bucket(len(new)), max_len - start)  # padded: a few shapes to compile
     t0 = time.perf_counter()
-    logits, cache = llama.extend(params, jnp.asarray([new + [0] * (width - len(new))]),
-                                 jnp.asarray([start], jnp.int32), cache, cfg=cfg)
+    logits, cache = extend(jnp.asarray([new + [0] * (width - len(new))], jnp.int32),
+                           jnp.asarray([start], jnp.int32), cache)
     first_id = None
     if args.max_new_tokens:
       first_id, key = _sampled(logits[:, len(new) - 1], key, args)
@@ -610,7 +622,7 @@ def _run_chat(args, params, plan: _Plan, impl_name: str) -> None:
     print(f"turn {turn}: conversation {len(ids)} tokens, {len(new)} run from position "
           f"{start} ({t_extend:.2f} s incl. compile), generated {len(reply.ids)} tokens, "
           f"decode {reply.rate}, matmul implementation: {impl_name}, dtype "
-          f"{jnp.dtype(cfg.dtype).name}", file=sys.stderr)
+          f"{jnp.dtype(cfg.dtype).name}{across}", file=sys.stderr)
     cached = ids + reply.ids[:-1]  # the last id was sampled, not yet run
     messages.append({"role": "assistant", "content": reply.text})
 
