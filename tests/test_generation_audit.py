@@ -678,6 +678,27 @@ def test_interactive_tensor_parallel_matches_one_device(monkeypatch):
   assert three[1]["run_from"] > 0
 
 
+@needs_model
+def test_interactive_ctrl_c_ends_without_a_traceback(monkeypatch):
+  """Ctrl-C while waiting for a line (after one answered turn): exit code 130, the turn's
+  output kept, no traceback."""
+  import sys  # pylint: disable=g-import-not-at-top
+  lines = iter(["What is the capital of France?\n"])
+
+  def readline():
+    try:
+      return next(lines)
+    except StopIteration:
+      raise KeyboardInterrupt from None
+
+  monkeypatch.setattr(sys, "stdin", io.StringIO())
+  monkeypatch.setattr(sys.stdin, "readline", readline)
+  rc, out, err = _cli(["generate", "--interactive", "--context", "128", "--max-new-tokens",
+                       "4"])
+  assert rc == 130 and "Traceback" not in err, err
+  assert out.strip() and "turn 1:" in err
+
+
 @pytest.mark.parametrize("argv,match", [
     (["--context", "0"], "--context=0 must be positive"),
     (["--context", "30", "--prompt", "What is the capital of France?"],

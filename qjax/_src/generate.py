@@ -659,6 +659,10 @@ def generate(args) -> int:
   deterministic_xla_flags()
   try:
     return _run_generate(args)
+  except KeyboardInterrupt:  # Ctrl-C, e.g. to leave --interactive: no traceback
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return 130
   except UsageError as e:
     print(f"qjax generate: error: {e}", file=sys.stderr)
     return 2
