@@ -55,6 +55,7 @@ __all__ = [  # the public names (pyflakes reads the re-exports from it)
     "decode_step",
     "extend",
     "forward",
+    "fuse_projections",
     "init_cache",
     "params_from_gguf",
     "prefill",
