@@ -194,16 +194,21 @@ OFFSET_CASES = (
 )
 
 
+def _offset_case(request, case, window):
+  """``(q, k, v, sinks, offset, float64 reference)`` of an :data:`OFFSET_CASES` row."""
+  b, t, s, heads, kv_heads, d, offsets = case
+  q, k, v, sk = _inputs(_rng(request), (b, s, heads, kv_heads, d), jnp.bfloat16, sinks=True)
+  q = q[:, :t]
+  offset = np.asarray(offsets, np.int32)
+  return q, k, v, sk, offset, reference(q, k, v, window, sk, offset=offset)
+
+
 @pytest.mark.parametrize("case", OFFSET_CASES, ids=str)
 @pytest.mark.parametrize("window", [None, 1, 7, 30])
 @pytest.mark.parametrize("implementation", ["xla", "interpret"])
 def test_offset_over_a_cache_matches_float64(request, case, window, implementation):
-  rng = _rng(request)
-  b, t, s, heads, kv_heads, d, offsets = case
-  q, k, v, sk = _inputs(rng, (b, s, heads, kv_heads, d), jnp.bfloat16, sinks=True)
-  q = q[:, :t]
-  offset = np.asarray(offsets, np.int32)
-  ref = reference(q, k, v, window, sk, offset=offset)
+  q, k, v, sk, offset, ref = _offset_case(request, case, window)
+  s, d = k.shape[1], k.shape[3]
   out = qjax.causal_attention(q, k, v, offset=offset, window=window, sinks=sk,
                               implementation=implementation)
   _check(out, ref, q, BOUND[jnp.bfloat16], (case, window, implementation))
@@ -429,12 +434,8 @@ def test_compiled_kernel_on_gpu(request, shape, window, sinks):
 def test_compiled_kernel_with_offsets_on_gpu(request, case, window):
   """The compiled kernel from offsets past 0 over a longer cache (default blocks and the
   small ones), sinks, poisoned output."""
-  rng = _rng(request)
-  b, t, s, heads, kv_heads, d, offsets = case
-  q, k, v, sk = _inputs(rng, (b, s, heads, kv_heads, d), jnp.bfloat16, sinks=True)
-  q = q[:, :t]
-  offset = np.asarray(offsets, np.int32)
-  ref = reference(q, k, v, window, sk, offset=offset)
+  q, k, v, sk, offset, ref = _offset_case(request, case, window)
+  s, d = k.shape[1], k.shape[3]
   w = np.asarray([window or s], np.int32)
   for config in (None, SMALL):
     out = kernel.causal_attention(q, k, v, offset, w, sk, scale=d ** -0.5, config=config,
