@@ -468,13 +468,17 @@ def _checked(token_id: int, position: int) -> int:
   return token_id
 
 
-def _sampled(logits, key, args) -> tuple[int, Any]:
-  """``(token id, the new key)``: ``logits [1, vocab]`` sampled as the decode steps do
-  (``key, sub = split(key)``)."""
+def _first_token(logits, key, args, position: int) -> tuple[int | None, Any]:
+  """``(token id, the new key)``: the reply's first token, ``logits [1, vocab]`` (of
+  ``position``) sampled as the decode steps do (``key, sub = split(key)``), checked by
+  :func:`_checked`; ``(None, key)`` where --max-new-tokens is 0."""
+  if not args.max_new_tokens:
+    return None, key
   import jax  # pylint: disable=g-import-not-at-top
   from flax_layers import llama  # pylint: disable=g-import-not-at-top
   key, sub = jax.random.split(key)
-  return int(llama.sample(logits, sub, temperature=args.temperature, top_p=args.top_p)[0]), key
+  token_id = int(llama.sample(logits, sub, temperature=args.temperature, top_p=args.top_p)[0])
+  return _checked(token_id, position), key
 
 
 def _run_once(args, params, plan: _Plan, impl_name: str) -> None:
@@ -490,10 +494,7 @@ def _run_once(args, params, plan: _Plan, impl_name: str) -> None:
 
   t_prefill = time.perf_counter()
   logits, cache = prefill(tokens, cache)
-  next_id = None
-  if args.max_new_tokens:
-    next_id, key = _sampled(logits[:, n - 1], key, args)
-    next_id = _checked(next_id, n - 1)
+  next_id, key = _first_token(logits[:, n - 1], key, args, n - 1)
   t_prefill = time.perf_counter() - t_prefill
   reply = _decode_reply(next_token, next_id, n, cache, key, args, tok)
   if args.json:
@@ -608,10 +609,7 @@ def _run_chat(args, params, plan: _Plan, impl_name: str) -> None:
     t0 = time.perf_counter()
     logits, cache = extend(jnp.asarray([new + [0] * (width - len(new))], jnp.int32),
                            jnp.asarray([start], jnp.int32), cache)
-    first_id = None
-    if args.max_new_tokens:
-      first_id, key = _sampled(logits[:, len(new) - 1], key, args)
-      first_id = _checked(first_id, len(ids) - 1)
+    first_id, key = _first_token(logits[:, len(new) - 1], key, args, len(ids) - 1)
     t_extend = time.perf_counter() - t0
     reply = _decode_reply(step, first_id, len(ids), cache, key, args, tok)
     cache, key = reply.cache, reply.key
