@@ -178,6 +178,9 @@ class LlamaConfig:
     scan_layers: run the blocks with ``lax.scan`` over stacked params (True), or as an
       unrolled loop over per-layer submodules ``layers_{i}`` (False; longer compile, but
       no scan). The params layout must match (see :func:`params_from_gguf`).
+    scan_unroll: with ``scan_layers``, the layers each iteration of the scan's loop runs
+      (``lax.scan``'s ``unroll``; >= 1). Each iteration of XLA's loop on the GPU ends
+      with its condition copied to the host; fewer iterations, fewer such waits.
     rope_neox: RoPE pairs ``(i, i + rope_dim / 2)`` of each head (llama.cpp's NEOX type,
       Qwen2 / Qwen3) instead of adjacent pairs ``(2i, 2i + 1)`` (NORM type, llama).
     qkv_bias: q, k and v add a bias (param "bias" ``[features]`` next to "kernel";
@@ -227,6 +230,7 @@ class LlamaConfig:
   dtype: Any = jnp.float32
   implementation: str | None = None
   scan_layers: bool = True
+  scan_unroll: int = 1
   rope_neox: bool = False
   qkv_bias: bool = False
   qk_norm: bool = False
@@ -250,6 +254,9 @@ class LlamaConfig:
     if bad:
       raise ValueError(f"{', '.join(f'{k}={v!r}' for k, v in bad.items())}: the model's "
                        "shapes must be positive ints")
+    if not (isinstance(self.scan_unroll, (int, np.integer)) and self.scan_unroll >= 1):
+      raise ValueError(f"scan_unroll={self.scan_unroll!r} must be an int >= 1 (layers per "
+                       "iteration of the scan over layers)")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
                        f"num_kv_heads={self.num_kv_heads}")
@@ -967,8 +974,8 @@ def apply_rope(x: jax.Array, positions: jax.Array, base: float, rope_dim: int, *
 
 def attention_implementation(implementation: str | None, op: str = "decode") -> str | None:
   """The implementation of the attention operation ``op`` ("decode":
-  :func:`qjax.decode_attention`, "causal": :func:`qjax.causal_attention`) for the layers'
-  ``implementation``: "pallas" / "interpret" run XLA where no kernel of ``op`` is
+  :func:`qjax.decode_attention`, "causal": :func:`qjax.causal_attention`, "write":
+  :func:`qjax.write_kv_cache`) for the layers' ``implementation``: "pallas" / "interpret" run XLA where no kernel of ``op`` is
   registered (as :func:`matmul` does for a format without one)."""
   if implementation in ("pallas", "interpret") and not attention.kernels(op):
     return "xla"
@@ -1037,9 +1044,10 @@ class Attention(nn.Module):
                              neox=c.rope_neox, freq_factors=rope_freqs,
                              magnitude=1.0 if c.yarn is None else c.yarn.magnitude())
     q, k = rope(q, positions), rope(k, positions)
-    rows = jnp.arange(b)[:, None]
-    k_cache = k_cache.at[layer, rows, positions].set(k.astype(k_cache.dtype), mode="drop")
-    v_cache = v_cache.at[layer, rows, positions].set(v.astype(v_cache.dtype), mode="drop")
+    # Positions outside the cache write nothing (one kernel writes both on the GPU).
+    k_cache, v_cache = qjax.write_kv_cache(
+        k_cache, v_cache, k, v, positions, layer=layer,
+        implementation=attention_implementation(c.implementation, "write"))
     sinks = None
     if c.attn_sinks:  # one more logit per head in the softmax's denominator
       sinks = _loaded_param(self, "sinks")
@@ -1294,7 +1302,7 @@ class Llama(nn.Module):
       (x, k, v), _ = scan.scan_layers(Block(c, self.fresh_prompt, self.contiguous,
                                             parent=None),
                                       self.param("blocks", _pretrained),
-                                      (x, k, v), per_layer, ctx)
+                                      (x, k, v), per_layer, ctx, unroll=c.scan_unroll)
     else:
       for i in range(c.num_layers):
         slides = (c.sliding_layers[i],) if c.sliding_window else ()

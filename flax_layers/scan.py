@@ -32,7 +32,7 @@ def layer_params(stacked_params: Any, index: jax.Array) -> Any:
 
 
 def scan_layers(module: nn.Module, stacked_params: Any, carry: Any, xs: Any = None,
-                *broadcast: Any) -> tuple[Any, Any]:
+                *broadcast: Any, unroll: int = 1) -> tuple[Any, Any]:
   """``lax.scan`` of ``module`` over its stacked params, as ``nn.scan`` with
   ``variable_axes={"params": 0}`` would run it, without copying the quantized weights.
 
@@ -44,6 +44,7 @@ def scan_layers(module: nn.Module, stacked_params: Any, carry: Any, xs: Any = No
     carry: the initial carry.
     xs: per-layer inputs with a leading ``[layers]`` axis (or None).
     broadcast: the same for every layer.
+    unroll: layers per iteration of the loop (``lax.scan``'s ``unroll``).
 
   Returns:
     ``(final carry, ys stacked over the layers)``.
@@ -84,4 +85,4 @@ def scan_layers(module: nn.Module, stacked_params: Any, carry: Any, xs: Any = No
     i, x = inputs
     return module.apply({"params": layer_params(stacked_params, i)}, carry, x, *broadcast)
 
-  return jax.lax.scan(body, carry, (jnp.arange(layers), xs))
+  return jax.lax.scan(body, carry, (jnp.arange(layers), xs), unroll=unroll)

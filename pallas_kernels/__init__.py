@@ -19,6 +19,7 @@ from pallas_kernels import int4_matmul as int4_matmul
 from pallas_kernels import int4_moe as int4_moe
 from pallas_kernels import int4_moe_gemv as int4_moe_gemv
 from pallas_kernels import int4_wgmma as int4_wgmma
+from pallas_kernels import kv_cache_write as kv_cache_write
 from pallas_kernels import prefill_attention as prefill_attention
 from qjax._src import gguf_formats as _gguf_formats
 from qjax._src import gguf_tiled as _gguf_tiled
@@ -135,4 +136,8 @@ qjax.register_decode_attention_kernel(
 # Causal attention of a prompt over its own keys (qjax.causal_attention): flash attention.
 qjax.register_causal_attention_kernel(
     qjax.AttentionBackend(name="pallas_triton", fn=prefill_attention.causal_attention,
+                          supported_on=triton_supported))
+# New keys and values into a KV cache (qjax.write_kv_cache): both in one launch, in place.
+qjax.register_kv_cache_write_kernel(
+    qjax.AttentionBackend(name="pallas_triton", fn=kv_cache_write.write_kv_cache,
                           supported_on=triton_supported))

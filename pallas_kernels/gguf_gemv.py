@@ -63,8 +63,8 @@ _EXTRA_OFFSET = {"Q8_0": 0.5, "Q4_K": 0.0, "Q5_K": 0.0, "Q6_K": 0.5}
 USE_PTX = True
 # Programs a launch aims for: about 7 per SM of an H100 (int4_gemv's sweep).
 TARGET_PROGRAMS = 896
-# Programs a launch keeps at least where it can: two per SM of an H100 (132 SMs).
-MIN_PROGRAMS = 264
+# Programs a launch keeps at least where it can (int4_gemv's).
+MIN_PROGRAMS = int4_gemv.MIN_PROGRAMS
 
 
 def supports(m: int, k: int, n: int, ggml_type: str) -> bool:

@@ -296,6 +296,8 @@ def xla_is_faster(m: int, w: Int4Weight) -> bool:
 
 # Programs a launch aims for: about 7 per SM of an H100 (H100 sweep, 2026-11-23).
 TARGET_PROGRAMS = 896
+# Programs a launch keeps at least where it can: two per SM of an H100 (132 SMs).
+MIN_PROGRAMS = 264
 
 
 def divisor_near(count: int, target: float) -> int:
@@ -318,15 +320,19 @@ def loop_shape(config: KernelConfig, tiles: int) -> tuple[int, int, int]:
 def heuristic_config(k: int, n: int, *, single_tile_steps: bool = True) -> KernelConfig:
   """64 columns, loads one step ahead, 4 warps, split-K to about ``TARGET_PROGRAMS``
   programs. One K-tile per loop step (H100 sweep of 2026-11-23 17:38 UTC: 49.8 against
-  53.5 us at 8192x28672), except where that leaves a program two steps or fewer: then its
-  whole share loads at once, as one step of two tiles (4096x4096: 6.6 against 7.3 us).
-  ``single_tile_steps=False`` keeps two tiles per step throughout (the FP4 kernel's
-  measured setting)."""
+  53.5 us at 8192x28672), except where that leaves a program two steps or fewer and the
+  two-tile steps still leave :data:`MIN_PROGRAMS` programs: then its whole share loads at
+  once, as one step of two tiles (4096x4096: 6.6 against 7.3 us). With few columns the
+  halved split would idle most SMs (1536x576, SmolLM2's FFN down: 54 programs of two
+  tiles 4.09 us, 108 of one 2.96 us; H200, 2026-11-28). ``single_tile_steps=False``
+  keeps two tiles per step throughout (the FP4 kernel's measured setting)."""
   tiles = -(-k // _TILE_K)
   cols = -(-n // 64)
   tps, split = 1, divisor_near(tiles, TARGET_PROGRAMS / cols)
-  if tiles % 2 == 0 and (not single_tile_steps or tiles // split <= 2):
-    tps, split = 2, divisor_near(tiles // 2, TARGET_PROGRAMS / cols)
+  if tiles % 2 == 0:
+    split2 = divisor_near(tiles // 2, TARGET_PROGRAMS / cols)
+    if not single_tile_steps or (tiles // split <= 2 and cols * split2 >= MIN_PROGRAMS):
+      tps, split = 2, split2
   return KernelConfig(block_m=1, block_n=64, block_k=_TILE_K * tps, split_k=split,
                       num_warps=4, num_stages=1)
 

@@ -83,6 +83,11 @@ from qjax._src.causal_attention import (causal_attention_implementation_name as
                                         causal_attention_implementation_name)
 from qjax._src.causal_attention import (register_causal_attention_kernel as
                                         register_causal_attention_kernel)
+# ... and new keys and values written into a KV cache
+from qjax._src.kv_cache import (kv_cache_write_implementation_name as
+                                kv_cache_write_implementation_name)
+from qjax._src.kv_cache import register_kv_cache_write_kernel as register_kv_cache_write_kernel
+from qjax._src.kv_cache import write_kv_cache as write_kv_cache
 
 # Codebook (rotated, two-pass residual, host offload of pass 2)
 from qjax._src.codebook import CodebookWeight as CodebookWeight

@@ -170,3 +170,36 @@ def pallas_operand_shapes(jaxpr) -> list[list[tuple[int, ...]]]:
     for sub in jex_core.jaxprs_in_params(eqn.params):
       found += pallas_operand_shapes(sub)
   return found
+
+
+def small_llama(rng, scan_layers: bool = True, **options):
+  """A random 3-layer INT4 Llama (4 / 2 heads of 16) whose first and last layers slide
+  over 5 keys, with sink logits: (cfg, params); ``options`` go to its LlamaConfig."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import qjax  # pylint: disable=g-import-not-at-top
+  from flax_layers import llama  # pylint: disable=g-import-not-at-top
+  cfg = llama.LlamaConfig(vocab_size=64, hidden_size=64, num_layers=3, num_heads=4,
+                          num_kv_heads=2, head_dim=16, ffn_size=96, sliding_window=5,
+                          sliding_layers=(True, False, True), attn_sinks=True,
+                          scan_layers=scan_layers, dtype=jnp.float32, **options)
+
+  def q(k, n):
+    return qjax.quantize(jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.float32),
+                         group_size=32)
+
+  def norm():
+    return {"scale": jnp.asarray(1 + 0.2 * rng.standard_normal(64), jnp.float32)}
+
+  layers = [{"attn_norm": norm(),
+             "attn": {"q": {"kernel": q(64, 64)}, "k": {"kernel": q(64, 32)},
+                      "v": {"kernel": q(64, 32)}, "o": {"kernel": q(64, 64)},
+                      "sinks": jnp.asarray(rng.standard_normal(4), jnp.float32)},
+             "ffn_norm": norm(),
+             "mlp": {"gate": {"kernel": q(64, 96)}, "up": {"kernel": q(64, 96)},
+                     "down": {"kernel": q(96, 64)}}} for _ in range(3)]
+  params = {"embed": q(64, 64), "final_norm": norm()}
+  if scan_layers:
+    params["blocks"] = jax.tree.map(lambda *a: jnp.stack(a), *layers)
+  else:
+    params.update({f"layers_{i}": layer for i, layer in enumerate(layers)})
+  return cfg, {"params": params}

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import qjax
-from conftest import check_attention as _check, needs_gpu, seed_from
+from conftest import check_attention as _check, needs_gpu, seed_from, small_llama
 from flax_layers import llama
 from pallas_kernels import prefill_attention as kernel
 from qjax._src import attention
@@ -311,36 +311,6 @@ def test_registration_replaces_by_name(monkeypatch):
   assert attention.decode_attention_kernels()[0].name == "pallas_triton"
 
 
-def _small_llama(rng, scan_layers: bool):
-  """A random 3-layer INT4 Llama (4 / 2 heads of 16) whose first and last layers slide
-  over 5 keys, with sink logits: (cfg, params)."""
-  cfg = llama.LlamaConfig(vocab_size=64, hidden_size=64, num_layers=3, num_heads=4,
-                          num_kv_heads=2, head_dim=16, ffn_size=96, sliding_window=5,
-                          sliding_layers=(True, False, True), attn_sinks=True,
-                          scan_layers=scan_layers, dtype=jnp.float32)
-
-  def q(k, n):
-    return qjax.quantize(jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.float32),
-                         group_size=32)
-
-  def norm():
-    return {"scale": jnp.asarray(1 + 0.2 * rng.standard_normal(64), jnp.float32)}
-
-  layers = [{"attn_norm": norm(),
-             "attn": {"q": {"kernel": q(64, 64)}, "k": {"kernel": q(64, 32)},
-                      "v": {"kernel": q(64, 32)}, "o": {"kernel": q(64, 64)},
-                      "sinks": jnp.asarray(rng.standard_normal(4), jnp.float32)},
-             "ffn_norm": norm(),
-             "mlp": {"gate": {"kernel": q(64, 96)}, "up": {"kernel": q(64, 96)},
-                     "down": {"kernel": q(96, 64)}}} for _ in range(3)]
-  params = {"embed": q(64, 64), "final_norm": norm()}
-  if scan_layers:
-    params["blocks"] = jax.tree.map(lambda *a: jnp.stack(a), *layers)
-  else:
-    params.update({f"layers_{i}": layer for i, layer in enumerate(layers)})
-  return cfg, {"params": params}
-
-
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_llama_prefill_kernel_equals_xla(request, scan_layers, monkeypatch):
   """``llama.prefill``'s attention (``fresh_prompt``) by the causal kernel (interpret)
@@ -348,7 +318,7 @@ def test_llama_prefill_kernel_equals_xla(request, scan_layers, monkeypatch):
   and sink logits: in a scan over layers (the window a traced choice) and unrolled (a
   Python one)."""
   rng = _rng(request)
-  cfg, params = _small_llama(rng, scan_layers)
+  cfg, params = small_llama(rng, scan_layers)
   b, t = 2, 23
   tokens = jnp.asarray(rng.integers(0, 64, (b, t)), jnp.int32)
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -375,7 +345,7 @@ def test_llama_extend_in_chunks_equals_one_prefill(request, scan_layers, monkeyp
   sequence, its attention by XLA and by the kernel (interpret), with sliding-window
   layers and sinks, scanned and unrolled."""
   rng = _rng(request)
-  cfg, params = _small_llama(rng, scan_layers)
+  cfg, params = small_llama(rng, scan_layers)
   tokens = jnp.asarray(rng.integers(0, 64, (2, 30)), jnp.int32)
   original = causal.resolve
   with jax.default_matmul_precision("highest"):  # float32 model: no TF32 on a GPU
@@ -401,7 +371,7 @@ def test_llama_extend_in_chunks_equals_one_prefill(request, scan_layers, monkeyp
 
 def test_llama_extend_past_the_cache_gives_nan_logits():
   rng = np.random.default_rng(3)
-  cfg, params = _small_llama(rng, True)
+  cfg, params = small_llama(rng, True)
   _, cache = llama.prefill(params, jnp.ones((1, 6), jnp.int32), llama.init_cache(cfg, 1, 8),
                            cfg=cfg)
   logits, _ = llama.extend(params, jnp.ones((1, 4), jnp.int32), 6, cache, cfg=cfg)

@@ -178,7 +178,8 @@ def test_ptx_text_is_the_validated_one():
 @pytest.mark.parametrize("k,n,tps,split", [
     (8192, 28672, 1, 2), (4096, 14336, 1, 4), (14336, 4096, 1, 14),  # one tile per step
     (4096, 4096, 2, 16),  # two steps or fewer per program: one step of two tiles
-    (384, 70, 1, 3), (200, 130, 2, 1)])
+    (1536, 576, 1, 12),  # ... unless that halves a launch below MIN_PROGRAMS programs
+    (384, 70, 1, 3), (200, 130, 1, 2)])
 def test_heuristic_config(k, n, tps, split):
   """The settings the H100 sweep of 2026-11-23 picked for the Llama shapes, legal as they
   stand (loop_shape keeps them), and about TARGET_PROGRAMS programs where K allows."""

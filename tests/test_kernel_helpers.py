@@ -97,15 +97,19 @@ def test_loop_shape_is_the_largest_fitting_shape(tiles):
 
 def test_heuristic_config_is_legal_on_random_shapes(rng):
   """Two tiles per step where K's tile count is even and (single-tile steps) one step
-  would leave a program two tiles or fewer; split_k the divisor nearest TARGET_PROGRAMS
-  programs; legal as it stands (loop_shape keeps it)."""
-  shapes = [(768, 28672), (1536, 14336), (4096, 4096), (200, 130)]  # edge of the 2-step rule
+  would leave a program two tiles or fewer while two-tile steps keep MIN_PROGRAMS
+  programs; split_k the divisor nearest TARGET_PROGRAMS programs; legal as it stands
+  (loop_shape keeps it)."""
+  shapes = [(768, 28672), (1536, 14336), (4096, 4096), (200, 130),  # edges of the 2-step rule
+            (1536, 576), (2048, 512), (1024, 1024)]
   for k, n in shapes + list(zip(2 ** rng.uniform(0, 15, 40), 2 ** rng.uniform(0, 15, 40))):
     tiles, cols = -(-int(k) // 128), -(-int(n) // 64)
     for single in (True, False):
       cfg = int4_gemv.heuristic_config(int(k), int(n), single_tile_steps=single)
       target = int4_gemv.TARGET_PROGRAMS / cols
-      tps = 2 if tiles % 2 == 0 and (not single or tiles // _nearest(tiles, target) <= 2) else 1
+      keeps = tiles % 2 == 0 and cols * _nearest(tiles // 2, target) >= int4_gemv.MIN_PROGRAMS
+      tps = 2 if tiles % 2 == 0 and (
+          not single or (tiles // _nearest(tiles, target) <= 2 and keeps)) else 1
       assert (cfg.block_m, cfg.block_n, cfg.num_stages) == (1, 64, 1)
       assert (cfg.block_k, cfg.split_k) == (128 * tps, _nearest(tiles // tps, target)), (k, n)
       assert int4_gemv.loop_shape(cfg, tiles)[:2] == (tps, cfg.split_k), (k, n)

@@ -52,7 +52,7 @@ def kind(name: str) -> str:
   return "other fusions"
 
 
-def profile(params, cfg, slots: int, steps: int = 10):
+def profile(params, cfg, slots: int, steps: int = 10, sequence: bool = False):
   cache = llama.init_cache(cfg, 1, slots)
   state = (jnp.zeros((1,), jnp.int32), jnp.full((1,), slots // 2, jnp.int32), cache,
            jax.random.key(0))
@@ -87,7 +87,7 @@ def profile(params, cfg, slots: int, steps: int = 10):
       jax.block_until_ready(state[0])
     jax.profiler.stop_trace()
     trace = devtime._read_trace(d)  # pylint: disable=protected-access
-  by_name, count, spans = collections.Counter(), collections.Counter(), []
+  by_name, count, spans, named = collections.Counter(), collections.Counter(), [], []
   for e in devtime._stream_events(trace):  # pylint: disable=protected-access
     name = e.get("name", "?")
     if any(s in name.lower() for s in devtime._SKIP):  # pylint: disable=protected-access
@@ -95,6 +95,7 @@ def profile(params, cfg, slots: int, steps: int = 10):
     by_name[name] += float(e["dur"]) / steps
     count[name] += 1 / steps
     spans.append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
+    named.append((float(e["ts"]), float(e["dur"]), name))
   if not spans:
     raise SystemExit(f"wall {wall:.1f} us / step; the trace holds no device kernels (a CPU?)")
   spans.sort()
@@ -104,7 +105,30 @@ def profile(params, cfg, slots: int, steps: int = 10):
   edges = [0, *cuts, len(spans)]
   span = sum(spans[b - 1][1] - spans[a][0] for a, b in zip(edges, edges[1:])) / steps
   busy = devtime._busy_union(spans) / steps  # pylint: disable=protected-access
+  if sequence:
+    print_layer_sequence(sorted(named), edges)
   return wall, span, busy, by_name, count
+
+
+def print_layer_sequence(named, edges):
+  """Session 40: the kernels of one layer of the middle step, in launch order, with each
+  one's duration and the gap since the previous kernel ended (us)."""
+  mid = len(edges) // 2
+  step = named[edges[mid - 1]:edges[mid]]
+  attention = [i for i, (_, _, n) in enumerate(step) if "attention" in n.lower()]
+  if len(attention) < 4:
+    print("sequence: fewer than 4 attention launches in the step")
+    return
+  a, b = attention[2], attention[3]
+  # the layer from just after the previous attention's combine: print both ends wide
+  lo = max(0, a - 12)
+  print(f"== one layer's kernels (launch order; step {mid} of {len(edges) - 1}): "
+        "start us, duration us, gap us, name")
+  t0 = step[lo][0]
+  for i in range(lo, b + 1):
+    ts, dur, name = step[i]
+    gap = ts - (step[i - 1][0] + step[i - 1][1]) if i else 0.0
+    print(f"  {ts - t0:8.1f} {dur:6.1f} {gap:5.1f}  {name[:110]}")
 
 
 def main() -> int:
@@ -115,6 +139,12 @@ def main() -> int:
   p.add_argument("--layers", type=int, default=16, help="llama1b: layers")
   p.add_argument("--type", default="Q4_K", help="llama1b: every block weight's GGML type")
   p.add_argument("--tiny", action="store_true", help="llama1b: small shapes (CPU smoke)")
+  p.add_argument("--unroll", action="store_true",
+                 help="layers as an unrolled loop, not lax.scan (session 40)")
+  p.add_argument("--scan-unroll", type=int, default=1,
+                 help="layers per iteration of the layers' lax.scan (session 40)")
+  p.add_argument("--sequence", action="store_true",
+                 help="also print one layer's kernels in launch order (session 40)")
   args = p.parse_args()
   dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
   if args.model == "smollm2":
@@ -122,9 +152,11 @@ def main() -> int:
                               progress=False)
   else:
     gfile = s36.typed_model(args.layers, args.type, args.tiny)
-  cfg = llama.LlamaConfig.from_metadata(gfile.metadata, dtype=dtype)
+  cfg = llama.LlamaConfig.from_metadata(gfile.metadata, dtype=dtype,
+                                       scan_layers=not args.unroll,
+                                       scan_unroll=args.scan_unroll)
   params = llama.fuse_projections(generate.gguf_params(gfile, cfg, None))
-  wall, span, busy, by_name, count = profile(params, cfg, args.slots)
+  wall, span, busy, by_name, count = profile(params, cfg, args.slots, sequence=args.sequence)
   launches = sum(count.values())
   print(f"== {args.model}, {cfg.num_layers} layers, {args.slots} slots: wall {wall:.1f} us "
         f"/ step, span {span:.1f}, busy {busy:.1f}, {launches:.0f} launches "

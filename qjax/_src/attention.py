@@ -55,13 +55,15 @@ class AttentionBackend:
   supported_on: Callable[[jax.Device], bool]
 
 
-# The registered kernels of each attention operation: "decode" (:func:`decode_attention`)
-# and "causal" (:func:`qjax.causal_attention`).
-_KERNELS: dict[str, list[AttentionBackend]] = {"decode": [], "causal": []}
+# The registered kernels of each attention operation: "decode" (:func:`decode_attention`),
+# "causal" (:func:`qjax.causal_attention`)
+# and "write" (:func:`qjax.write_kv_cache`, the keys and values written into a cache).
+_KERNELS: dict[str, list[AttentionBackend]] = {"decode": [], "causal": [], "write": []}
 
 
 def register(op: str, backend: AttentionBackend) -> None:
-  """Registers ``backend`` for the attention operation ``op`` ("decode" or "causal"): the
+  """Registers ``backend`` for the attention operation ``op`` ("decode", "causal" or
+  "write"): the
   first registered is the default of "pallas" / "interpret", a later registration of a
   name replaces that backend. The jitted model steps (``flax_layers.llama.decode_step``
   ...) trace again on their next call, as after any registration."""
@@ -91,10 +93,10 @@ def decode_attention_kernels() -> list[AttentionBackend]:
 def resolve_in(op: str, dtype, implementation: str | None,
                xla: Callable[..., jax.Array]) -> tuple[str, Callable[..., jax.Array]]:
   """The implementation the attention operation ``op`` runs for queries of ``dtype``: its
-  name and a function ``fn(*normalized arguments, scale)``; ``xla`` is the operation's
-  XLA path (``fn(*args, scale=...)``). ``implementation=None``: the first kernel that
-  supports the default device, for 16-bit queries, falling back to ``xla`` where it
-  raises NotImplementedError."""
+  name and a function ``fn(*normalized arguments, **keywords)`` (the attention ops'
+  keyword is ``scale``); ``xla`` is the operation's XLA path (``fn(*args, **keywords)``).
+  ``implementation=None``: the first kernel that supports the default device, for 16-bit
+  queries, falling back to ``xla`` where it raises NotImplementedError."""
   if implementation not in (None, *dispatch.IMPLEMENTATIONS):
     raise ValueError(f"{implementation=} must be None or one of {dispatch.IMPLEMENTATIONS}")
   if implementation == "xla":
@@ -111,23 +113,24 @@ def resolve_in(op: str, dtype, implementation: str | None,
   if backend is None or dispatch.runs_xla_for_dtype(dtype):
     return "xla", xla
 
-  def auto(*args, scale):
+  def auto(*args, **keywords):
     try:
-      return _kernel_call(backend, xla, False, *args, scale=scale)
+      return _kernel_call(backend, xla, False, *args, **keywords)
     except NotImplementedError as e:
       log.info("%s fell back to XLA: %s", backend.name, e)
-      return xla(*args, scale=scale)
+      return xla(*args, **keywords)
 
   return backend.name, auto
 
 
 def _kernel_call(backend: AttentionBackend, xla: Callable[..., jax.Array], interpret: bool,
-                 *args: Any, scale: float) -> jax.Array:
-  """``backend.fn(*args)``, differentiated in reverse mode as the XLA path ``xla(*args)``
-  (:func:`qjax._src.autodiff.kernel_call`, as the matmul kernels are)."""
+                 *args: Any, **keywords: Any) -> jax.Array:
+  """``backend.fn(*args, **keywords)``, differentiated in reverse mode as the XLA path
+  ``xla(*args, **keywords)`` (:func:`qjax._src.autodiff.kernel_call`, as the matmul
+  kernels are)."""
   return autodiff.kernel_call(
-      lambda *a: backend.fn(*a, scale=scale, interpret=interpret),
-      lambda *a: xla(*a, scale=scale), *args)
+      lambda *a: backend.fn(*a, **keywords, interpret=interpret),
+      lambda *a: xla(*a, **keywords), *args)
 
 
 def softmax_with_sinks(scores: jax.Array, sinks: jax.Array | None) -> jax.Array:
