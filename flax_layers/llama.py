@@ -178,9 +178,6 @@ class LlamaConfig:
     scan_layers: run the blocks with ``lax.scan`` over stacked params (True), or as an
       unrolled loop over per-layer submodules ``layers_{i}`` (False; longer compile, but
       no scan). The params layout must match (see :func:`params_from_gguf`).
-    scan_unroll: with ``scan_layers``, the layers each iteration of the scan's loop runs
-      (``lax.scan``'s ``unroll``; >= 1). Each iteration of XLA's loop on the GPU ends
-      with its condition copied to the host; fewer iterations, fewer such waits.
     rope_neox: RoPE pairs ``(i, i + rope_dim / 2)`` of each head (llama.cpp's NEOX type,
       Qwen2 / Qwen3) instead of adjacent pairs ``(2i, 2i + 1)`` (NORM type, llama).
     qkv_bias: q, k and v add a bias (param "bias" ``[features]`` next to "kernel";
@@ -230,7 +227,6 @@ class LlamaConfig:
   dtype: Any = jnp.float32
   implementation: str | None = None
   scan_layers: bool = True
-  scan_unroll: int = 1
   rope_neox: bool = False
   qkv_bias: bool = False
   qk_norm: bool = False
@@ -254,9 +250,6 @@ class LlamaConfig:
     if bad:
       raise ValueError(f"{', '.join(f'{k}={v!r}' for k, v in bad.items())}: the model's "
                        "shapes must be positive ints")
-    if not (isinstance(self.scan_unroll, (int, np.integer)) and self.scan_unroll >= 1):
-      raise ValueError(f"scan_unroll={self.scan_unroll!r} must be an int >= 1 (layers per "
-                       "iteration of the scan over layers)")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
                        f"num_kv_heads={self.num_kv_heads}")
@@ -1302,7 +1295,7 @@ class Llama(nn.Module):
       (x, k, v), _ = scan.scan_layers(Block(c, self.fresh_prompt, self.contiguous,
                                             parent=None),
                                       self.param("blocks", _pretrained),
-                                      (x, k, v), per_layer, ctx, unroll=c.scan_unroll)
+                                      (x, k, v), per_layer, ctx)
     else:
       for i in range(c.num_layers):
         slides = (c.sliding_layers[i],) if c.sliding_window else ()

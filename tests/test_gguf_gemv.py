@@ -188,7 +188,9 @@ def test_tiled_config_keeps_the_tiled_kernel(request, monkeypatch):
   tw, wd, _ = _tiled("Q6_K", 512, 40, 2)
   x = _x(request, 512, jnp.float32)
   tiled = qjax.KernelConfig(block_m=16, block_n=32, block_k=128, split_k=2)
-  y = gguf_matmul.gguf_matmul(x, tw, interpret=True, config=tiled, poison=True)
+  # float32 dots at float32 accuracy (on a GPU interpret mode's dot defaults to TF32).
+  with jax.default_matmul_precision("highest"):
+    y = gguf_matmul.gguf_matmul(x, tw, interpret=True, config=tiled, poison=True)
   assert rel_err(y, np.asarray(x, np.float64) @ wd) < 1e-5 and not calls
   gemv = dataclasses.replace(tiled, block_m=1)
   y = gguf_matmul.gguf_matmul(x, tw, interpret=True, config=gemv, poison=True)

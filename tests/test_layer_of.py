@@ -222,6 +222,20 @@ def test_scan_layers_equals_applying_each_layer(implementation):
     assert shapes[1] == stacked["Int4Dense_0"]["kernel"].codes.shape, shapes
 
 
+def test_scan_layers_unrolled_equals_the_loop():
+  """``unroll=2`` over 3 layers (two iterations, the second partial) gives the rolled
+  loop's result and per-layer outputs."""
+  x = jax.random.normal(jax.random.key(0), (2, 256), jnp.float32)
+  per_layer = [_Residual().init(jax.random.key(i + 1), x, 1.0)["params"] for i in range(LAYERS)]
+  stacked = _stack(per_layer)
+  scales = jnp.asarray([0.5, 1.0, 2.0], jnp.float32)
+  module = _Residual("xla")
+  runs = [jax.jit(lambda p, x, u=u: scan_layers(module, p, x, scales, unroll=u))(stacked, x)
+          for u in (1, 2)]
+  for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+
+
 def test_layer_params_slices_floats_and_views_quantized_weights():
   w = qjax.quantize(jax.random.normal(jax.random.key(0), (256, 64)))
   stacked = {"dense": {"kernel": _stack([w, w]), "bias": jnp.arange(4.0).reshape(2, 2)}}

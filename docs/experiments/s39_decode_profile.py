@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import os
 import statistics
 import sys
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(__file__))
 import s36_kv_cache as s36  # noqa: E402
 from flax_layers import llama  # noqa: E402
+from flax_layers import scan  # noqa: E402
 from qjax._src import devtime  # noqa: E402
 from qjax._src import generate  # noqa: E402
 from qjax._src import gguf_io  # noqa: E402
@@ -147,14 +149,15 @@ def main() -> int:
                  help="also print one layer's kernels in launch order (session 40)")
   args = p.parse_args()
   dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+  if args.scan_unroll != 1:
+    scan.scan_layers = functools.partial(scan.scan_layers, unroll=args.scan_unroll)
   if args.model == "smollm2":
     gfile = gguf_io.load_gguf(gguf_io.read_header(generate.default_model_path()),
                               progress=False)
   else:
     gfile = s36.typed_model(args.layers, args.type, args.tiny)
   cfg = llama.LlamaConfig.from_metadata(gfile.metadata, dtype=dtype,
-                                       scan_layers=not args.unroll,
-                                       scan_unroll=args.scan_unroll)
+                                       scan_layers=not args.unroll)
   params = llama.fuse_projections(generate.gguf_params(gfile, cfg, None))
   wall, span, busy, by_name, count = profile(params, cfg, args.slots, sequence=args.sequence)
   launches = sum(count.values())
