@@ -1489,6 +1489,60 @@ def decode_and_sample(params, token, pos, cache, key, *, cfg: LlamaConfig,
                          top_p=top_p)
 
 
+def decode_loop(decode, token, pos, cache, key, count, stop_ids, *, max_steps: int,
+                temperature: float = 0.0, top_p: float = 1.0):
+  """Up to ``count`` (<= ``max_steps``) :func:`next_token_step` calls in one XLA loop, which
+  ends early where every sequence's new token is one of ``stop_ids`` or -1 (NaN logits).
+
+  The same tokens, cache and key as calling :func:`next_token_step` once per token and
+  stopping at those tokens, without a return to the host between tokens.
+
+  Args:
+    decode: as :func:`next_token_step`'s.
+    token, pos, cache, key: the state of :func:`next_token_step`.
+    count: a scalar int32 (traced), the steps to run at most.
+    stop_ids: ``[S]`` int32, the tokens that end a sequence (S >= 1).
+    max_steps: the static length of the returned tokens.
+
+  Returns:
+    (tokens ``[max_steps, batch]`` int32 (the first ``steps`` rows hold the new tokens,
+    the rest -2), steps (scalar int32), and the state after them: token, pos, cache,
+    key).
+  """
+  b = token.shape[0]
+
+  def running(carry):
+    i, token, *_ = carry
+    ended = (token[:, None] == stop_ids[None, :]).any(axis=-1) | (token < 0)
+    return (i < jnp.minimum(count, max_steps)) & ~((i > 0) & ended.all())
+
+  def step(carry):
+    i, token, pos, cache, key, tokens = carry
+    token, pos, cache, key = next_token_step(decode, token, pos, cache, key,
+                                             temperature=temperature, top_p=top_p)
+    return i + 1, token, pos, cache, key, tokens.at[i].set(token)
+
+  init = (jnp.int32(0), token, pos, cache, key, jnp.full((max_steps, b), -2, jnp.int32))
+  steps, token, pos, cache, key, tokens = jax.lax.while_loop(running, step, init)
+  return tokens, steps, token, pos, cache, key
+
+
+@qjax.retraced_on_registration
+@functools.partial(jax.jit, static_argnames=("cfg", "max_steps", "temperature", "top_p"),
+                   donate_argnames=("cache",))
+def decode_tokens(params, token, pos, cache, key, count, stop_ids, *, cfg: LlamaConfig,
+                  max_steps: int, temperature: float = 0.0, top_p: float = 1.0):
+  """:func:`decode_loop` over :func:`decode_step` as one jitted program: up to ``count``
+  tokens per call and one read back, where :func:`decode_and_sample` takes a call (and a
+  read) per token. ``count`` and ``stop_ids`` are arrays, so one compile serves every
+  count up to ``max_steps``; the cache is donated. Returns (tokens ``[max_steps,
+  batch]``, steps, token, pos, cache, key) as :func:`decode_loop`.
+  """
+  decode = functools.partial(decode_step, params, cfg=cfg)
+  return decode_loop(decode, token, pos, cache, key, count, stop_ids, max_steps=max_steps,
+                     temperature=temperature, top_p=top_p)
+
+
 def forward(params, tokens, *, cfg: LlamaConfig) -> jax.Array:
   """Logits ``[batch, seq, vocab]`` of ``tokens [batch, seq]`` with no prior cache."""
   cache = init_cache(cfg, tokens.shape[0], tokens.shape[1])

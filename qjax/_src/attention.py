@@ -180,14 +180,7 @@ def _check(q, k_cache, v_cache, mask, layer, sinks):
   if tuple(k_cache.shape) != tuple(v_cache.shape):
     raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} "
                      "must have one shape")
-  want = 4 if layer is None else 5
-  if k_cache.ndim != want:
-    raise ValueError(
-        f"k_cache.shape={tuple(k_cache.shape)} with layer={layer!r}: want "
-        + ("[batch, slots, kv_heads, head_dim] (pass layer= for a stacked cache)"
-           if layer is None else "[layers, batch, slots, kv_heads, head_dim]"))
-  if layer is None:
-    k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
+  k_cache, v_cache, layer = stacked_caches(k_cache, v_cache, layer)
   b, heads, d = q.shape
   _, cb, slots, kv_heads, cd = k_cache.shape
   if cb != b or cd != d or heads % kv_heads:
@@ -198,15 +191,35 @@ def _check(q, k_cache, v_cache, mask, layer, sinks):
     raise ValueError(f"mask.shape={tuple(mask.shape)}: want [batch, slots] = ({b}, {slots})")
   if sinks is not None and tuple(jnp.shape(sinks)) != (heads,):
     raise ValueError(f"sinks of shape {tuple(jnp.shape(sinks))}: want [heads] = ({heads},)")
-  layers = k_cache.shape[0]
+  return k_cache, v_cache, layer_array(layer, k_cache.shape[0])
+
+
+def stacked_caches(k_cache, v_cache, layer):
+  """``(k_cache, v_cache, layer)`` of a cache call's arguments, 4-D caches (``layer``
+  None) as one layer of a stacked cache (layer 0); ValueError where the caches' rank does
+  not match ``layer``."""
+  want = 4 if layer is None else 5
+  if k_cache.ndim != want:
+    raise ValueError(
+        f"k_cache.shape={tuple(k_cache.shape)} with layer={layer!r}: want "
+        + ("[batch, slots, kv_heads, head_dim] (pass layer= for a stacked cache)"
+           if layer is None else "[layers, batch, slots, kv_heads, head_dim]"))
+  if layer is None:
+    return k_cache[None], v_cache[None], 0
+  return k_cache, v_cache, layer
+
+
+def layer_array(layer, layers: int):
+  """``layer`` of a stacked cache of ``layers`` as a ``[1]`` int32 array: an int checked
+  and taken modulo ``layers``, a scalar integer array (maybe traced) as it is."""
   if isinstance(layer, (int, np.integer)):
     if not -layers <= int(layer) < layers:
       raise ValueError(f"layer={int(layer)} is outside a cache of {layers} layers")
-    return k_cache, v_cache, np.asarray([int(layer) % layers], np.int32)
+    return np.asarray([int(layer) % layers], np.int32)
   if jnp.shape(layer) != () or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
     raise ValueError(f"layer of shape {jnp.shape(layer)} and dtype "
                      f"{jnp.result_type(layer)}: want an int or a scalar integer array")
-  return k_cache, v_cache, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+  return jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
 
 
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.Array, *,

@@ -137,33 +137,48 @@ def _xla_layouts(name: str, w: Any) -> Any:
 class _Steps(NamedTuple):
   """The jitted programs a run calls, with the params bound, and the empty KV cache."""
   prefill: Any  # (tokens, cache) -> (logits, cache), a prompt from position 0
-  next_token: Any  # (token, pos, cache, key, *, temperature, top_p) -> (token, pos, cache, key)
+  # (token, pos, cache, key, count, stop_ids, *, max_steps, temperature, top_p) ->
+  # (tokens [max_steps, 1], steps, token, pos, cache, key): llama.decode_loop's contract
+  next_tokens: Any
   extend: Any  # (tokens, start, cache) -> (logits, cache), more tokens after the cache's
   cache: Any
 
 
+# Decode steps per call of the model's decode loop (one read back per call): a reply
+# streams in bursts of up to this many tokens.
+DECODE_CHUNK = 16
+
+
 def _model_steps(devices: int, params: dict, cfg: Any, max_len: int) -> _Steps:
-  """The :class:`_Steps` on one device (``next_token``:
-  :func:`flax_layers.llama.decode_and_sample`, one jitted program per token;
+  """The :class:`_Steps` on one device (``next_tokens``:
+  :func:`flax_layers.llama.decode_tokens`, up to :data:`DECODE_CHUNK` tokens a call;
   ``extend``: :func:`flax_layers.llama.extend`), or tensor-parallel over the first
   ``devices`` devices (flax_layers.tensor_parallel: heads and MLP split, KV cache split
-  along its heads)."""
+  along its heads; ``next_tokens``: :func:`flax_layers.llama.decode_loop` over
+  ``tp_decode_step``, jitted)."""
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from flax_layers import llama  # pylint: disable=g-import-not-at-top
 
   if devices == 1:
     return _Steps(functools.partial(llama.prefill, params, cfg=cfg),
-                  functools.partial(llama.decode_and_sample, params, cfg=cfg),
+                  functools.partial(llama.decode_tokens, params, cfg=cfg),
                   functools.partial(llama.extend, params, cfg=cfg),
                   llama.init_cache(cfg, 1, max_len))
   from flax_layers import tensor_parallel as tp  # pylint: disable=g-import-not-at-top
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("tp",))
   sharded = tp.shard_llama_params(params, mesh, cfg)
+  decode = functools.partial(tp.tp_decode_step, sharded, cfg=cfg, mesh=mesh)
+
+  @functools.partial(jax.jit, static_argnames=("max_steps", "temperature", "top_p"),
+                     donate_argnames=("cache",))
+  def tp_next_tokens(token, pos, cache, key, count, stop_ids, *, max_steps, temperature,
+                     top_p):
+    return llama.decode_loop(decode, token, pos, cache, key, count, stop_ids,
+                             max_steps=max_steps, temperature=temperature, top_p=top_p)
+
   return _Steps(functools.partial(tp.tp_prefill, sharded, cfg=cfg, mesh=mesh),
-                functools.partial(llama.next_token_step,
-                                  functools.partial(tp.tp_decode_step, sharded, cfg=cfg,
-                                                    mesh=mesh)),
+                tp_next_tokens,
                 functools.partial(tp.tp_extend, sharded, cfg=cfg, mesh=mesh),
                 tp.init_tp_cache(cfg, 1, max_len, mesh))
 
@@ -488,7 +503,7 @@ def _run_once(args, params, plan: _Plan, impl_name: str) -> None:
 
   cfg, tok, prompt_ids, max_len, bucket = plan
   n = len(prompt_ids)
-  prefill, next_token, _, cache = _model_steps(args.devices, params, cfg, max_len)
+  prefill, next_tokens, _, cache = _model_steps(args.devices, params, cfg, max_len)
   tokens = jnp.asarray([prompt_ids + [0] * (bucket - n)], jnp.int32)
   key = jax.random.key(args.seed)
 
@@ -496,7 +511,7 @@ def _run_once(args, params, plan: _Plan, impl_name: str) -> None:
   logits, cache = prefill(tokens, cache)
   next_id, key = _first_token(logits[:, n - 1], key, args, n - 1)
   t_prefill = time.perf_counter() - t_prefill
-  reply = _decode_reply(next_token, next_id, n, cache, key, args, tok)
+  reply = _decode_reply(next_tokens, next_id, n, cache, key, args, tok)
   if args.json:
     print(json.dumps({"prompt_ids": prompt_ids, "generated_ids": reply.ids,
                       "text": reply.text}, ensure_ascii=False))
@@ -511,19 +526,21 @@ class _Reply(NamedTuple):
   text: str  # their text, special tokens skipped
   cache: Any
   key: Any
-  rate: str  # "X tokens/s" of the decode steps after the first (compilation), or "n/a"
+  rate: str  # "X tokens/s" of the decode calls after the first (compilation), or "n/a"
 
 
-def _decode_reply(next_token, first_id: int | None, n: int, cache, key, args, tok) -> _Reply:
+def _decode_reply(next_tokens, first_id: int | None, n: int, cache, key, args, tok) -> _Reply:
   """Decodes from ``first_id`` (sampled from the logits at position ``n - 1``) until a
   stop token or --max-new-tokens, streaming the text to stdout (not with --json) and
-  ending it with a newline. ``next_token``: ``(token, pos, cache, key, *, temperature,
-  top_p) -> (token, pos, cache, key)``."""
+  ending it with a newline. ``next_tokens``: :class:`_Steps`' (up to
+  :data:`DECODE_CHUNK` decode steps a call, ending at a stop token on the device: the
+  same tokens, cache and key as one step a call)."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
 
   generated: list[int] = []
   printed = ""
-  t_decode, decode_steps = 0.0, 0
+  t_decode, timed = 0.0, 0
 
   def stream():
     nonlocal printed
@@ -537,23 +554,31 @@ def _decode_reply(next_token, first_id: int | None, n: int, cache, key, args, to
       sys.stdout.flush()
     printed = out
 
-  # The token and its position stay on the device between steps; one int comes back.
-  next_id = first_id
-  token = jnp.asarray([next_id if next_id is not None else 0], jnp.int32)
+  # The token and its position stay on the device between calls; the new ids come back.
+  token = jnp.asarray([first_id if first_id is not None else 0], jnp.int32)
   pos = jnp.asarray([n], jnp.int32)
-  while next_id is not None:
-    generated.append(next_id)
-    stream()
-    if next_id in tok.stop_ids or len(generated) >= args.max_new_tokens:
-      break
-    t0 = time.perf_counter()
-    token, pos, cache, key = next_token(token, pos, cache, key, temperature=args.temperature,
-                                        top_p=args.top_p)
-    next_id = _checked(int(token[0]), n + len(generated) - 1)
-    dt = time.perf_counter() - t0
-    if decode_steps:  # the first step includes compilation
-      t_decode += dt
-    decode_steps += 1
+  stop_ids = jnp.asarray(sorted(tok.stop_ids) or [-2], jnp.int32)  # -2: never sampled
+  pending = [] if first_id is None else [first_id]
+  calls = 0
+  while pending:
+    for next_id in pending:
+      generated.append(_checked(next_id, n + len(generated) - 1))
+      stream()
+      if next_id in tok.stop_ids or len(generated) >= args.max_new_tokens:
+        pending = []
+        break
+    else:
+      count = min(DECODE_CHUNK, args.max_new_tokens - len(generated))
+      t0 = time.perf_counter()
+      tokens, _, token, pos, cache, key = next_tokens(
+          token, pos, cache, key, jnp.int32(count), stop_ids, max_steps=DECODE_CHUNK,
+          temperature=args.temperature, top_p=args.top_p)
+      ids = np.asarray(tokens[:, 0]).tolist()
+      pending = ids[:ids.index(-2)] if -2 in ids else ids  # -2: steps not run
+      if calls:  # the first call includes compilation
+        t_decode += time.perf_counter() - t0
+        timed += len(pending)
+      calls += 1
 
   text_out = tok.decode(generated, skip_special=True)
   if not args.json:
@@ -561,7 +586,6 @@ def _decode_reply(next_token, first_id: int | None, n: int, cache, key, args, to
       sys.stdout.write(text_out[len(printed):])
     sys.stdout.write("\n")
     sys.stdout.flush()
-  timed = decode_steps - 1
   rate = f"{timed / t_decode:.1f} tokens/s" if timed > 0 and t_decode > 0 else "n/a"
   return _Reply(generated, text_out, cache, key, rate)
 
@@ -591,7 +615,7 @@ def _run_chat(args, params, plan: _Plan, impl_name: str) -> None:
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
   cfg, tok, _, max_len, _ = plan
-  _, step, extend, cache = _model_steps(args.devices, params, cfg, max_len)
+  _, next_tokens, extend, cache = _model_steps(args.devices, params, cfg, max_len)
   key = jax.random.key(args.seed)
   across = f", tensor-parallel over {args.devices} devices" if args.devices > 1 else ""
   messages: list[dict[str, str]] = []
@@ -611,7 +635,7 @@ def _run_chat(args, params, plan: _Plan, impl_name: str) -> None:
                            jnp.asarray([start], jnp.int32), cache)
     first_id, key = _first_token(logits[:, len(new) - 1], key, args, len(ids) - 1)
     t_extend = time.perf_counter() - t0
-    reply = _decode_reply(step, first_id, len(ids), cache, key, args, tok)
+    reply = _decode_reply(next_tokens, first_id, len(ids), cache, key, args, tok)
     cache, key = reply.cache, reply.key
     if args.json:
       print(json.dumps({"turn": turn, "prompt_ids": ids, "run_from": start,

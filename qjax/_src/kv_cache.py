@@ -17,7 +17,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from qjax._src import attention
 
@@ -43,16 +42,9 @@ def _check(k_cache, v_cache, k, v, positions, layer):
   if tuple(k_cache.shape) != tuple(v_cache.shape) or k_cache.dtype != v_cache.dtype:
     raise ValueError(f"k_cache {tuple(k_cache.shape)} {k_cache.dtype} and v_cache "
                      f"{tuple(v_cache.shape)} {v_cache.dtype} must have one shape and dtype")
-  want = 4 if layer is None else 5
-  if k_cache.ndim != want:
-    raise ValueError(
-        f"k_cache.shape={tuple(k_cache.shape)} with layer={layer!r}: want "
-        + ("[batch, slots, kv_heads, head_dim] (pass layer= for a stacked cache)"
-           if layer is None else "[layers, batch, slots, kv_heads, head_dim]"))
   stacked = layer is not None
-  if not stacked:
-    k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
-  layers, b, _, kv_heads, d = k_cache.shape
+  k_cache, v_cache, layer = attention.stacked_caches(k_cache, v_cache, layer)
+  _, b, _, kv_heads, d = k_cache.shape
   if tuple(k.shape) != tuple(v.shape) or k.ndim != 4 or (k.shape[0], *k.shape[2:]) != (
       b, kv_heads, d):
     raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} do not fit a cache of "
@@ -63,14 +55,7 @@ def _check(k_cache, v_cache, k, v, positions, layer):
       jnp.result_type(positions), jnp.integer):
     raise ValueError(f"positions of shape {tuple(jnp.shape(positions))} and dtype "
                      f"{jnp.result_type(positions)}: want [batch, seq] = ({b}, {t}) integers")
-  if isinstance(layer, (int, np.integer)):
-    if not -layers <= int(layer) < layers:
-      raise ValueError(f"layer={int(layer)} is outside a cache of {layers} layers")
-    return k_cache, v_cache, np.asarray([int(layer) % layers], np.int32), stacked
-  if jnp.shape(layer) != () or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
-    raise ValueError(f"layer of shape {jnp.shape(layer)} and dtype "
-                     f"{jnp.result_type(layer)}: want an int or a scalar integer array")
-  return k_cache, v_cache, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), stacked
+  return k_cache, v_cache, attention.layer_array(layer, k_cache.shape[0]), stacked
 
 
 def write_kv_cache(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
