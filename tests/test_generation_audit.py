@@ -486,6 +486,31 @@ def test_generate_reports_nan_logits(monkeypatch):
 
 
 @needs_model
+def test_nan_logits_in_a_decode_call_stop_at_that_token(monkeypatch, capsys):
+  """A -1 (NaN logits) in the middle of a decode call's tokens: the tokens before it are
+  streamed, and the error names the position whose logits were NaN (the third decode
+  step's: prompt length + 2), as one call per token did."""
+  real = generate._model_steps  # pylint: disable=protected-access
+
+  def patched(devices, params, cfg, max_len):
+    steps = real(devices, params, cfg, max_len)
+
+    def next_tokens(*args, **kw):
+      tokens, *rest = steps.next_tokens(*args, **kw)
+      return (tokens.at[2].set(-1), *rest)
+
+    return steps._replace(next_tokens=next_tokens)
+
+  monkeypatch.setattr(generate, "_model_steps", patched)
+  rc, out, err = _cli(["generate", "--max-new-tokens", "10", "--temperature", "0"])
+  assert rc == 2, (out, err)
+  n = 5  # the default prompt's ids (its last at position 4, as the test above shows)
+  assert err.strip().endswith(f"the model's logits at position {n + 2} are NaN; try --dtype "
+                              "float32, or check the file's weights"), err
+  assert out.startswith(" Paris"), out  # the first three tokens streamed before the error
+
+
+@needs_model
 def test_generate_with_a_context_that_is_not_a_power_of_two(monkeypatch):
   """A 20-token prompt buckets to 32 tokens, longer than a 22-token context: the bucket is
   capped at the cache (which prefill now requires) and the result equals a long context's."""
