@@ -968,8 +968,9 @@ def apply_rope(x: jax.Array, positions: jax.Array, base: float, rope_dim: int, *
 def attention_implementation(implementation: str | None, op: str = "decode") -> str | None:
   """The implementation of the attention operation ``op`` ("decode":
   :func:`qjax.decode_attention`, "causal": :func:`qjax.causal_attention`, "write":
-  :func:`qjax.write_kv_cache`) for the layers' ``implementation``: "pallas" / "interpret" run XLA where no kernel of ``op`` is
-  registered (as :func:`matmul` does for a format without one)."""
+  :func:`qjax.write_kv_cache`) for the layers' ``implementation``: "pallas" /
+  "interpret" run XLA where no kernel of ``op`` is registered (as :func:`matmul` does for
+  a format without one)."""
   if implementation in ("pallas", "interpret") and not attention.kernels(op):
     return "xla"
   return implementation

@@ -29,8 +29,8 @@ from pallas_kernels import common
 
 def _kernel(kv_ref, pos_ref, layer_ref, kc_in, vc_in, kc_out, vc_out, *, width: int):
   """One token's row. Refs: kv ``[b, t, 2 * wp]`` (keys at ``[0, width)``, values at
-  ``[wp, wp + width)``, ``wp`` the power of two >= width); positions ``[b, t]`` int32; layer ``[1]`` int32; caches (in and out: one buffer) ``[layers, b, slots,
-  width]``."""
+  ``[wp, wp + width)``, ``wp`` the power of two >= width); positions ``[b, t]`` int32;
+  layer ``[1]`` int32; caches (in and out: one buffer) ``[layers, b, slots, width]``."""
   del kc_in, vc_in  # the outputs' buffers
   bi, ti = pl.program_id(0), pl.program_id(1)
   layers, _, slots, _ = kc_out.shape
