@@ -56,17 +56,17 @@ class AttentionBackend:
 
 
 # The registered kernels of each attention operation: "decode" (:func:`decode_attention`),
-# "causal" (:func:`qjax.causal_attention`)
-# and "write" (:func:`qjax.write_kv_cache`, the keys and values written into a cache).
+# "causal" (:func:`qjax.causal_attention`) and "write" (:func:`qjax.write_kv_cache`, the
+# new keys and values written into a cache).
 _KERNELS: dict[str, list[AttentionBackend]] = {"decode": [], "causal": [], "write": []}
 
 
 def register(op: str, backend: AttentionBackend) -> None:
   """Registers ``backend`` for the attention operation ``op`` ("decode", "causal" or
-  "write"): the
-  first registered is the default of "pallas" / "interpret", a later registration of a
-  name replaces that backend. The jitted model steps (``flax_layers.llama.decode_step``
-  ...) trace again on their next call, as after any registration."""
+  "write"): the first registered is the default of "pallas" / "interpret", a later
+  registration of a name replaces that backend. The jitted model steps
+  (``flax_layers.llama.decode_step`` ...) trace again on their next call, as after any
+  registration."""
   _KERNELS[op] = dispatch.replaced_in_place(_KERNELS[op], backend)
   autodiff.registry_changed()
 
