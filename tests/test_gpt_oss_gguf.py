@@ -440,8 +440,8 @@ def test_pallas_prefill_matches_the_reference_on_gpu(model):
 def test_xla_runs_take_dense_mxfp4_weights_as_mxfp4weight_once(tmp_path):
   """Without kernels (``--implementation xla``, or auto on a CPU), generate's load gives a
   dense GGUF MXFP4 projection its lossless MXFP4Weight once (GGUF MXFP4's own XLA route
-  would repack it on every call); expert stacks and the other block types stay as the
-  file has them."""
+  would repack it on every call), and on a CPU a dense Q4_0 one its lossless Int4Weight
+  in plain order (faster there); expert stacks and the other block types stay as the file has them."""
   import qjax  # pylint: disable=g-import-not-at-top
   import test_gguf_formats  # pylint: disable=g-import-not-at-top
   from qjax._src import generate  # pylint: disable=g-import-not-at-top
@@ -453,13 +453,22 @@ def test_xla_runs_take_dense_mxfp4_weights_as_mxfp4weight_once(tmp_path):
   test_gguf_formats._write_gguf(path, {
       "mxfp4": (gguf.quants.quantize(dense, QT.MXFP4), "MXFP4"),
       "stack": (gguf.quants.quantize(stack, QT.MXFP4), "MXFP4"),
-      "q4_0": (gguf.quants.quantize(dense, QT.Q4_0), "Q4_0")}, metadata=False)
+      "q4_0": (gguf.quants.quantize(dense, QT.Q4_0), "Q4_0"),
+      "q4_0_stack": (gguf.quants.quantize(stack, QT.Q4_0), "Q4_0"),
+      "q8_0": (gguf.quants.quantize(dense, QT.Q8_0), "Q8_0")}, metadata=False)
   tensors = gguf_io.load_gguf(path, progress=False).tensors
   got = {name: generate._xla_layouts(name, w) for name, w in tensors.items()}
   assert type(got["mxfp4"]) is qjax.MXFP4Weight
   np.testing.assert_array_equal(np.asarray(got["mxfp4"].dequantize(jnp.float32)),
                                 np.asarray(tensors["mxfp4"].dequantize(jnp.float32)))
-  assert got["stack"] is tensors["stack"] and got["q4_0"] is tensors["q4_0"]
+  assert got["stack"] is tensors["stack"] and got["q4_0_stack"] is tensors["q4_0_stack"]
+  assert got["q8_0"] is tensors["q8_0"]
+  if jax.default_backend() == "cpu":
+    assert type(got["q4_0"]) is qjax.Int4Weight and got["q4_0"].tile_k == 8
+    np.testing.assert_array_equal(np.asarray(got["q4_0"].dequantize(jnp.float32)),
+                                  np.asarray(tensors["q4_0"].dequantize(jnp.float32)))
+  else:
+    assert got["q4_0"] is tensors["q4_0"]
   x = jnp.asarray(rng.standard_normal((2, k)), jnp.float32)
   y_gguf = qjax.matmul(x, tensors["mxfp4"], implementation="xla")
   y_once = qjax.matmul(x, got["mxfp4"], implementation="xla")

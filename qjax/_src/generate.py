@@ -123,14 +123,23 @@ def _xla_layouts(name: str, w: Any) -> Any:
   """The ``convert`` of a run without kernels: a dense (2-D) GGUF MXFP4 weight as its
   lossless :class:`qjax.MXFP4Weight` once at load (GGUF MXFP4's own XLA route repacks it
   so on every call: a GPT-OSS-20B-shaped model with MXFP4 projections decoded at 0.63x
-  bf16 on the H100 that way, BENCHMARKS.md, session 34); every other weight as the file
-  has it (Q4_0 / Q4_1 blocks are faster on XLA than their Int4Weight, session 30), expert
-  stacks too (their XLA route reads the selected experts' blocks as stored)."""
+  bf16 on the H100 that way, BENCHMARKS.md, session 34); on a CPU also dense Q4_0 / Q4_1
+  weights as their lossless :class:`qjax.Int4Weight` in plain order (SmolLM2's 576x1536
+  Q4_1 matmul 0.38 instead of 1.17 ms on 2 cores, session 40; on the H100 the blocks were
+  the faster, session 30); every other weight as the file has it, expert stacks too
+  (their XLA route reads the selected experts' blocks as stored)."""
   del name
+  import jax  # pylint: disable=g-import-not-at-top
   from qjax._src import gguf_formats  # pylint: disable=g-import-not-at-top
   from qjax._src import gguf_tiled  # pylint: disable=g-import-not-at-top
-  if isinstance(w, gguf_formats.GGUFMXFP4) and not w.leading_axes:
+  if isinstance(w, gguf_formats.GGUFBlockWeight) and w.leading_axes:
+    return w
+  if isinstance(w, gguf_formats.GGUFMXFP4):
     return gguf_tiled.kernel_layout(w)
+  if (isinstance(w, (gguf_formats.GGUFQ4_0, gguf_formats.GGUFQ4_1))
+      and jax.default_backend() == "cpu"):
+    # Plain order (tile_k 8): XLA's fastest here, and a row split needs whole 8-row tiles.
+    return w.to_int4().repack(8)
   return w
 
 
