@@ -175,16 +175,16 @@ def pallas_operand_shapes(jaxpr) -> list[list[tuple[int, ...]]]:
   return found
 
 
-def small_llama(rng, scan_layers: bool = True, **options):
+def small_llama(rng, scan_layers: bool = True):
   """A random 3-layer INT4 Llama (4 / 2 heads of 16) whose first and last layers slide
-  over 5 keys, with sink logits: (cfg, params); ``options`` go to its LlamaConfig."""
+  over 5 keys, with sink logits: (cfg, params)."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import qjax  # pylint: disable=g-import-not-at-top
   from flax_layers import llama  # pylint: disable=g-import-not-at-top
   cfg = llama.LlamaConfig(vocab_size=64, hidden_size=64, num_layers=3, num_heads=4,
                           num_kv_heads=2, head_dim=16, ffn_size=96, sliding_window=5,
                           sliding_layers=(True, False, True), attn_sinks=True,
-                          scan_layers=scan_layers, dtype=jnp.float32, **options)
+                          scan_layers=scan_layers, dtype=jnp.float32)
 
   def q(k, n):
     return qjax.quantize(jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.float32),
@@ -206,3 +206,18 @@ def small_llama(rng, scan_layers: bool = True, **options):
   else:
     params.update({f"layers_{i}": layer for i, layer in enumerate(layers)})
   return cfg, {"params": params}
+
+
+def random_cache(cfg, rng, batch: int, slots: int) -> dict:
+  """A Llama KV cache of ``cfg`` holding random values (never zeros: a slot written by
+  mistake shows), as numpy arrays: the model steps donate the cache they are given, so
+  each call gets its own copy (:func:`on_device`)."""
+  from flax_layers import llama  # pylint: disable=g-import-not-at-top
+  return {n: np.asarray(rng.standard_normal(c.shape)).astype(c.dtype)
+          for n, c in llama.init_cache(cfg, batch, slots).items()}
+
+
+def on_device(cache: dict) -> dict:
+  """A fresh device copy of a :func:`random_cache`."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  return {n: jnp.asarray(c) for n, c in cache.items()}

@@ -9,23 +9,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import seed_from, small_llama
+from conftest import on_device, random_cache, seed_from, small_llama
 from flax_layers import llama
 
 
 def _state(cfg, rng, first=5, pos=3, slots=24):
-  cache = {n: np.asarray(rng.standard_normal(c.shape)).astype(c.dtype)
-           for n, c in llama.init_cache(cfg, 1, slots).items()}
-  return jnp.array([first]), jnp.array([pos]), cache, jax.random.key(7)
-
-
-def _device(cache):
-  return {n: jnp.asarray(c) for n, c in cache.items()}
+  return jnp.array([first]), jnp.array([pos]), random_cache(cfg, rng, 1, slots), jax.random.key(7)
 
 
 def _one_call_per_token(params, cfg, token, pos, cache, key, count, stop, **kw):
   """The reference: decode_and_sample per token, stopping after a stop token or -1."""
-  ids, cache = [], _device(cache)
+  ids, cache = [], on_device(cache)
   for _ in range(count):
     token, pos, cache, key = llama.decode_and_sample(params, token, pos, cache, key, cfg=cfg,
                                                      **kw)
@@ -45,7 +39,7 @@ def test_equals_one_call_per_token(request, temperature, count):
   want, wtoken, wpos, wcache, wkey = _one_call_per_token(params, cfg, token, pos, cache, key,
                                                          count, (), **kw)
   tokens, steps, gtoken, gpos, gcache, gkey = llama.decode_tokens(
-      params, token, pos, _device(cache), key, jnp.int32(count), jnp.array([-2]), cfg=cfg,
+      params, token, pos, on_device(cache), key, jnp.int32(count), jnp.array([-2]), cfg=cfg,
       max_steps=8, **kw)
   assert int(steps) == count == len(want)
   assert np.asarray(tokens[:, 0]).tolist() == want + [-2] * (8 - count)
@@ -67,14 +61,14 @@ def test_stops_at_a_stop_token_and_at_nan(request):
   stop = free[2]  # the third token ends it
   want, *_, wkey = _one_call_per_token(params, cfg, token, pos, cache, key, 6, (stop,))
   tokens, steps, *_, gkey = llama.decode_tokens(
-      params, token, pos, _device(cache), key, jnp.int32(6), jnp.array([stop, 99]), cfg=cfg,
+      params, token, pos, on_device(cache), key, jnp.int32(6), jnp.array([stop, 99]), cfg=cfg,
       max_steps=8)
   assert int(steps) == len(want) == free.index(stop) + 1
   assert np.asarray(tokens[:len(want), 0]).tolist() == want
   np.testing.assert_array_equal(jax.random.key_data(gkey), jax.random.key_data(wkey))
   # steps at positions 21 .. 23 are in a 24-slot cache, 24 is not: NaN logits, -1 ends it
   tokens, steps, *_ = llama.decode_tokens(
-      params, token, jnp.array([21]), _device(cache), key, jnp.int32(6), jnp.array([-2]),
+      params, token, jnp.array([21]), on_device(cache), key, jnp.int32(6), jnp.array([-2]),
       cfg=cfg, max_steps=8)
   ids = np.asarray(tokens[:, 0]).tolist()
   assert int(steps) == 4 and ids[3] == -1 and min(ids[:3]) >= 0 and ids[4:] == [-2] * 4

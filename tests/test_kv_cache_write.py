@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import qjax
-from conftest import needs_gpu, seed_from, small_llama
+from conftest import needs_gpu, on_device, random_cache, seed_from, small_llama
 from flax_layers import llama
 from pallas_kernels import kv_cache_write as kernel
 
@@ -143,28 +143,17 @@ def test_implementation_name():
   assert name(jnp.bfloat16, "xla") == "xla"
 
 
-def _random_cache(cfg, rng, batch, slots):
-  """A cache of random values (never zeros: a slot written by mistake shows), as numpy
-  arrays: the model steps donate the cache they are given, so each call gets a copy."""
-  return {n: np.asarray(rng.standard_normal(c.shape)).astype(c.dtype)
-          for n, c in llama.init_cache(cfg, batch, slots).items()}
-
-
-def _device(cache):
-  return {n: jnp.asarray(c) for n, c in cache.items()}
-
-
 def test_llama_decode_at_a_position_outside_writes_nothing(request):
   """A decode step at a position outside the cache leaves every slot as it was (the
   scatter used to wrap -1 onto the last slot) and gives NaN logits."""
   rng = np.random.default_rng(seed_from(request.node.name))
   cfg, params = small_llama(rng)
-  cache = _random_cache(cfg, rng, 1, 8)
+  cache = random_cache(cfg, rng, 1, 8)
   for impl in ("xla", "interpret"):
     c = dataclasses.replace(cfg, implementation=impl)
     for pos in (-1, 8):
       logits, new = llama.decode_step(params, jnp.array([5]), jnp.array([pos]),
-                                      _device(cache), cfg=c)
+                                      on_device(cache), cfg=c)
       assert np.isnan(np.asarray(logits)).all()
       for n in ("k", "v"):
         _same(new[n], cache[n])
@@ -175,11 +164,11 @@ def test_llama_decode_writes_its_slot(request):
   interpret mode and XLA alike); every other slot keeps its bits, and the logits agree."""
   rng = np.random.default_rng(seed_from(request.node.name))
   cfg, params = small_llama(rng)
-  cache = _random_cache(cfg, rng, 2, 12)
+  cache = random_cache(cfg, rng, 2, 12)
   pos = jnp.array([2, 11])
   # float32 dots at float32 accuracy (a GPU's default is TF32).
   with jax.default_matmul_precision("highest"):
-    outs = {impl: llama.decode_step(params, jnp.array([5, 7]), pos, _device(cache),
+    outs = {impl: llama.decode_step(params, jnp.array([5, 7]), pos, on_device(cache),
                                     cfg=dataclasses.replace(cfg, implementation=impl))
             for impl in ("xla", "interpret")}
   (lx, cx), (li, ci) = outs["xla"], outs["interpret"]
