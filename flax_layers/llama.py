@@ -212,6 +212,13 @@ class LlamaConfig:
     ffn_norm_name: the GGUF name of the FFN's pre-norm (param ``ffn_norm``): "ffn_norm",
       or GPT-OSS's "post_attention_norm" (llama.cpp's ``attn_post_norm``, the norm after
       the attention's residual add, before the MoE).
+    defer_norm: the RMSNorms before q / k / v, gate / up and the head hand their matmul
+      ``x * scale`` and multiply its output rows by ``1 / rms(x)`` (the same product up to
+      rounding, :class:`RMSNorm`'s ``deferred``): on a GPU XLA then computes the norm's
+      two parts in one kernel with the residual add, where the normalized ``x`` took a
+      kernel of its own before each matmul. Applies only where ``dtype`` is bfloat16 or
+      float32 (float16's range could overflow on the unnormalized rows); False: the
+      normalized ``x`` into the matmul, as llama.cpp orders it.
   """
   vocab_size: int
   hidden_size: int
@@ -241,6 +248,7 @@ class LlamaConfig:
   moe_bias: bool = False
   expert_activation: str = "swiglu"
   ffn_norm_name: str = "ffn_norm"
+  defer_norm: bool = True
 
   def __post_init__(self):
     sizes = {k: getattr(self, k) for k in ("vocab_size", "hidden_size", "num_layers",
@@ -296,6 +304,13 @@ class LlamaConfig:
     if not (isinstance(f, (int, np.integer)) and f >= 1):
       raise ValueError(f"expert_ffn_size={f!r} must be a positive int")
     object.__setattr__(self, "expert_ffn_size", int(f))
+
+  @property
+  def norm_deferred(self) -> bool:
+    """Whether the pre-matmul RMSNorms run deferred (``defer_norm``, and ``dtype``
+    bfloat16 or float32)."""
+    return self.defer_norm and jnp.dtype(self.dtype) in (jnp.dtype(jnp.bfloat16),
+                                                          jnp.dtype(jnp.float32))
 
   @property
   def moe(self) -> bool:
@@ -891,32 +906,53 @@ class QuantizedDense(nn.Module):
   use_bias: bool = False
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
-    """x: ``[..., K]`` -> ``[..., features]`` in x's dtype."""
+  def __call__(self, x: jax.Array, row_scale: jax.Array | None = None) -> jax.Array:
+    """x: ``[..., K]`` -> ``[..., features]`` in x's dtype.
+
+    ``row_scale``: optional ``[..., 1]`` float32 factor of each output row, applied in
+    float32 to the matmul's result before the bias (a deferred :class:`RMSNorm`'s
+    ``1 / rms(x)``).
+    """
     w = _loaded_param(self, "kernel")
     if w.shape[1] != self.features:
       raise ValueError(f"{self.name}: kernel of shape {w.shape} has N={w.shape[1]}, "
                        f"want features={self.features}")
     y = matmul(x, w, self.implementation)
-    if not self.use_bias:
+    if not self.use_bias and row_scale is None:
       return y
-    b = _loaded_param(self, "bias")
-    if tuple(b.shape) != (self.features,):
-      raise ValueError(f"{self.name}: bias of shape {tuple(b.shape)}, want "
-                       f"({self.features},)")
-    return (y.astype(jnp.float32) + b.astype(jnp.float32)).astype(x.dtype)
+    y = y.astype(jnp.float32)
+    if row_scale is not None:
+      y = y * row_scale
+    if self.use_bias:
+      b = _loaded_param(self, "bias")
+      if tuple(b.shape) != (self.features,):
+        raise ValueError(f"{self.name}: bias of shape {tuple(b.shape)}, want "
+                         f"({self.features},)")
+      y = y + b.astype(jnp.float32)
+    return y.astype(x.dtype)
 
 
 class RMSNorm(nn.Module):
-  """``x / rms(x) * scale`` computed in float32 (param "scale": ``[hidden]``)."""
+  """``x / rms(x) * scale`` computed in float32 (param "scale": ``[hidden]``).
+
+  With ``deferred`` it returns the two factors for a matmul to apply apart, ``(x *
+  scale`` in x's dtype, ``1 / rms(x)`` ``[..., 1]`` float32``)``: ``(x * scale) @ W``
+  with its rows times ``1 / rms(x)`` is the normalized product up to rounding. Both parts
+  read only ``x``, so XLA computes them in one kernel (with the residual add that makes
+  ``x``), and the row factor joins the kernel that reads the matmul's output: the
+  normalized ``x`` no longer takes a kernel of its own.
+  """
   eps: float
+  deferred: bool = False
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array) -> jax.Array | tuple[jax.Array, jax.Array]:
     scale = _loaded_param(self, "scale")
     xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+    inv_rms = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    if self.deferred:
+      return (xf * scale.astype(jnp.float32)).astype(x.dtype), inv_rms
+    return (xf * inv_rms * scale.astype(jnp.float32)).astype(x.dtype)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, base: float, rope_dim: int, *,
@@ -998,7 +1034,7 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x, positions, mask, k_cache, v_cache, layer, rope_freqs=None,
-               window=None):
+               window=None, row_scale=None):
     """One layer's attention, on the whole model's cache.
 
     Args:
@@ -1015,6 +1051,8 @@ class Attention(nn.Module):
         none; an int or a scalar int32 array, e.g. chosen inside the scan over layers),
         which ``mask`` holds too: a kernel of :func:`qjax.causal_attention` computes the
         mask itself.
+      row_scale: optional ``[batch, seq, 1]`` float32 factor of q / k / v's rows (a
+        deferred :class:`RMSNorm`'s ``1 / rms``), applied after their matmuls.
 
     Returns:
       ``([batch, seq, hidden], k_cache, v_cache)``.
@@ -1025,9 +1063,11 @@ class Attention(nn.Module):
     qkv = functools.partial(dense, use_bias=c.qkv_bias)
     nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     if self.has_variable("params", FUSED["attn"][0]):  # fuse_projections' one weight
-      q, k, v = jnp.split(qkv(nq + 2 * nkv, name=FUSED["attn"][0])(x), [nq, nq + nkv], -1)
+      q, k, v = jnp.split(qkv(nq + 2 * nkv, name=FUSED["attn"][0])(x, row_scale),
+                          [nq, nq + nkv], -1)
     else:
-      q, k, v = (qkv(nq, name="q")(x), qkv(nkv, name="k")(x), qkv(nkv, name="v")(x))
+      q, k, v = (qkv(nq, name="q")(x, row_scale), qkv(nkv, name="k")(x, row_scale),
+                 qkv(nkv, name="v")(x, row_scale))
     q = q.reshape(b, t, c.num_heads, c.head_dim)
     k = k.reshape(b, t, c.num_kv_heads, c.head_dim)
     v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
@@ -1074,14 +1114,17 @@ class MLP(nn.Module):
   cfg: LlamaConfig
 
   @nn.compact
-  def __call__(self, x):
-    """x: ``[batch, seq, hidden]`` -> ``[batch, seq, hidden]``."""
+  def __call__(self, x, row_scale=None):
+    """x: ``[batch, seq, hidden]`` -> ``[batch, seq, hidden]``; ``row_scale``: optional
+    ``[batch, seq, 1]`` float32 factor of gate / up's rows (a deferred :class:`RMSNorm`'s
+    ``1 / rms``)."""
     c = self.cfg
     dense = functools.partial(QuantizedDense, implementation=c.implementation)
     if self.has_variable("params", FUSED["mlp"][0]):  # fuse_projections' one weight
-      gate, up = jnp.split(dense(2 * c.ffn_size, name=FUSED["mlp"][0])(x), 2, -1)
+      gate, up = jnp.split(dense(2 * c.ffn_size, name=FUSED["mlp"][0])(x, row_scale), 2, -1)
     else:
-      gate, up = dense(c.ffn_size, name="gate")(x), dense(c.ffn_size, name="up")(x)
+      gate, up = (dense(c.ffn_size, name="gate")(x, row_scale),
+                  dense(c.ffn_size, name="up")(x, row_scale))
     h = jax.nn.silu(gate) * up
     return dense(c.hidden_size, name="down")(h)
 
@@ -1192,6 +1235,12 @@ class MoE(nn.Module):
     return out.astype(x.dtype).reshape(b, t, d)
 
 
+def _as_tuple(value: Any) -> tuple:
+  """A deferred :class:`RMSNorm`'s ``(x * scale, 1 / rms)`` as it is, an array as
+  ``(array,)``."""
+  return value if isinstance(value, tuple) else (value,)
+
+
 class Block(nn.Module):
   """A pre-norm decoder layer (the scan body over layers, or one unrolled layer); its FFN
   is :class:`MLP` (``mlp``), or :class:`MoE` (``moe``) where ``cfg.num_experts`` > 0;
@@ -1220,13 +1269,17 @@ class Block(nn.Module):
         window = self.cfg.sliding_window if slides[0] else None
       else:  # the scan's flag: no window is one as long as int32 allows
         window = jnp.where(slides[0], self.cfg.sliding_window, np.iinfo(np.int32).max)
-    h, k_cache, v_cache = Attention(self.cfg, self.fresh_prompt, self.contiguous,
-                                    name="attn")(
-        RMSNorm(self.cfg.rms_eps, name="attn_norm")(x), positions, mask, k_cache, v_cache,
-        layer, rope_freqs, window)
+    c = self.cfg
+    norm = functools.partial(RMSNorm, c.rms_eps, deferred=c.norm_deferred)
+    normed, *inv_rms = _as_tuple(norm(name="attn_norm")(x))
+    h, k_cache, v_cache = Attention(c, self.fresh_prompt, self.contiguous, name="attn")(
+        normed, positions, mask, k_cache, v_cache, layer, rope_freqs, window, *inv_rms)
     x = x + h
-    ffn = MoE(self.cfg, name="moe") if self.cfg.moe else MLP(self.cfg, name="mlp")
-    x = x + ffn(RMSNorm(self.cfg.rms_eps, name="ffn_norm")(x))
+    if c.moe:  # the router and the experts read the normalized x
+      x = x + MoE(c, name="moe")(RMSNorm(c.rms_eps, name="ffn_norm")(x))
+    else:
+      normed, *inv_rms = _as_tuple(norm(name="ffn_norm")(x))
+      x = x + MLP(c, name="mlp")(normed, *inv_rms)
     return (x, k_cache, v_cache), None
 
 
@@ -1302,11 +1355,13 @@ class Llama(nn.Module):
         slides = (c.sliding_layers[i],) if c.sliding_window else ()
         (x, k, v), _ = Block(c, self.fresh_prompt, self.contiguous,
                              name=f"layers_{i}")((x, k, v), (i, *slides), ctx)
-    x = RMSNorm(c.rms_eps, name="final_norm")(x)
+    x, *inv_rms = _as_tuple(RMSNorm(c.rms_eps, c.norm_deferred, name="final_norm")(x))
     head = embed
     if self.has_variable("params", "lm_head"):
       head = self.param("lm_head", _pretrained)
     logits = matmul(x, head, c.implementation).astype(jnp.float32)
+    if inv_rms:
+      logits = logits * inv_rms[0]
     in_cache = (positions >= 0) & (positions < max_len)  # [batch, seq]
     logits = jnp.where(in_cache[..., None], logits, jnp.nan)
     return logits, {"k": k, "v": v}
