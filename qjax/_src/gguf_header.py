@@ -1,12 +1,18 @@
-"""A bounded check of a GGUF file's header, run before the ``gguf`` package parses it.
+"""A bounded parse of a GGUF file's header: its metadata and its tensors' table.
 
 ``gguf.GGUFReader`` trusts the counts in a file: an array that claims 10**12 elements
 past the end of the file makes it loop (and grow lists) once per claimed element, since
 its reads past the end return empty arrays instead of failing. This walker reads the
 same structure with every count and length checked against the bytes left, so a hostile
 file costs at most one pass over its header and raises one ``ValueError`` that says
-what is wrong and where. Files that pass are safe to hand to the ``gguf`` reader: every
-read it will make lies inside the file.
+what is wrong and where.
+
+:func:`parse_gguf_file` also keeps what it reads (the values as
+:mod:`qjax._src.gguf_io` hands them out, the tensors' names, dims, types and offsets),
+and qjax's loaders use it in place of ``gguf.GGUFReader``'s own parse, which builds one
+numpy view per array element: 4.3 s for SmolLM2-135M's 98 MB file (49152 tokens, 48900
+merges) on a 2-core CPU, against 0.5 s for this walk. The ``gguf`` package still names
+the GGML types and their block sizes.
 
 Checked: the magic and version; key-value and tensor counts against the header bytes;
 string lengths, value types, array lengths and nesting; UTF-8 keys and tensor names;
@@ -17,9 +23,13 @@ GGML types; tensor offsets aligned, inside the file, and not overlapping.
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 import struct
+from typing import Any, NamedTuple
+
+import numpy as np
 
 MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -34,6 +44,48 @@ _VALUE_TYPES = {0: ("UINT8", 1), 1: ("INT8", 1), 2: ("UINT16", 2), 3: ("INT16", 
                 8: ("STRING", None), 9: ("ARRAY", None), 10: ("UINT64", 8),
                 11: ("INT64", 8), 12: ("FLOAT64", 8)}
 _STRING, _ARRAY, _UINT32 = 8, 9, 4
+# Scalar value types: id -> struct format (the numpy dtype has the same letter but BOOL).
+_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q",
+                   11: "q", 12: "d"}
+_NUMPY_CODES = {**_SCALAR_FORMATS, 7: "b1"}
+
+
+class TensorInfo(NamedTuple):
+  """One entry of a GGUF file's tensor table.
+
+  Attributes:
+    name: the tensor's name.
+    dims: GGUF's ``ne`` order (``(K, N)`` for a 2-D tensor).
+    type_id: the GGML type (a ``gguf.GGMLQuantizationType`` value).
+    offset: of its data, from :attr:`ParsedHeader.data_start`.
+    n_bytes: of its data.
+  """
+  name: str
+  dims: tuple[int, ...]
+  type_id: int
+  offset: int
+  n_bytes: int
+
+
+@dataclasses.dataclass
+class ParsedHeader:
+  """A GGUF file's header as :func:`parse_gguf_file` read it.
+
+  Attributes:
+    byte_order: "<" (little-endian) or ">" (a file written on a big-endian machine).
+    metadata: key -> value, in the file's order after ``GGUF.version``,
+      ``GGUF.tensor_count`` and ``GGUF.kv_count`` (as ``gguf.GGUFReader.fields`` lists
+      them): strings decoded (UTF-8, invalid bytes replaced), numbers as Python scalars,
+      arrays of strings as lists of str, arrays of numbers as numpy arrays in this
+      machine's byte order, empty arrays as ``[]``, arrays of arrays flattened into one
+      list of their strings or numbers.
+    tensors: the tensor table, in the file's order.
+    data_start: the offset of the data section (aligned).
+  """
+  byte_order: str
+  metadata: dict[str, Any]
+  tensors: list[TensorInfo]
+  data_start: int
 
 
 def _quant_sizes() -> dict[int, tuple[str, int, int]]:
@@ -90,6 +142,24 @@ class _Cursor:
       raise self.fail(f"{what} {raw[:40]!r} is not UTF-8") from None
 
 
+def _array_header(cur: _Cursor, key: str, depth: int) -> tuple[int, int]:
+  """An array's ``(element type, length)``, checked: known type, nesting within
+  :data:`MAX_NESTING`, and the elements' least size within the bytes left."""
+  if depth >= MAX_NESTING:
+    raise cur.fail(f"metadata {key!r} nests arrays deeper than {MAX_NESTING}")
+  itype = cur.uint(4, f"element type of array {key!r}")
+  count = cur.uint(8, f"length of array {key!r}")
+  if itype not in _VALUE_TYPES:
+    raise cur.fail(f"array {key!r} has unknown element type {itype} (known: 0..12)")
+  isize = _VALUE_TYPES[itype][1]
+  min_size = isize if isize is not None else (8 if itype == _STRING else 12)
+  if count * min_size > cur.left():
+    raise cur.fail(f"array {key!r} claims {count} {_VALUE_TYPES[itype][0]} elements "
+                   f"({count * min_size} bytes at least), but the file has {cur.left()} "
+                   f"bytes left at offset {cur.pos}")
+  return itype, count
+
+
 def _skip_value(cur: _Cursor, vtype: int, key: str, depth: int = 0) -> None:
   if vtype not in _VALUE_TYPES:
     raise cur.fail(f"metadata {key!r} has unknown value type {vtype} (known: 0..12)")
@@ -99,23 +169,67 @@ def _skip_value(cur: _Cursor, vtype: int, key: str, depth: int = 0) -> None:
   elif vtype == _STRING:
     cur.string(f"string value of {key!r}")
   else:
-    if depth >= MAX_NESTING:
-      raise cur.fail(f"metadata {key!r} nests arrays deeper than {MAX_NESTING}")
-    itype = cur.uint(4, f"element type of array {key!r}")
-    count = cur.uint(8, f"length of array {key!r}")
-    if itype not in _VALUE_TYPES:
-      raise cur.fail(f"array {key!r} has unknown element type {itype} (known: 0..12)")
+    itype, count = _array_header(cur, key, depth)
     isize = _VALUE_TYPES[itype][1]
-    min_size = isize if isize is not None else (8 if itype == _STRING else 12)
-    if count * min_size > cur.left():
-      raise cur.fail(f"array {key!r} claims {count} {_VALUE_TYPES[itype][0]} elements "
-                     f"({count * min_size} bytes at least), but the file has {cur.left()} "
-                     f"bytes left at offset {cur.pos}")
     if isize is not None:
       cur.skip(count * isize, f"array {key!r}")
     else:
       for _ in range(count):
         _skip_value(cur, itype, key, depth + 1)
+
+
+def _decode(raw: bytes) -> str:
+  return raw.decode("utf-8", errors="replace")
+
+
+def _read_value(cur: _Cursor, vtype: int, key: str) -> Any:
+  """The value at the cursor (see :attr:`ParsedHeader.metadata`), checked as
+  :func:`_skip_value` checks it."""
+  if vtype not in _VALUE_TYPES:
+    raise cur.fail(f"metadata {key!r} has unknown value type {vtype} (known: 0..12)")
+  name, size = _VALUE_TYPES[vtype]
+  if size is not None:
+    cur.need(size, f"metadata {key!r} ({name})")
+    (value,) = struct.unpack_from(cur.order + _SCALAR_FORMATS[vtype], cur.buf, cur.pos)
+    cur.pos += size
+    return value
+  if vtype == _STRING:
+    return _decode(cur.string(f"string value of {key!r}"))
+  itype, count = _array_header(cur, key, 0)
+  if count == 0:
+    return []
+  isize = _VALUE_TYPES[itype][1]
+  if isize is not None:
+    cur.need(count * isize, f"array {key!r}")
+    dtype = np.dtype(cur.order + _NUMPY_CODES[itype])
+    values = np.frombuffer(cur.buf, dtype, count, cur.pos).astype(dtype.newbyteorder("="))
+    cur.pos += count * isize
+    return values
+  if itype == _STRING:
+    return [_decode(cur.string(f"string {i} of array {key!r}")) for i in range(count)]
+  leaves: list[Any] = []
+  leaf_types: set[int] = set()
+  for _ in range(count):
+    _nested_leaves(cur, key, 1, leaves, leaf_types)
+  if len(leaf_types) > 1:
+    raise cur.fail(f"array {key!r} nests arrays of different element types "
+                   f"({', '.join(sorted(_VALUE_TYPES[t][0] for t in leaf_types))}); qjax "
+                   "reads nested arrays of one element type")
+  return leaves
+
+
+def _nested_leaves(cur: _Cursor, key: str, depth: int, leaves: list[Any],
+                   leaf_types: set[int]) -> None:
+  """Appends the strings or numbers of an array inside an array to ``leaves`` (flat)."""
+  itype, count = _array_header(cur, key, depth)
+  if itype == _ARRAY:
+    for _ in range(count):
+      _nested_leaves(cur, key, depth + 1, leaves, leaf_types)
+    return
+  if count:
+    leaf_types.add(itype)
+  for _ in range(count):
+    leaves.append(_read_value(cur, itype, key))
 
 
 def check_gguf_file(path: str | os.PathLike[str]) -> None:
@@ -132,6 +246,22 @@ def check_gguf_file(path: str | os.PathLike[str]) -> None:
     _check(buf, path, size)
 
 
+def parse_gguf_file(path: str | os.PathLike[str]) -> ParsedHeader:
+  """The header of ``path``: its metadata and tensor table, checked as
+  :func:`check_gguf_file` checks them (one ValueError for a malformed file).
+
+  One pass over the header (memory-mapped); the values are copied out of the file.
+  """
+  path = os.fspath(path)
+  size = os.path.getsize(path)
+  parsed = ParsedHeader(byte_order="<", metadata={}, tensors=[], data_start=0)
+  if size < 24:
+    _check(b"", path, size, parsed=parsed)  # raises its error for a short file
+  with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+    _check(buf, path, size, parsed=parsed)
+  return parsed
+
+
 def integer_fields(data: bytes) -> list[tuple[int, int]]:
   """``(offset, size)`` of every count, length, type, dim and offset in a valid GGUF
   header (for the fuzzer's structure-aware mutations)."""
@@ -140,7 +270,10 @@ def integer_fields(data: bytes) -> list[tuple[int, int]]:
   return fields
 
 
-def _check(buf, path: str, size: int, integers: list | None = None) -> None:
+def _check(buf, path: str, size: int, integers: list | None = None,
+           parsed: ParsedHeader | None = None) -> None:
+  """Walks the header, raising one ValueError at its first fault; fills ``integers``
+  (see :func:`integer_fields`) and ``parsed`` (the values) where given."""
   if size < 24:
     raise ValueError(f"{path} is not a valid GGUF file: {size} bytes is shorter than the "
                      "24-byte GGUF header")
@@ -158,6 +291,7 @@ def _check(buf, path: str, size: int, integers: list | None = None) -> None:
   cur.pos = 8
   n_tensors = cur.uint(8, "tensor count")
   n_kv = cur.uint(8, "key-value count")
+  metadata = {"GGUF.version": version, "GGUF.tensor_count": n_tensors, "GGUF.kv_count": n_kv}
   # Smallest entries: a key-value is a key length, a type and a 1-byte value (13 bytes);
   # a tensor info is a name length, n_dims, one dim, a type and an offset (32 bytes).
   if n_kv * 13 > cur.left():
@@ -174,7 +308,10 @@ def _check(buf, path: str, size: int, integers: list | None = None) -> None:
     keys.add(key)
     vtype = cur.uint(4, f"value type of {key!r}")
     start = cur.pos
-    _skip_value(cur, vtype, key)
+    if parsed is None:
+      _skip_value(cur, vtype, key)
+    else:
+      metadata[key] = _read_value(cur, vtype, key)
     if key == "general.alignment":
       if vtype != _UINT32:
         raise cur.fail(f"general.alignment has value type {vtype}, want UINT32 ({_UINT32})")
@@ -212,14 +349,18 @@ def _check(buf, path: str, size: int, integers: list | None = None) -> None:
     if offset % alignment:
       raise cur.fail(f"tensor {name!r} has data offset {offset}, not a multiple of the "
                      f"alignment {alignment}")
-    infos.append((offset, elements // block * block_bytes, name))
+    infos.append(TensorInfo(name, tuple(dims), type_id, offset,
+                            elements // block * block_bytes))
 
   data_start = -(-cur.pos // alignment) * alignment
   end_of_previous, previous = 0, None
-  for offset, nbytes, name in sorted(infos):
+  for name, _, _, offset, nbytes in sorted(infos, key=lambda t: (t.offset, t.n_bytes, t.name)):
     if data_start + offset + nbytes > size:
       raise cur.fail(f"tensor {name!r} needs {nbytes} bytes at offset {data_start + offset}, "
                      f"past the end of the {size}-byte file (truncated or corrupt)")
     if offset < end_of_previous:
       raise cur.fail(f"tensors {previous!r} and {name!r} overlap in the data section")
     end_of_previous, previous = offset + nbytes, name
+  if parsed is not None:
+    parsed.byte_order, parsed.metadata = order, metadata
+    parsed.tensors, parsed.data_start = infos, data_start

@@ -152,10 +152,9 @@ def load_gguf_sharded(path: str | os.PathLike, mesh: jax.sharding.Mesh, axis: An
     with ``ShardedWeight.map_local``, or to Int4 with ``.to_int4()`` under jit).
   """
   from qjax._src import gguf_io  # pylint: disable=g-import-not-at-top
-  gguf = gguf_io._import_gguf()  # pylint: disable=protected-access
   path = os.fspath(path)
   reader = gguf_io._open(path)  # pylint: disable=protected-access
-  metadata = gguf_io._metadata(reader, gguf, path)  # pylint: disable=protected-access
+  metadata = reader.metadata
   tensors, types = {}, {}
   for t in reader.tensors:
     qname = t.tensor_type.name
