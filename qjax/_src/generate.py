@@ -116,7 +116,23 @@ def _kernel_layouts(implementation: str | None):
     return None
   if implementation is None and not kernels[0].supported_on(dispatch.default_device()):
     return None
-  return lambda name, w: gguf_tiled.kernel_layout(w)
+  layout = _jitted(gguf_tiled.kernel_layout)
+  return lambda name, w: layout(w)
+
+
+@functools.cache
+def _jitted(convert: Any) -> Any:
+  """``jax.jit(convert)``, one per function: a weight's lossless conversion at load runs
+  as one compiled program per weight shape (SmolLM2: 7 shapes for its 211 converted
+  weights) instead of a dozen eager ops per weight, each dispatched apart (2-core CPU:
+  the conversions 3.5 -> 0.4 s of a 8.6 s `qjax generate`)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  return jax.jit(convert)
+
+
+def _int4_plain(w: Any) -> Any:
+  """A GGUF Q4_0 / Q4_1 weight as its :class:`qjax.Int4Weight` in plain order."""
+  return w.to_int4().repack(8)
 
 
 def _xla_layouts(name: str, w: Any) -> Any:
@@ -135,11 +151,11 @@ def _xla_layouts(name: str, w: Any) -> Any:
   if isinstance(w, gguf_formats.GGUFBlockWeight) and w.leading_axes:
     return w
   if isinstance(w, gguf_formats.GGUFMXFP4):
-    return gguf_tiled.kernel_layout(w)
+    return _jitted(gguf_tiled.kernel_layout)(w)
   if (isinstance(w, (gguf_formats.GGUFQ4_0, gguf_formats.GGUFQ4_1))
       and jax.default_backend() == "cpu"):
     # Plain order (tile_k 8): XLA's fastest here, and a row split needs whole 8-row tiles.
-    return w.to_int4().repack(8)
+    return _jitted(_int4_plain)(w)
   return w
 
 
