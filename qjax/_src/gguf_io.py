@@ -1,6 +1,6 @@
 """Reading GGUF files (llama.cpp) into qjax pytrees, with llama.cpp's ``gguf`` package.
 
-The header is parsed by :mod:`qjax._src.gguf_header` (bounded, and ~9x faster than
+The header is parsed by :mod:`qjax._src.gguf_header` (bounded, and ~15x faster than
 ``gguf.GGUFReader``'s own parse) and the file memory-mapped; each tensor is split into its
 block fields (:mod:`qjax._src.gguf_formats`) and put on the default device, keeping GGUF's
 storage order. A 2-D GGUF tensor of GGUF shape ``[ne0, ne1]`` (numpy ``[N=ne1, K=ne0]``,
