@@ -10,8 +10,8 @@ what is wrong and where.
 :func:`parse_gguf_file` also keeps what it reads (the values as
 :mod:`qjax._src.gguf_io` hands them out, the tensors' names, dims, types and offsets),
 and qjax's loaders use it in place of ``gguf.GGUFReader``'s own parse, which builds one
-numpy view per array element: 4.3 s for SmolLM2-135M's 98 MB file (49152 tokens, 48900
-merges) on a 2-core CPU, against 0.5 s for this walk. The ``gguf`` package still names
+numpy view per array element: 2.34 s for SmolLM2-135M's 98 MB file (49152 tokens, 48900
+merges) on an idle 2-core CPU, against 0.15 s for this walk (session 41). The ``gguf`` package still names
 the GGML types and their block sizes.
 
 Checked: the magic and version; key-value and tensor counts against the header bytes;
