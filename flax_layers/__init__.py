@@ -31,6 +31,7 @@ from flax_layers.moe import MXFP4MoE as MXFP4MoE
 from flax_layers.moe import route as route
 from flax_layers.tensor_parallel import init_tp_cache as init_tp_cache
 from flax_layers.tensor_parallel import shard_llama_params as shard_llama_params
+from flax_layers.tensor_parallel import splittable_layouts as splittable_layouts
 from flax_layers.tensor_parallel import tp_decode_step as tp_decode_step
 from flax_layers.tensor_parallel import tp_extend as tp_extend
 from flax_layers.tensor_parallel import tp_forward as tp_forward
@@ -68,6 +69,7 @@ __all__ = [  # the public names (pyflakes reads the re-exports from it)
     "route",
     "init_tp_cache",
     "shard_llama_params",
+    "splittable_layouts",
     "tp_decode_step",
     "tp_extend",
     "tp_forward",

@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 import qjax
 from qjax._src import sharding as sharding_lib
+from qjax._src import split_rules
 
 from flax_layers import llama
 
@@ -92,6 +93,34 @@ def _map_with_path(fn, tree: Mapping, path: tuple[str, ...] = ()) -> dict:
   """``fn(path, value)`` on every entry of nested mappings (quantized weights are values)."""
   return {k: _map_with_path(fn, v, (*path, k)) if isinstance(v, Mapping) else fn((*path, k), v)
           for k, v in tree.items()}
+
+
+def splittable_layouts(params: dict, n: int) -> dict:
+  """``params`` with each :class:`qjax.Int4Weight` projection that cannot split over
+  ``n`` devices in its tile order, but can in plain order, repacked there losslessly
+  (``repack(8)``: 8-row tiles; ``dequantize()`` bit-identical).
+
+  The kernels' 128-row tiles need whole tiles on each device of a row split: SmolLM2's
+  o projection (K = 576) over 3 devices gives 192 rows each, which no 128-row tiling
+  splits. In plain order it splits, and each device's INT4 kernel repacks its 192 rows
+  (padded) on every call. Every other weight is returned as it is
+  (:func:`shard_llama_params` then names what does not split).
+  """
+  def relayout(path, v):
+    mode = _mode(path)
+    if mode is None or not isinstance(v, qjax.Int4Weight) or v.tile_k == 8:
+      return v
+    try:
+      split_rules.check_split(v, mode, n)
+      return v
+    except ValueError:
+      plain = v.repack(8)
+    try:
+      split_rules.check_split(plain, mode, n)
+    except ValueError:
+      return v
+    return plain
+  return _map_with_path(relayout, params)
 
 
 def shard_llama_params(params: dict, mesh: jax.sharding.Mesh, cfg: llama.LlamaConfig,

@@ -192,7 +192,8 @@ def _model_steps(devices: int, params: dict, cfg: Any, max_len: int) -> _Steps:
                   llama.init_cache(cfg, 1, max_len))
   from flax_layers import tensor_parallel as tp  # pylint: disable=g-import-not-at-top
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("tp",))
-  sharded = tp.shard_llama_params(params, mesh, cfg)
+  # The kernels' tile order may not split (SmolLM2's K = 576 over 3 devices): plain order.
+  sharded = tp.shard_llama_params(tp.splittable_layouts(params, devices), mesh, cfg)
   decode = functools.partial(tp.tp_decode_step, sharded, cfg=cfg, mesh=mesh)
 
   @functools.partial(jax.jit, static_argnames=("max_steps", "temperature", "top_p"),
