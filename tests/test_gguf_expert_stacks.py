@@ -228,6 +228,7 @@ def test_kernel_layouts_keep_stacks_the_dense_kernels_cannot_read(stacks):
   for t in gf.BLOCK_FORMATS:
     w, want_w, _ = stacks[t]
     new = gguf_tiled.kernel_layout(w)
+    assert gguf_tiled.converts(w) == (new is not w), t  # generate skips the rest
     trees, reasons = [], []
     for experts in (None, lambda path: True):
       tree, (choice,) = qjax.kernel_layouts({"w": w}, device=hopper, experts=experts,
@@ -250,3 +251,26 @@ def test_kernel_layouts_keep_stacks_the_dense_kernels_cannot_read(stacks):
     with pytest.raises(ValueError, match=r"needs a single matrix; this one has leading axes "
                        r"\(6,\)"):
       gguf_tiled.GGUFTiledWeight.from_gguf(w)
+
+
+def test_generate_converts_exactly_the_weights_kernel_layout_changes(request):
+  """``qjax generate``'s load-time convert runs jitted ``kernel_layout`` only where it
+  changes the layout (``gguf_tiled.converts``): a jitted identity would copy the weight
+  (a float embedding, say) for nothing."""
+  from qjax._src import generate  # pylint: disable=g-import-not-at-top
+  from qjax._src import gguf_tiled  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(seed_from(request.node.name))
+  convert = generate._kernel_layouts("interpret")  # pylint: disable=protected-access
+  dense = gf.GGUFDense.from_bytes(rng.standard_normal((64, 32)).astype(np.float32),
+                                  (32, 64), "F32")
+  assert not gguf_tiled.converts(dense) and gguf_tiled.kernel_layout(dense) is dense
+  assert convert("token_embd.weight", dense) is dense
+  for t in ("Q4_0", "Q8_0", "Q4_K", "MXFP4"):
+    k = 256
+    raw = gguf_formats_tests._raw_blocks(t, 3, k, 1)  # pylint: disable=protected-access
+    w = gf.from_gguf_bytes(raw, t, (k, 3), ())
+    assert gguf_tiled.converts(w), t
+    got = convert("blk.0.attn_q.weight", w)
+    want = gguf_tiled.kernel_layout(w)
+    assert type(got) is type(want), t
+    np.testing.assert_array_equal(np.asarray(got.dequantize()), np.asarray(want.dequantize()))

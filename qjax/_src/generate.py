@@ -117,7 +117,8 @@ def _kernel_layouts(implementation: str | None):
   if implementation is None and not kernels[0].supported_on(dispatch.default_device()):
     return None
   layout = _jitted(gguf_tiled.kernel_layout)
-  return lambda name, w: layout(w)
+  # Not through jit where nothing changes: a jitted identity copies the weight.
+  return lambda name, w: layout(w) if gguf_tiled.converts(w) else w
 
 
 @functools.cache

@@ -268,22 +268,27 @@ class GGUFTiledWeight(formats.QuantizedWeight):
     return cols.dequantize().T.reshape(*ids.shape, self.shape[0])
 
 
+def converts(w: Any) -> bool:
+  """Whether :func:`kernel_layout` gives ``w`` another layout (False: ``w`` itself)."""
+  if isinstance(w, (gf.GGUFQ4_0, gf.GGUFQ4_1, gf.GGUFMXFP4)):
+    return True
+  return (isinstance(w, gf.GGUFBlockWeight) and w.ggml_type in _SPECS
+          and not getattr(w, "leading_axes", ()))
+
+
 def kernel_layout(w: Any) -> Any:
   """The layout a GGUF weight's kernel reads: Int4Weight for Q4_0 / Q4_1, MXFP4Weight
-  for MXFP4, the tiled layout for Q8_0 / Q4_K / Q5_K / Q6_K, anything else unchanged.
-  Expert stacks (leading axes) stay as they are, but Q4_0 / Q4_1 / MXFP4 ones, whose
-  ``to_int4()`` / ``to_mxfp4()`` is the stack the MoE kernels read: no MoE kernel reads
-  the other GGUF types. Lossless, jittable."""
-  if getattr(w, "leading_axes", ()) and not isinstance(
-      w, (gf.GGUFMXFP4, gf.GGUFQ4_0, gf.GGUFQ4_1)):
+  for MXFP4, the tiled layout for Q8_0 / Q4_K / Q5_K / Q6_K, anything else unchanged
+  (:func:`converts`). Expert stacks (leading axes) stay as they are, but Q4_0 / Q4_1 /
+  MXFP4 ones, whose ``to_int4()`` / ``to_mxfp4()`` is the stack the MoE kernels read: no
+  MoE kernel reads the other GGUF types. Lossless, jittable."""
+  if not converts(w):
     return w
   if isinstance(w, (gf.GGUFQ4_0, gf.GGUFQ4_1)):
     return w.to_int4()
   if isinstance(w, gf.GGUFMXFP4):
     return w.to_mxfp4()
-  if isinstance(w, gf.GGUFBlockWeight) and w.ggml_type in _SPECS:
-    return GGUFTiledWeight.from_gguf(w)
-  return w
+  return GGUFTiledWeight.from_gguf(w)
 
 
 dispatch.register_xla(GGUFTiledWeight, gf.matmul_xla)
