@@ -106,20 +106,19 @@ def splittable_layouts(params: dict, n: int) -> dict:
   (padded) on every call. Every other weight is returned as it is
   (:func:`shard_llama_params` then names what does not split).
   """
+  def splits(w, mode):
+    try:
+      split_rules.check_split(w, mode, n)
+    except ValueError:
+      return False
+    return True
+
   def relayout(path, v):
     mode = _mode(path)
-    if mode is None or not isinstance(v, qjax.Int4Weight) or v.tile_k == 8:
+    if mode is None or not isinstance(v, qjax.Int4Weight) or v.tile_k == 8 or splits(v, mode):
       return v
-    try:
-      split_rules.check_split(v, mode, n)
-      return v
-    except ValueError:
-      plain = v.repack(8)
-    try:
-      split_rules.check_split(plain, mode, n)
-    except ValueError:
-      return v
-    return plain
+    plain = v.repack(8)
+    return plain if splits(plain, mode) else v
   return _map_with_path(relayout, params)
 
 
