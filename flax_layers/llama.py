@@ -1235,10 +1235,13 @@ class MoE(nn.Module):
     return out.astype(x.dtype).reshape(b, t, d)
 
 
-def _as_tuple(value: Any) -> tuple:
-  """A deferred :class:`RMSNorm`'s ``(x * scale, 1 / rms)`` as it is, an array as
-  ``(array,)``."""
-  return value if isinstance(value, tuple) else (value,)
+def _pre_matmul_norm(cfg: LlamaConfig, name: str, x: jax.Array
+                     ) -> tuple[jax.Array, jax.Array | None]:
+  """The RMSNorm ``name`` (a submodule of the calling module) of x before a matmul:
+  ``(its input, the factor of its output rows)``, deferred where ``cfg.norm_deferred``,
+  else ``(the normalized x, None)``."""
+  out = RMSNorm(cfg.rms_eps, cfg.norm_deferred, name=name)(x)
+  return out if isinstance(out, tuple) else (out, None)
 
 
 class Block(nn.Module):
@@ -1270,16 +1273,14 @@ class Block(nn.Module):
       else:  # the scan's flag: no window is one as long as int32 allows
         window = jnp.where(slides[0], self.cfg.sliding_window, np.iinfo(np.int32).max)
     c = self.cfg
-    norm = functools.partial(RMSNorm, c.rms_eps, deferred=c.norm_deferred)
-    normed, *inv_rms = _as_tuple(norm(name="attn_norm")(x))
+    normed, row_scale = _pre_matmul_norm(c, "attn_norm", x)
     h, k_cache, v_cache = Attention(c, self.fresh_prompt, self.contiguous, name="attn")(
-        normed, positions, mask, k_cache, v_cache, layer, rope_freqs, window, *inv_rms)
+        normed, positions, mask, k_cache, v_cache, layer, rope_freqs, window, row_scale)
     x = x + h
     if c.moe:  # the router and the experts read the normalized x
       x = x + MoE(c, name="moe")(RMSNorm(c.rms_eps, name="ffn_norm")(x))
     else:
-      normed, *inv_rms = _as_tuple(norm(name="ffn_norm")(x))
-      x = x + MLP(c, name="mlp")(normed, *inv_rms)
+      x = x + MLP(c, name="mlp")(*_pre_matmul_norm(c, "ffn_norm", x))
     return (x, k_cache, v_cache), None
 
 
@@ -1355,13 +1356,13 @@ class Llama(nn.Module):
         slides = (c.sliding_layers[i],) if c.sliding_window else ()
         (x, k, v), _ = Block(c, self.fresh_prompt, self.contiguous,
                              name=f"layers_{i}")((x, k, v), (i, *slides), ctx)
-    x, *inv_rms = _as_tuple(RMSNorm(c.rms_eps, c.norm_deferred, name="final_norm")(x))
+    x, row_scale = _pre_matmul_norm(c, "final_norm", x)
     head = embed
     if self.has_variable("params", "lm_head"):
       head = self.param("lm_head", _pretrained)
     logits = matmul(x, head, c.implementation).astype(jnp.float32)
-    if inv_rms:
-      logits = logits * inv_rms[0]
+    if row_scale is not None:
+      logits = logits * row_scale
     in_cache = (positions >= 0) & (positions < max_len)  # [batch, seq]
     logits = jnp.where(in_cache[..., None], logits, jnp.nan)
     return logits, {"k": k, "v": v}
