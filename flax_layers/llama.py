@@ -1004,7 +1004,8 @@ def apply_rope(x: jax.Array, positions: jax.Array, base: float, rope_dim: int, *
 def attention_implementation(implementation: str | None, op: str = "decode") -> str | None:
   """The implementation of the attention operation ``op`` ("decode":
   :func:`qjax.decode_attention`, "causal": :func:`qjax.causal_attention`, "write":
-  :func:`qjax.write_kv_cache`) for the layers' ``implementation``: "pallas" /
+  :func:`qjax.write_kv_cache`, "write_decode": :func:`qjax.write_and_decode_attention`)
+  for the layers' ``implementation``: "pallas" /
   "interpret" run XLA where no kernel of ``op`` is registered (as :func:`matmul` does for
   a format without one)."""
   if implementation in ("pallas", "interpret") and not attention.kernels(op):
@@ -1078,35 +1079,47 @@ class Attention(nn.Module):
                              neox=c.rope_neox, freq_factors=rope_freqs,
                              magnitude=1.0 if c.yarn is None else c.yarn.magnitude())
     q, k = rope(q, positions), rope(k, positions)
-    # Positions outside the cache write nothing (one kernel writes both on the GPU).
-    k_cache, v_cache = qjax.write_kv_cache(
-        k_cache, v_cache, k, v, positions, layer=layer,
-        implementation=attention_implementation(c.implementation, "write"))
     sinks = None
     if c.attn_sinks:  # one more logit per head in the softmax's denominator
       sinks = _loaded_param(self, "sinks")
       if tuple(sinks.shape) != (c.num_heads,):
         raise ValueError(f"{self.name}: sinks of shape {tuple(sinks.shape)}, want "
                          f"(num_heads={c.num_heads},)")
-    if t == 1:  # decode: a kernel reads the layer's cache once, in place
-      out = qjax.decode_attention(q[:, 0], k_cache, v_cache, mask[:, 0], layer=layer,
-                                  sinks=sinks,
-                                  implementation=attention_implementation(c.implementation))
-    elif self.fresh_prompt:  # positions 0 .. t - 1: causal over the prompt's own keys
+    if t == 1:  # decode: one kernel writes the new row and reads the layer's cache in place
+      out, k_cache, v_cache = qjax.write_and_decode_attention(
+          q[:, 0], k[:, 0], v[:, 0], k_cache, v_cache, positions[:, 0], mask[:, 0],
+          layer=layer, sinks=sinks,
+          implementation=attention_implementation(c.implementation, "write_decode"))
+    else:
+      out, k_cache, v_cache = self._write_and_attend(q, k, v, positions, mask, k_cache,
+                                                     v_cache, layer, window, sinks)
+    out = out.reshape(b, t, c.num_heads * c.head_dim)
+    return dense(c.hidden_size, use_bias=c.o_bias, name="o")(out), k_cache, v_cache
+
+  def _write_and_attend(self, q, k, v, positions, mask, k_cache, v_cache, layer, window,
+                        sinks):
+    """Several tokens a sequence: their keys and values written into the cache, then
+    their queries attended (see :meth:`__call__`) -> ``(out [b, t, heads, d], k_cache,
+    v_cache)``."""
+    c = self.cfg
+    # Positions outside the cache write nothing (one kernel writes both on the GPU).
+    k_cache, v_cache = qjax.write_kv_cache(
+        k_cache, v_cache, k, v, positions, layer=layer,
+        implementation=attention_implementation(c.implementation, "write"))
+    if self.fresh_prompt:  # positions 0 .. t - 1: causal over the prompt's own keys
       out = qjax.causal_attention(
           q, k.astype(k_cache.dtype), v.astype(v_cache.dtype), window=window, sinks=sinks,
           implementation=attention_implementation(c.implementation, "causal"))
+      return out, k_cache, v_cache
+    keys = jax.lax.dynamic_index_in_dim(k_cache, layer, keepdims=False)
+    values = jax.lax.dynamic_index_in_dim(v_cache, layer, keepdims=False)
+    if self.contiguous:  # positions p0 .. p0 + t - 1: causal over the cache from p0
+      out = qjax.causal_attention(
+          q, keys, values, offset=positions[:, 0], window=window, sinks=sinks,
+          implementation=attention_implementation(c.implementation, "causal"))
     else:
-      keys = jax.lax.dynamic_index_in_dim(k_cache, layer, keepdims=False)
-      values = jax.lax.dynamic_index_in_dim(v_cache, layer, keepdims=False)
-      if self.contiguous:  # positions p0 .. p0 + t - 1: causal over the cache from p0
-        out = qjax.causal_attention(
-            q, keys, values, offset=positions[:, 0], window=window, sinks=sinks,
-            implementation=attention_implementation(c.implementation, "causal"))
-      else:
-        out = attention.attend(q, keys, values, mask, sinks, 1.0 / np.sqrt(c.head_dim))
-    out = out.reshape(b, t, c.num_heads * c.head_dim)
-    return dense(c.hidden_size, use_bias=c.o_bias, name="o")(out), k_cache, v_cache
+      out = attention.attend(q, keys, values, mask, sinks, 1.0 / np.sqrt(c.head_dim))
+    return out, k_cache, v_cache
 
 
 class MLP(nn.Module):
@@ -1608,14 +1621,41 @@ def forward(params, tokens, *, cfg: LlamaConfig) -> jax.Array:
 
 @jax.jit
 def _sample_top_p(logits, key, temperature, top_p):
+  """Nucleus sampling as a Gumbel-max draw: ``argmax(logits / temperature + g)`` over the
+  nucleus, ``g`` standard Gumbel noise of ``key`` for each token id.
+
+  The argmax over the whole vocabulary needs no sort, and where it lands in the nucleus
+  (its token's probability mass above it is below ``top_p``: a draw outside has the
+  probability of the mass outside, at most ``1 - top_p``) it is also the nucleus's
+  argmax. Only otherwise does the vocabulary get sorted to find the nucleus
+  (:func:`_nucleus_argmax`; a ``lax.cond``, for the whole batch). H200, SmolLM2's 49152
+  tokens: the sort cost 80 of a sampled token's ~990 us in the decode loop
+  (docs/experiments/s42_sampling.py).
+  """
   logits = logits.astype(jnp.float32) / temperature
+  noisy = logits + jax.random.gumbel(key, logits.shape, jnp.float32)
+  first = jnp.argmax(noisy, axis=-1)
+  probs = jax.nn.softmax(logits, axis=-1)
+  at = jnp.take_along_axis(logits, first[:, None], axis=-1)
+  ids = jnp.arange(logits.shape[-1])
+  # The tokens ranked above the draw (ties: the lower id first, as a stable sort ranks).
+  above = (logits > at) | ((logits == at) & (ids < first[:, None]))
+  inside = jnp.sum(jnp.where(above, probs, 0.0), axis=-1) < top_p
+  tokens = jax.lax.cond(jnp.all(inside), lambda: first,
+                        lambda: _nucleus_argmax(logits, probs, noisy, top_p))
+  return tokens.astype(jnp.int32)
+
+
+def _nucleus_argmax(logits, probs, noisy, top_p):
+  """``argmax(noisy)`` over the nucleus of each row: the most likely tokens (a stable sort
+  of ``logits``, ties to the lower id) as long as the mass above each is below ``top_p``.
+  All ``[batch, vocab]`` float32 -> ``[batch]``."""
   order = jnp.argsort(-logits, axis=-1)
-  sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
-  probs = jax.nn.softmax(sorted_logits, axis=-1)
-  before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
-  sorted_logits = jnp.where(before < top_p, sorted_logits, -jnp.inf)
-  choice = jax.random.categorical(key, sorted_logits, axis=-1)
-  return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+  ranked = jnp.take_along_axis(probs, order, axis=-1)
+  keep_ranked = jnp.cumsum(ranked, axis=-1) - ranked < top_p
+  rows = jnp.arange(logits.shape[0])[:, None]
+  keep = jnp.zeros(logits.shape, bool).at[rows, order].set(keep_ranked)
+  return jnp.argmax(jnp.where(keep, noisy, -jnp.inf), axis=-1)
 
 
 def sample(logits: jax.Array, key: jax.Array | None = None, *, temperature: float = 0.0,

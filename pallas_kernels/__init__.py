@@ -141,3 +141,9 @@ qjax.register_causal_attention_kernel(
 qjax.register_kv_cache_write_kernel(
     qjax.AttentionBackend(name="pallas_triton", fn=kv_cache_write.write_kv_cache,
                           supported_on=triton_supported))
+# Both at a decode step (qjax.write_and_decode_attention): the new row written and the
+# cache attended in one launch.
+qjax.register_write_and_decode_attention_kernel(
+    qjax.AttentionBackend(name="pallas_triton",
+                          fn=decode_attention.write_and_decode_attention,
+                          supported_on=triton_supported))

@@ -14,6 +14,11 @@ One split per pair: the program divides by the sum (and adds the sink logit) its
 writes the output. Several (long caches, where the pairs alone would leave most of the
 GPU idle): each split writes its float32 maximum, sum and weighted values and XLA combines
 them (flash-decoding).
+
+:func:`write_and_decode_attention` (:func:`qjax.write_and_decode_attention`) is the same
+kernel with a decode step's new token: split 0 of each pair writes the token's key and
+value into the cache (aliased in place) and starts its softmax with them, and no program
+reads that slot from the cache, so the write and the attention take one launch.
 """
 
 from __future__ import annotations
@@ -104,35 +109,68 @@ def loop_shape(batch: int, kv_heads: int, slots: int, config: AttentionConfig,
   return block_s, -(-chunks // steps), steps
 
 
-def _kernel(q_ref, k_ref, v_ref, mask_ref, layer_ref, sinks_ref, *out_refs, kv_heads: int,
-            g: int, d: int, slots: int, block_s: int, steps: int, scale: float,
-            final: bool, interpret: bool):
+def _kernel(q_ref, k_ref, v_ref, mask_ref, layer_ref, sinks_ref, new_ref, pos_ref, *out_refs,
+            kv_heads: int, g: int, d: int, slots: int, block_s: int, steps: int,
+            scale: float, final: bool, new_row: int, interpret: bool):
   """One (sequence, KV head, split) program.
 
-  Refs: q ``[b, kv_heads, g, d]``; k, v ``[layers, b, slots, kv_heads, d]``; mask ``[b,
-  slots]`` bool; layer ``[1]`` int32 (negative: from the end); sinks ``[kv_heads, g]``
-  float32 or None. Outputs: ``final``: o ``[b, kv_heads, g, d]``; else acc ``[b,
-  kv_heads, splits, g, d]``, m and l ``[b, kv_heads, splits, g]`` float32 (the split's
-  maximum score and sum of exponentials).
+  Refs: q ``[b, rows, d]`` (query head ``i`` at row ``i``); k, v ``[layers, b, slots,
+  kv_heads, d]``; mask ``[b, slots]`` bool; layer ``[1]`` int32 (negative: from the
+  end); sinks ``[kv_heads, g]`` float32 or None. Outputs: ``final``: o ``[b, kv_heads, g,
+  d]``; else acc ``[b, kv_heads, splits, g, d]``, m and l ``[b, kv_heads, splits, g]``
+  float32 (the split's maximum score and sum of exponentials).
+
+  With a new token (``pos_ref`` ``[b]`` int32, its slot): its key and value are rows
+  ``new_row + h`` and ``new_row + kv_heads + h`` of ``new_ref[b]`` (``[b, rows', d]``, in
+  the caches' dtype; ``new_ref`` may be ``q_ref``), and two more outputs, the caches
+  (aliased to ``k_ref`` / ``v_ref``), follow. Split 0 writes the token's row where its slot
+  and the layer lie in the cache and starts its softmax with it (where the mask holds its
+  slot); no program reads that slot from the cache, whose row is being written.
   """
   pair, split = pl.program_id(0), pl.program_id(1)
   bi, h = pair // kv_heads, pair % kv_heads
   gp, dp = _pow2(g), _pow2(d)
   rows = jnp.arange(gp) < g
   cols = jnp.arange(dp) < d
+  layers = k_ref.shape[0]
   layer = layer_ref[0]
-  layer = jnp.where(layer < 0, layer + k_ref.shape[0], layer)
+  layer = jnp.where(layer < 0, layer + layers, layer)
+  layer_in = (layer >= 0) & (layer < layers)
   # A traced layer outside the cache reads the nearest end's layer, as the XLA path does
   # (a read outside the cache's buffer otherwise).
-  layer = jnp.clip(layer, 0, k_ref.shape[0] - 1)
-  q = common.load(q_ref.at[bi, h, pl.ds(0, gp), pl.ds(0, dp)], rows[:, None] & cols[None, :])
+  layer = jnp.clip(layer, 0, layers - 1)
+  q = common.load(q_ref.at[bi, pl.ds(h * g, gp), pl.ds(0, dp)],
+                  rows[:, None] & cols[None, :])
   precision = common.dot_precision(q.dtype, interpret)
+  m0 = jnp.full((gp,), attention.MASKED_SCORE, _f32)
+  l0 = jnp.zeros((gp,), _f32)
+  acc0 = jnp.zeros((gp, dp), _f32)
+  skip = -1  # a slot no program reads (the new token's)
+  if pos_ref is not None:
+    k_out, v_out = out_refs[-2:]
+    out_refs = out_refs[:-2]
+    p = pos_ref[bi]
+    lands = (p >= 0) & (p < slots) & layer_in
+    slot_p = jnp.clip(p, 0, slots - 1)
+    first = split == 0
+    new_k = common.load(new_ref.at[bi, new_row + h, pl.ds(0, dp)], cols)
+    new_v = common.load(new_ref.at[bi, new_row + kv_heads + h, pl.ds(0, dp)], cols)
+    plgpu.store(k_out.at[layer, bi, slot_p, h, pl.ds(0, dp)], new_k, mask=cols & lands & first)
+    plgpu.store(v_out.at[layer, bi, slot_p, h, pl.ds(0, dp)], new_v, mask=cols & lands & first)
+    seen = lands & first & mask_ref[bi, slot_p]
+    score = jnp.sum(q.astype(_f32) * new_k.astype(q.dtype).astype(_f32)[None, :], axis=1)
+    m0 = jnp.where(seen, score * scale, m0)
+    l0 = jnp.where(seen, 1.0, l0)
+    acc0 = jnp.where(seen, jnp.broadcast_to(new_v.astype(q.dtype).astype(_f32)[None, :],
+                                            (gp, dp)), acc0)
+    skip = jnp.where(lands, p, -1)
 
   def step(i, carry):
     m, l, acc = carry
     s0 = (split * steps + i) * block_s
     slot = s0 + jnp.arange(block_s)
     valid = common.load(mask_ref.at[bi, pl.ds(s0, block_s)], slot < slots, other=False)
+    valid = valid & (slot != skip)
     kv_mask = valid[:, None] & cols[None, :]
     k = common.load(k_ref.at[layer, bi, pl.ds(s0, block_s), h, pl.ds(0, dp)], kv_mask)
     scores = plgpu.dot(q, k.astype(q.dtype), trans_b=True, precision=precision) * scale
@@ -144,9 +182,7 @@ def _kernel(q_ref, k_ref, v_ref, mask_ref, layer_ref, sinks_ref, *out_refs, kv_h
     pv = plgpu.dot(p.astype(q.dtype), v.astype(q.dtype), precision=precision)
     return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
 
-  init = (jnp.full((gp,), attention.MASKED_SCORE, _f32), jnp.zeros((gp,), _f32),
-          jnp.zeros((gp, dp), _f32))
-  m, l, acc = lax.fori_loop(0, steps, step, init)
+  m, l, acc = lax.fori_loop(0, steps, step, (m0, l0, acc0))
   if final:
     [o_ref] = out_refs
     if sinks_ref is not None:
@@ -180,6 +216,88 @@ def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array,
   return jnp.sum(acc * weight[..., None], axis=2) / total[..., None]
 
 
+def _launch_shape(q, k_cache, config: AttentionConfig | None):
+  """``(config, block_s, splits, steps, num_stages)`` of a launch for q ``[b, heads, d]``
+  over caches ``[layers, b, slots, kv_heads, d]``; NotImplementedError for a head_dim
+  above 256 (the program's registers)."""
+  config = config or AttentionConfig()
+  b, _, d = q.shape
+  _, _, slots, kv_heads, _ = k_cache.shape
+  if d > 256:
+    raise NotImplementedError(f"head_dim={d}: the decode-attention kernel takes up to 256")
+  # The stages hold the cache's rows as loaded (then converted to q's dtype).
+  row_bytes = _pow2(d) * max(jnp.dtype(q.dtype).itemsize, jnp.dtype(k_cache.dtype).itemsize)
+  block_s, splits, steps = loop_shape(b, kv_heads, slots, config, row_bytes)
+  _, num_stages = fitted(block_s, config.num_stages, row_bytes)
+  return config, block_s, splits, steps, num_stages
+
+
+def _attend(q, k_cache, v_cache, mask, layer, sinks, new, *, heads: int, scale: float,
+            interpret: bool, config: AttentionConfig | None, poison: bool, name: str):
+  """The kernel's launch and, with several splits, XLA's combine: the arguments of
+  :func:`decode_attention` (q ``[b, rows, d]``, its first ``heads`` rows the queries) and
+  ``new`` None or ``(source, new_row, positions)`` (see :func:`_kernel`: the new tokens'
+  keys and values ``[b, rows', d]``, None where q's operand holds them; the row where their
+  keys start; their ``[b]`` int32 slots). Returns ``[b, heads, d]`` in q's dtype, or with
+  ``new`` ``(out, k_cache, v_cache)``."""
+  config, block_s, splits, steps, num_stages = _launch_shape(q, k_cache, config)
+  b, _, d = q.shape
+  _, _, slots, kv_heads, _ = k_cache.shape
+  g = heads // kv_heads
+  final = splits == 1
+  sinks_g = None if sinks is None else sinks.reshape(kv_heads, g)
+  if final:
+    out_shape = [jax.ShapeDtypeStruct((b, kv_heads, g, d), q.dtype)]
+  else:
+    out_shape = [jax.ShapeDtypeStruct((b, kv_heads, splits, g, d), _f32),
+                 jax.ShapeDtypeStruct((b, kv_heads, splits, g), _f32),
+                 jax.ShapeDtypeStruct((b, kv_heads, splits, g), _f32)]
+  source, new_row, positions = (None, 0, None) if new is None else new
+  kernel = functools.partial(_kernel, kv_heads=kv_heads, g=g, d=d, slots=slots,
+                             block_s=block_s, steps=steps, scale=scale, final=final,
+                             new_row=new_row, interpret=interpret)
+  if new is not None and source is None:
+    kernel = functools.partial(_same_source, kernel)
+  args = [q, k_cache, v_cache, mask, layer, sinks_g, source, positions]
+  aliases = {}
+  attended = len(out_shape)
+  if new is not None:  # the caches, written in place
+    leaves = [a is not None for a in args]
+    aliases = {sum(leaves[:1]): attended, sum(leaves[:2]): attended + 1}
+    out_shape = [*out_shape, jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                 jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
+  if poison:  # the attention's outputs start as NaN (the caches keep their values)
+    first, given = sum(a is not None for a in args), len(args)
+    aliases.update({first + i: i for i in range(attended)})
+    args = [*args, *(jnp.full(s.shape, jnp.nan, s.dtype) for s in out_shape[:attended])]
+    inner = kernel
+
+    def kernel(*refs):
+      return inner(*refs[:given], *refs[given + attended:])
+
+  call = pl.pallas_call(
+      kernel, out_shape=out_shape, grid=(b * kv_heads, splits),
+      input_output_aliases=aliases, interpret=interpret,
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                           num_stages=num_stages),
+      name=name)
+  outs = jax.jit(call)(*args)  # a jit boundary: dead-code elimination drops unused calls
+  if final:
+    out = outs[0]
+  else:
+    out = combine_splits(*outs[:3], sinks_g).astype(q.dtype)
+  out = out.reshape(b, heads, d)
+  return out if new is None else (out, *outs[-2:])
+
+
+def _same_source(kernel, q_ref, k_ref, v_ref, mask_ref, layer_ref, sinks_ref, new_ref,
+                 pos_ref, *out_refs):
+  """``kernel`` with the new token read from the queries' operand (``new_ref`` None)."""
+  del new_ref
+  return kernel(q_ref, k_ref, v_ref, mask_ref, layer_ref, sinks_ref, q_ref, pos_ref,
+                *out_refs)
+
+
 def decode_attention(q, k_cache, v_cache, mask, layer, sinks, *, scale: float,
                      interpret: bool = False, config: AttentionConfig | None = None,
                      poison: bool = False) -> jax.Array:
@@ -196,42 +314,36 @@ def decode_attention(q, k_cache, v_cache, mask, layer, sinks, *, scale: float,
   Raises:
     NotImplementedError: a head_dim above 256 (the program's registers).
   """
-  config = config or AttentionConfig()
-  b, heads, d = q.shape
-  _, _, slots, kv_heads, _ = k_cache.shape
-  g = heads // kv_heads
-  if d > 256:
-    raise NotImplementedError(f"head_dim={d}: the decode-attention kernel takes up to 256")
-  # The stages hold the cache's rows as loaded (then converted to q's dtype).
-  row_bytes = _pow2(d) * max(jnp.dtype(q.dtype).itemsize, jnp.dtype(k_cache.dtype).itemsize)
-  block_s, splits, steps = loop_shape(b, kv_heads, slots, config, row_bytes)
-  _, num_stages = fitted(block_s, config.num_stages, row_bytes)
-  final = splits == 1
-  qg = q.reshape(b, kv_heads, g, d)
-  sinks_g = None if sinks is None else sinks.reshape(kv_heads, g)
-  if final:
-    out_shape = [jax.ShapeDtypeStruct((b, kv_heads, g, d), q.dtype)]
-  else:
-    out_shape = [jax.ShapeDtypeStruct((b, kv_heads, splits, g, d), _f32),
-                 jax.ShapeDtypeStruct((b, kv_heads, splits, g), _f32),
-                 jax.ShapeDtypeStruct((b, kv_heads, splits, g), _f32)]
-  kernel = functools.partial(_kernel, kv_heads=kv_heads, g=g, d=d, slots=slots,
-                             block_s=block_s, steps=steps, scale=scale, final=final,
-                             interpret=interpret)
-  args = [qg, k_cache, v_cache, mask, layer, sinks_g]
-  aliases = {}
-  if poison:
-    kernel, args, aliases = common.poisoned_outputs(kernel, args, out_shape)
+  return _attend(q, k_cache, v_cache, mask, layer, sinks, None, heads=q.shape[1], scale=scale,
+                 interpret=interpret, config=config, poison=poison,
+                 name="qjax_decode_attention")
 
-  call = pl.pallas_call(
-      kernel, out_shape=out_shape, grid=(b * kv_heads, splits),
-      input_output_aliases=aliases, interpret=interpret,
-      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
-                                           num_stages=num_stages),
-      name="qjax_decode_attention")
-  outs = jax.jit(call)(*args)  # a jit boundary: dead-code elimination drops unused calls
-  if final:
-    out = outs[0]
+
+def write_and_decode_attention(q, k, v, k_cache, v_cache, positions, mask, layer, sinks, *,
+                               scale: float, interpret: bool = False,
+                               config: AttentionConfig | None = None, poison: bool = False):
+  """:func:`qjax.write_and_decode_attention` on its normalized arguments
+  (``qjax._src.decode_write.write_and_decode_attention_xla``): q ``[b, heads, d]``, k / v
+  ``[b, kv_heads, d]`` in the caches' dtype, caches ``[layers, b, slots, kv_heads, d]``,
+  positions ``[b]`` int32, mask ``[b, slots]`` bool, layer ``[1]`` int32, sinks None or
+  ``[heads]`` float32 -> ``(out [b, heads, d] in q's dtype, k_cache, v_cache)``.
+
+  One launch writes the new keys and values and attends (split 0 of each sequence and KV
+  head writes its row and starts its softmax with it; no program reads that slot from the
+  cache). Where the caches share q's dtype, q, k and v travel as one ``[b, heads + 2 *
+  kv_heads, d]`` operand, so XLA computes all three (RoPE included) in one fusion.
+
+  Args:
+    config, poison: as :func:`decode_attention` (the caches are not poisoned).
+
+  Raises:
+    NotImplementedError: a head_dim above 256.
+  """
+  heads = q.shape[1]
+  if k_cache.dtype == q.dtype:  # the new rows after the queries
+    q, new = jnp.concatenate([q, k, v], axis=1), (None, heads, positions)
   else:
-    out = combine_splits(*outs, sinks_g).astype(q.dtype)
-  return out.reshape(b, heads, d)
+    new = (jnp.concatenate([k, v], axis=1), 0, positions)
+  return _attend(q, k_cache, v_cache, mask, layer, sinks, new, heads=heads, scale=scale,
+                 interpret=interpret, config=config, poison=poison,
+                 name="qjax_decode_attention_write")

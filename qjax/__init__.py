@@ -88,6 +88,12 @@ from qjax._src.kv_cache import (kv_cache_write_implementation_name as
                                 kv_cache_write_implementation_name)
 from qjax._src.kv_cache import register_kv_cache_write_kernel as register_kv_cache_write_kernel
 from qjax._src.kv_cache import write_kv_cache as write_kv_cache
+# ... and both at one decode step, in one launch
+from qjax._src.decode_write import (register_write_and_decode_attention_kernel as
+                                    register_write_and_decode_attention_kernel)
+from qjax._src.decode_write import write_and_decode_attention as write_and_decode_attention
+from qjax._src.decode_write import (write_and_decode_attention_implementation_name as
+                                    write_and_decode_attention_implementation_name)
 
 # Codebook (rotated, two-pass residual, host offload of pass 2)
 from qjax._src.codebook import CodebookWeight as CodebookWeight

@@ -305,6 +305,31 @@ def test_nucleus_sampling_frequencies(temperature, top_p):
   np.testing.assert_allclose(freq, want, atol=0.03)
 
 
+@pytest.mark.parametrize("temperature,top_p", [(0.7, 0.9), (1.3, 0.5)])
+def test_each_draw_is_the_gumbel_argmax_over_the_nucleus(temperature, top_p):
+  """One row at a time, as the decode loop samples: each draw equals the argmax of
+  ``logits / temperature + g`` over the float64 nucleus, ``g`` the Gumbel noise of the
+  draw's key for each token id; both of the sampler's paths run (the whole vocabulary's
+  argmax, where it lands in the nucleus, and the sort, where it does not)."""
+  rng = np.random.default_rng(seed_from(f"gumbel{temperature}{top_p}"))
+  vocab = 300
+  logits = rng.standard_normal(vocab) * 2
+  keep = _nucleus(logits, temperature, top_p) > 0
+  p = np.exp((logits - logits.max()) / temperature)
+  p /= p.sum()
+  mass_above = np.cumsum(np.sort(p)[::-1]) - np.sort(p)[::-1]
+  assert np.abs(mass_above - top_p).min() > 1e-4  # no token at the nucleus's edge
+  row = jnp.asarray(logits[None], jnp.float32)
+  draw = jax.jit(lambda key: llama.sample(row, key, temperature=temperature, top_p=top_p))
+  scaled = np.asarray(row[0] / jnp.float32(temperature))
+  outside = 0
+  for key in jax.random.split(jax.random.key(seed_from("keys")), 120):
+    noisy = scaled + np.asarray(jax.random.gumbel(key, (1, vocab), jnp.float32))[0]
+    outside += not keep[np.argmax(noisy)]
+    assert int(draw(key)[0]) == int(np.argmax(np.where(keep, noisy, -np.inf)))
+  assert 0 < outside < 120  # both paths ran
+
+
 def test_greedy_ties_and_the_smallest_nucleus():
   logits = jnp.asarray([[1.0, 3.0, 3.0, -2.0], [np.log(0.5), np.log(0.3), np.log(0.2), -50]])
   assert np.asarray(llama.sample(logits)).tolist() == [1, 0]  # the lowest id of a tie

@@ -56,14 +56,16 @@ class AttentionBackend:
 
 
 # The registered kernels of each attention operation: "decode" (:func:`decode_attention`),
-# "causal" (:func:`qjax.causal_attention`) and "write" (:func:`qjax.write_kv_cache`, the
-# new keys and values written into a cache).
-_KERNELS: dict[str, list[AttentionBackend]] = {"decode": [], "causal": [], "write": []}
+# "causal" (:func:`qjax.causal_attention`), "write" (:func:`qjax.write_kv_cache`, the
+# new keys and values written into a cache) and "write_decode" (both at one decode step:
+# :func:`qjax.write_and_decode_attention`).
+_KERNELS: dict[str, list[AttentionBackend]] = {"decode": [], "causal": [], "write": [],
+                                               "write_decode": []}
 
 
 def register(op: str, backend: AttentionBackend) -> None:
-  """Registers ``backend`` for the attention operation ``op`` ("decode", "causal" or
-  "write"): the first registered is the default of "pallas" / "interpret", a later
+  """Registers ``backend`` for the attention operation ``op`` ("decode", "causal", "write"
+  or "write_decode"): the first registered is the default of "pallas" / "interpret", a later
   registration of a name replaces that backend. The jitted model steps
   (``flax_layers.llama.decode_step`` ...) trace again on their next call, as after any
   registration."""
@@ -168,7 +170,7 @@ def attend(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array,
                         b, t, heads, d)
 
 
-def _check(q, k_cache, v_cache, mask, layer, sinks):
+def check_decode_arguments(q, k_cache, v_cache, mask, layer, sinks):
   """The arguments of :func:`decode_attention` checked; returns ``(k_cache, v_cache,
   layer)`` with the caches 5-D and ``layer`` a ``[1]`` int32 array."""
   if q.ndim != 3:
@@ -263,7 +265,7 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask:
   >>> qjax.decode_attention(q, k, v, mask, implementation="xla").shape
   (1, 8, 64)
   """
-  k_cache, v_cache, layer = _check(q, k_cache, v_cache, mask, layer, sinks)
+  k_cache, v_cache, layer = check_decode_arguments(q, k_cache, v_cache, mask, layer, sinks)
   mask = jnp.asarray(mask, bool)
   if sinks is not None:
     sinks = jnp.asarray(sinks, jnp.float32)

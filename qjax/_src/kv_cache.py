@@ -35,7 +35,7 @@ def kv_cache_write_kernels() -> list[attention.AttentionBackend]:
   return attention.kernels("write")
 
 
-def _check(k_cache, v_cache, k, v, positions, layer):
+def check_write_arguments(k_cache, v_cache, k, v, positions, layer):
   """The arguments of :func:`write_kv_cache` checked; returns ``(k_cache, v_cache, layer,
   stacked)`` with the caches 5-D, ``layer`` a ``[1]`` int32 array and ``stacked`` whether
   the caches came 5-D."""
@@ -93,7 +93,8 @@ def write_kv_cache(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.
   >>> kc[0, :, 0, 0].tolist()
   [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
   """
-  k_cache, v_cache, layer, stacked = _check(k_cache, v_cache, k, v, positions, layer)
+  k_cache, v_cache, layer, stacked = check_write_arguments(k_cache, v_cache, k, v, positions,
+                                                           layer)
   k, v = k.astype(k_cache.dtype), v.astype(v_cache.dtype)
   positions = jnp.asarray(positions, jnp.int32)
   _, fn = resolve(k_cache.dtype, implementation)
