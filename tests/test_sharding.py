@@ -676,8 +676,13 @@ def test_llama_tensor_parallel_logits_match_single_device():
   assert rel_err(logits, single) < TOL
 
 
-def test_llama_tensor_parallel_prefill_and_decode_match_single_device():
-  """Two devices, scanned layers: prefill into a KV cache split by KV heads, one decode."""
+@pytest.mark.parametrize("implementation", [None, "interpret"])
+def test_llama_tensor_parallel_prefill_and_decode_match_single_device(implementation):
+  """Two devices, scanned layers: prefill into a KV cache split by KV heads, one decode;
+  with the kernels (interpret mode) the decode step writes and attends each device's KV
+  heads in one kernel (qjax.write_and_decode_attention) inside shard_map, against one
+  device's default path."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
   import flax_layers  # pylint: disable=g-import-not-at-top
   mesh = _mesh(2)
   cfg, params, tokens = llama_case(True)
@@ -685,6 +690,7 @@ def test_llama_tensor_parallel_prefill_and_decode_match_single_device():
     want_prefill, cache = flax_layers.prefill(params, tokens,
                                               flax_layers.init_cache(cfg, 2, 8), cfg=cfg)
     want, _ = flax_layers.decode_step(params, tokens[:, -1], 7, cache, cfg=cfg)
+    cfg = dataclasses.replace(cfg, implementation=implementation)
     sharded = flax_layers.shard_llama_params(params, mesh, cfg)
     assert sharded["params"]["blocks"]["mlp"]["down"]["kernel"].mode == "row"
     tp_cache = flax_layers.init_tp_cache(cfg, 2, 8, mesh)
