@@ -1666,8 +1666,9 @@ def sample(logits: jax.Array, key: jax.Array | None = None, *, temperature: floa
   the smallest set of most likely tokens whose probability reaches ``top_p``, at
   ``temperature``, drawn with ``key`` (the Gumbel-max draw over that set: each token id
   gets its own noise of ``key``; the whole vocabulary is sorted only where the
-  vocabulary's own Gumbel argmax falls outside the set). A row of logits holding a NaN (e.g. a position past
-  the KV cache, see :class:`Llama`) gives -1, which is no token, greedy or sampled.
+  vocabulary's own Gumbel argmax falls outside the set). A row of logits holding a NaN
+  (e.g. a position past the KV cache, see :class:`Llama`) gives -1, which is no token,
+  greedy or sampled.
   """
   if not 0 <= temperature < np.inf:
     raise ValueError(f"temperature={temperature} must be finite and >= 0")
