@@ -416,7 +416,7 @@ def test_row_split_inside_a_group_is_refused():
 def test_row_split_of_a_padded_k_is_refused():
   w = _quantize(_normal(np.random.default_rng(0), (576, 16)), group_size=64)  # Kp = 640
   with pytest.raises(ValueError, match=r"K=576 is not a multiple of 128 itself, so no "
-                     r"split is valid"):
+                     r"split of this layout is valid"):
     qjax.check_split(w, "row", 2)
   qjax.check_split(w, "row", 1)
 

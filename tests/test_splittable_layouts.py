@@ -32,7 +32,9 @@ def test_only_the_weights_that_do_not_split_are_repacked(request):
   params = {"params": {"blocks": {"attn": {"o": {"kernel": o}, "q": {"kernel": q}},
                                   "mlp": {"down": {"kernel": down}},
                                   "attn_norm": {"scale": jnp.ones(576)}}}}
-  with pytest.raises(ValueError, match="192 rows per device"):
+  # The error names the remedy.
+  with pytest.raises(ValueError, match=r"192 rows per device.*w\.repack\(8\).*"
+                     r"flax_layers\.splittable_layouts\(params, n\)"):
     split_rules.check_split(o, "row", 3)
   out = flax_layers.splittable_layouts(params, 3)["params"]["blocks"]
   new_o = out["attn"]["o"]["kernel"]

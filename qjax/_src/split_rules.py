@@ -136,7 +136,11 @@ def _int4_rule(s: dict[str, Any]) -> SplitRule:
       fields=(("codes", MATRIX), ("scales", MATRIX), ("zeros", MATRIX), ("biases", MATRIX)),
       k_unit=math.lcm(tile, g),
       k_unit_why=f"whole {tile}-row packed tiles (tile_k={tile}) and whole groups "
-                 f"(group_size={g})")
+                 f"(group_size={g})" + (
+                     f"; w.repack(8) stores the same weight in 8-row tiles, losslessly, "
+                     f"which needs multiples of {math.lcm(8, g)} rows "
+                     f"(flax_layers.splittable_layouts(params, n) does it for a model's "
+                     f"weights that need it)" if math.lcm(8, g) < math.lcm(tile, g) else ""))
 
 
 def _int4_nk_rule(s: dict[str, Any]) -> SplitRule:
@@ -272,8 +276,8 @@ def check_split(w: Any, mode: str, n: int) -> None:
   if k % n or (k // n) % u:
     per = f"{k / n:g}" if k % n else str(k // n)
     hint = "" if units else (
-        f"; K={k} is not a multiple of {u} itself, so no split is valid (pad K to a "
-        f"multiple of {u}, or use column-parallel)")
+        f"; K={k} is not a multiple of {u} itself, so no split of this layout is valid "
+        f"(pad K to a multiple of {u}, or use column-parallel)")
     raise ValueError(
         f"row-parallel {name}: K={k} over {n} devices gives {per} rows per device, but "
         f"each device needs a multiple of {u} rows ({rule.k_unit_why})"
