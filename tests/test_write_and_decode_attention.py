@@ -235,7 +235,21 @@ def test_llama_decode_runs_one_kernel_for_write_and_attention(request):
 
 @needs_gpu
 class TestWriteAndDecodeAttentionGpu:
-  """The compiled kernel inside a scan over layers, as the Llama layers run it."""
+  """The compiled kernel: every config poisoned, and inside a scan over layers, as the
+  Llama layers run it."""
+
+  @pytest.mark.parametrize("block_s,splits", attention_tests.CONFIGS)
+  @pytest.mark.parametrize("shape", SHAPES, ids=str)
+  def test_compiled_configs_poisoned(self, request, block_s, splits, shape):
+    rng = np.random.default_rng(seed_from(request.node.nodeid))
+    q, k, v, kc, vc, pos, mask, sk = _inputs(rng, shape, jnp.bfloat16, mask_kind="random")
+    config = kernel.AttentionConfig(block_s=block_s, splits=splits)
+    layer = shape[5] - 1
+    got = jax.jit(lambda *a: kernel.write_and_decode_attention(
+        *a, scale=0.1, config=config, poison=True))(
+            q, k, v, kc, vc, pos, jnp.asarray(mask), jnp.asarray([layer], jnp.int32), sk)
+    _check(got, reference(q, k, v, kc, vc, pos, mask, layer, sk, scale=0.1), q,
+           BOUND[jnp.bfloat16], (shape, config))
 
   def test_in_a_scan_over_layers(self, request):
     rng = np.random.default_rng(seed_from(request.node.nodeid))
