@@ -318,12 +318,12 @@ def _moe_impl_name(params: dict, cfg: Any, implementation: str | None) -> str:
 
 def _attention_impl_name(implementation: str | None, dtype: Any) -> str:
   """What attention runs, as the layers call it: ``"decode attention: NAME; prefill
-  attention: NAME"`` (``qjax.decode_attention`` at each decode step,
+  attention: NAME"`` (``qjax.write_and_decode_attention`` at each decode step,
   ``qjax.causal_attention`` over the prompt)."""
   import qjax  # pylint: disable=g-import-not-at-top
   from flax_layers import llama  # pylint: disable=g-import-not-at-top
-  decode = qjax.decode_attention_implementation_name(
-      dtype, llama.attention_implementation(implementation))
+  decode = qjax.write_and_decode_attention_implementation_name(
+      dtype, llama.attention_implementation(implementation, "write_decode"))
   prefill = qjax.causal_attention_implementation_name(
       dtype, llama.attention_implementation(implementation, "causal"))
   return f"decode attention: {decode}; prefill attention: {prefill}"
