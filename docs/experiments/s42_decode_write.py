@@ -4,7 +4,8 @@ generate`` runs it) with the decode step's cache write and attention joined in o
 ``qjax.decode_attention``, as before), compiled in one process and timed alternately
 (12 rounds of 4 calls each), so the comparison does not cross processes.
 
-  python docs/experiments/s42_decode_write.py [--slots N] [VARIANT ...]
+  python docs/experiments/s42_decode_write.py [--slots N] [--samplers T:P,..]
+      [--steps N,..] [VARIANT ...]
 
 Variants: ``joined`` (the library as it is), ``apart`` (the two operations), ``joinedS``
 for a number S (the joined kernel with S splits of the slots a sequence and KV head; 1:
@@ -78,24 +79,25 @@ def _patched(name: str):
     qjax.write_and_decode_attention, kernel._launch_shape, llama._sample_top_p = saved
 
 
-def variant(gfile, name: str, slots: int, temperature: float = 0.7, top_p: float = 1.0):
-  """A call that runs ``STEPS`` decode steps of this variant (compiled on return)."""
+def variant(gfile, name: str, slots: int, temperature: float = 0.7, top_p: float = 1.0,
+            steps: int = STEPS):
+  """A call that runs ``steps`` decode steps of this variant (compiled on return)."""
   dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
   cfg = llama.LlamaConfig.from_metadata(gfile.metadata, dtype=dtype)
   params = llama.fuse_projections(generate.gguf_params(gfile, cfg, None))
 
   def run(params, token, pos, cache, key, count, stop):
     decode = functools.partial(llama.decode_step, params, cfg=cfg)
-    return llama.decode_loop(decode, token, pos, cache, key, count, stop, max_steps=STEPS,
+    return llama.decode_loop(decode, token, pos, cache, key, count, stop, max_steps=steps,
                              temperature=temperature, top_p=top_p)
 
   fn = jax.jit(run, donate_argnums=(3,))  # its own jit: its own trace and compile
   state = [jnp.zeros((1,), jnp.int32), jnp.full((1,), 100, jnp.int32),
            llama.init_cache(cfg, 1, slots), jax.random.key(0)]
-  stop = jnp.array([-5], jnp.int32)  # no stop token: every call runs STEPS steps
+  stop = jnp.array([-5], jnp.int32)  # no stop token: every call runs `steps` steps
 
   def call():
-    toks, _, token, _, cache, key = fn(params, *state, jnp.int32(STEPS), stop)
+    toks, _, token, _, cache, key = fn(params, *state, jnp.int32(steps), stop)
     state[:] = [token, jnp.full((1,), 100, jnp.int32), cache, key]
     return toks
 
@@ -109,13 +111,16 @@ def main() -> int:
   parser.add_argument("--slots", type=int, default=512, help="the KV cache's slots")
   parser.add_argument("--samplers", default="0.7:1.0",
                       help="TEMPERATURE:TOP_P pairs, comma-separated (each variant runs each)")
+  parser.add_argument("--steps", default=str(STEPS),
+                      help="decode steps a call, comma-separated (each variant runs each)")
   parser.add_argument("variants", nargs="*", default=["joined", "apart"])
   args = parser.parse_args()
   gfile = gguf_io.load_gguf(gguf_io.read_header(generate.default_model_path()),
                             progress=False)
   samplers = [tuple(float(v) for v in s.split(":")) for s in args.samplers.split(",")]
-  calls = {f"{s} T={t} top_p={p}": variant(gfile, s, args.slots, t, p)
-           for s in args.variants for t, p in samplers}
+  counts = [int(v) for v in args.steps.split(",")]
+  calls = {(f"{s} T={t} top_p={p} steps={n}", n): variant(gfile, s, args.slots, t, p, n)
+           for s in args.variants for t, p in samplers for n in counts}
   times = {s: [] for s in calls}
   for _ in range(12):
     for s, call in calls.items():
@@ -123,11 +128,11 @@ def main() -> int:
         t0 = time.perf_counter()
         jax.device_get(call())
         times[s].append(time.perf_counter() - t0)
-  for s, t in times.items():
+  for (s, n), t in times.items():
     t = sorted(t)
     print(f"{s} ({args.slots} slots): us/token median "
-          f"{statistics.median(t) * 1e6 / STEPS:.1f}, p10 {t[len(t) // 10] * 1e6 / STEPS:.1f}, "
-          f"p90 {t[9 * len(t) // 10] * 1e6 / STEPS:.1f}")
+          f"{statistics.median(t) * 1e6 / n:.1f}, p10 {t[len(t) // 10] * 1e6 / n:.1f}, "
+          f"p90 {t[9 * len(t) // 10] * 1e6 / n:.1f}")
   return 0
 
 

@@ -171,8 +171,11 @@ class _Steps(NamedTuple):
 
 
 # Decode steps per call of the model's decode loop (one read back per call): a reply
-# streams in bursts of up to this many tokens.
-DECODE_CHUNK = 16
+# streams in bursts of up to this many tokens. Each call costs ~2 ms on top of its steps
+# (H200, SmolLM2, docs/experiments/s42_decode_write.py --steps 16,32,64: 951.5, 888.7,
+# 859.8 us a token greedy), so 64 rather than session 40's 16: a burst of 64 takes
+# ~60 ms.
+DECODE_CHUNK = 64
 
 
 def _model_steps(devices: int, params: dict, cfg: Any, max_len: int) -> _Steps:
