@@ -556,7 +556,7 @@ class _Reply(NamedTuple):
   text: str  # their text, special tokens skipped
   cache: Any
   key: Any
-  rate: str  # "X tokens/s" of the decode calls after the first (compilation), or "n/a"
+  rate: str  # "X tokens/s" of the decode calls (compiled before them), or "n/a"
 
 
 def _decode_reply(next_tokens, first_id: int | None, n: int, cache, key, args, tok) -> _Reply:
@@ -589,7 +589,13 @@ def _decode_reply(next_tokens, first_id: int | None, n: int, cache, key, args, t
   pos = jnp.asarray([n], jnp.int32)
   stop_ids = jnp.asarray(sorted(tok.stop_ids) or [-2], jnp.int32)  # -2: never sampled
   pending = [] if first_id is None else [first_id]
-  calls = 0
+  if (first_id is not None and first_id not in tok.stop_ids
+      and args.max_new_tokens > 1):
+    # The loop compiled before the timed calls: zero steps return the state as it is
+    # (with 64 steps a call, a reply of up to 64 tokens would leave no call to time).
+    _, _, token, pos, cache, key = next_tokens(
+        token, pos, cache, key, jnp.int32(0), stop_ids, max_steps=DECODE_CHUNK,
+        temperature=args.temperature, top_p=args.top_p)
   while pending:
     for next_id in pending:
       generated.append(_checked(next_id, n + len(generated) - 1))
@@ -605,10 +611,8 @@ def _decode_reply(next_tokens, first_id: int | None, n: int, cache, key, args, t
           temperature=args.temperature, top_p=args.top_p)
       ids = np.asarray(tokens[:, 0]).tolist()
       pending = ids[:ids.index(-2)] if -2 in ids else ids  # -2: steps not run
-      if calls:  # the first call includes compilation
-        t_decode += time.perf_counter() - t0
-        timed += len(pending)
-      calls += 1
+      t_decode += time.perf_counter() - t0
+      timed += len(pending)
 
   text_out = tok.decode(generated, skip_special=True)
   if not args.json:
