@@ -4,12 +4,14 @@ kernels.
 
 At decode each layer writes one token's key and value into its slot and then attends over
 the cache with one query. As :func:`qjax.write_kv_cache` and :func:`qjax.decode_attention`
-that is two launches, and XLA computes the queries' RoPE apart from the keys' (each feeds
-a different kernel): three kernels a layer besides the combine of the splits. One kernel
-that writes the row and attends (``pallas_kernels.decode_attention``) takes the queries,
-keys and values as one operand, so XLA computes them in one fusion. Every implementation
-equals :func:`qjax.write_kv_cache` followed by :func:`qjax.decode_attention`, up to the
-attention's rounding; the XLA path is exactly that.
+that is two kernels, and XLA computes the queries' RoPE in a fusion apart from the keys'
+(each feeds a different kernel): four launches a layer besides the combine of the splits.
+One kernel that writes the row and attends (``pallas_kernels.decode_attention``) takes
+the queries, keys and values as one operand, so XLA computes them in one fusion: two
+launches (SmolLM2 on an H200: 464 -> 404 a decode step, BENCHMARKS.md session 42).
+Every implementation equals :func:`qjax.write_kv_cache` followed by
+:func:`qjax.decode_attention`, up to the attention's rounding; the XLA path is exactly
+that.
 """
 
 from __future__ import annotations
