@@ -143,17 +143,16 @@ def _drop_aliased_input(kernel, *refs):
 def poisoned_outputs(kernel: Callable[..., None], args: list[Any], out_shape: Sequence[Any]
                      ) -> tuple[Callable[..., None], list[Any], dict[int, int]]:
   """For tests: ``(kernel, args, input_output_aliases)`` where every output of
-  ``out_shape`` (a list of ShapeDtypeStructs) starts as a NaN buffer aliased into the
-  call, so an element the kernel fails to write shows up as NaN. ``kernel(*input refs,
-  *output refs)`` is called without the aliased buffers' input refs (they are the output
-  refs); None entries of ``args`` are not refs."""
-  first = sum(a is not None for a in args)
-  aliases = {first + i: i for i in range(len(out_shape))}
+  ``out_shape`` (a list of ShapeDtypeStructs: the call's first outputs, or all of them)
+  starts as a NaN buffer aliased into the call, so an element the kernel fails to write
+  shows up as NaN. ``kernel(*input refs, *output refs)`` is called without the aliased
+  buffers' input refs (they are the output refs); None entries of ``args`` are not refs."""
+  first, given, outs = sum(a is not None for a in args), len(args), len(out_shape)
+  aliases = {first + i: i for i in range(outs)}
   args = [*args, *(jnp.full(s.shape, jnp.nan, s.dtype) for s in out_shape)]
-  outs = len(out_shape)
 
   def body(*refs):
-    return kernel(*refs[:-2 * outs], *refs[-outs:])
+    return kernel(*refs[:given], *refs[given + outs:])
 
   return body, args, aliases
 

@@ -122,7 +122,7 @@ def _kernel(q_ref, k_ref, v_ref, mask_ref, layer_ref, sinks_ref, new_ref, pos_re
 
   With a new token (``pos_ref`` ``[b]`` int32, its slot): its key and value are rows
   ``new_row + h`` and ``new_row + kv_heads + h`` of ``new_ref[b]`` (``[b, rows', d]``, in
-  the caches' dtype; ``new_ref`` may be ``q_ref``), and two more outputs, the caches
+  the caches' dtype; None: of ``q_ref[b]``), and two more outputs, the caches
   (aliased to ``k_ref`` / ``v_ref``), follow. Split 0 writes the token's row where its slot
   and the layer lie in the cache and starts its softmax with it (where the mask holds its
   slot); no program reads that slot from the cache, whose row is being written.
@@ -153,8 +153,9 @@ def _kernel(q_ref, k_ref, v_ref, mask_ref, layer_ref, sinks_ref, new_ref, pos_re
     lands = (p >= 0) & (p < slots) & layer_in
     slot_p = jnp.clip(p, 0, slots - 1)
     first = split == 0
-    new_k = common.load(new_ref.at[bi, new_row + h, pl.ds(0, dp)], cols)
-    new_v = common.load(new_ref.at[bi, new_row + kv_heads + h, pl.ds(0, dp)], cols)
+    source = q_ref if new_ref is None else new_ref
+    new_k = common.load(source.at[bi, new_row + h, pl.ds(0, dp)], cols)
+    new_v = common.load(source.at[bi, new_row + kv_heads + h, pl.ds(0, dp)], cols)
     plgpu.store(k_out.at[layer, bi, slot_p, h, pl.ds(0, dp)], new_k, mask=cols & lands & first)
     plgpu.store(v_out.at[layer, bi, slot_p, h, pl.ds(0, dp)], new_v, mask=cols & lands & first)
     seen = lands & first & mask_ref[bi, slot_p]
@@ -256,8 +257,6 @@ def _attend(q, k_cache, v_cache, mask, layer, sinks, new, *, heads: int, scale: 
   kernel = functools.partial(_kernel, kv_heads=kv_heads, g=g, d=d, slots=slots,
                              block_s=block_s, steps=steps, scale=scale, final=final,
                              new_row=new_row, interpret=interpret)
-  if new is not None and source is None:
-    kernel = functools.partial(_same_source, kernel)
   args = [q, k_cache, v_cache, mask, layer, sinks_g, source, positions]
   aliases = {}
   attended = len(out_shape)
@@ -267,13 +266,8 @@ def _attend(q, k_cache, v_cache, mask, layer, sinks, new, *, heads: int, scale: 
     out_shape = [*out_shape, jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                  jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
   if poison:  # the attention's outputs start as NaN (the caches keep their values)
-    first, given = sum(a is not None for a in args), len(args)
-    aliases.update({first + i: i for i in range(attended)})
-    args = [*args, *(jnp.full(s.shape, jnp.nan, s.dtype) for s in out_shape[:attended])]
-    inner = kernel
-
-    def kernel(*refs):
-      return inner(*refs[:given], *refs[given + attended:])
+    kernel, args, poisoned = common.poisoned_outputs(kernel, args, out_shape[:attended])
+    aliases.update(poisoned)
 
   call = pl.pallas_call(
       kernel, out_shape=out_shape, grid=(b * kv_heads, splits),
@@ -288,14 +282,6 @@ def _attend(q, k_cache, v_cache, mask, layer, sinks, new, *, heads: int, scale: 
     out = combine_splits(*outs[:3], sinks_g).astype(q.dtype)
   out = out.reshape(b, heads, d)
   return out if new is None else (out, *outs[-2:])
-
-
-def _same_source(kernel, q_ref, k_ref, v_ref, mask_ref, layer_ref, sinks_ref, new_ref,
-                 pos_ref, *out_refs):
-  """``kernel`` with the new token read from the queries' operand (``new_ref`` None)."""
-  del new_ref
-  return kernel(q_ref, k_ref, v_ref, mask_ref, layer_ref, sinks_ref, q_ref, pos_ref,
-                *out_refs)
 
 
 def decode_attention(q, k_cache, v_cache, mask, layer, sinks, *, scale: float,
