@@ -1007,8 +1007,11 @@ def attention_implementation(implementation: str | None, op: str = "decode") -> 
   :func:`qjax.write_kv_cache`, "write_decode": :func:`qjax.write_and_decode_attention`)
   for the layers' ``implementation``: "pallas" /
   "interpret" run XLA where no kernel of ``op`` is registered (as :func:`matmul` does for
-  a format without one)."""
-  if implementation in ("pallas", "interpret") and not attention.kernels(op):
+  a format without one; for "write_decode", where neither it nor "write" nor "decode" has
+  one: :func:`qjax.write_and_decode_attention` runs those two apart where it has no
+  kernel of its own)."""
+  ops = ("write_decode", "write", "decode") if op == "write_decode" else (op,)
+  if implementation in ("pallas", "interpret") and not any(attention.kernels(o) for o in ops):
     return "xla"
   return implementation
 

@@ -29,6 +29,7 @@ from conftest import (check_attention, needs_gpu, on_device, on_gpu, random_cach
                       small_llama)
 from flax_layers import llama
 from pallas_kernels import decode_attention as kernel
+from qjax._src import attention as qjax_attention
 
 IMPLS = ("xla", "interpret") + (("pallas",) if on_gpu() else ())
 BOUND = attention_tests.BOUND
@@ -197,6 +198,71 @@ def test_implementation_name():
   assert name(jnp.float32) == "xla"
   assert name(jnp.bfloat16, "interpret") == "pallas_triton-interpret"
   assert name(jnp.bfloat16, "xla") == "xla"
+
+
+def _decode_plugin(calls: list):
+  """A decode-attention backend for every device (the XLA path, counting its traces)."""
+  def fn(*args, scale, interpret):
+    del interpret
+    calls.append(1)
+    return qjax_attention.decode_attention_xla(*args, scale=scale)
+  return qjax.AttentionBackend(name="plugin", fn=fn, supported_on=lambda d: True)
+
+
+@pytest.mark.parametrize("joined", ["none", "unsupported"])
+def test_a_decode_only_plugin_runs_apart(request, monkeypatch, joined):
+  """Where no joined kernel runs (none registered, or one that does not run on the
+  device) and a plugin registered only a decode kernel, the write (XLA: no write kernel
+  here) and the plugin's attention run apart: in direct calls, with "pallas" (no joined
+  kernel registered) and in a Llama decode step, whose logits and cache equal the XLA
+  path's."""
+  calls = []
+  registry = qjax_attention._KERNELS  # pylint: disable=protected-access
+  kernels = {**registry, "write": [], "decode": [_decode_plugin(calls)]}
+  real = registry["write_decode"]
+  kernels["write_decode"] = [] if joined == "none" else [
+      dataclasses.replace(real[0], supported_on=lambda d: False)]
+  monkeypatch.setattr(qjax_attention, "_KERNELS", kernels)
+  name = qjax.write_and_decode_attention_implementation_name
+  assert name(jnp.bfloat16) == "xla write, plugin attention"
+  assert name(jnp.float32) == "xla"  # float32 q: XLA, as decode_attention's own rule
+  assert name(jnp.bfloat16, "xla") == "xla"
+  if joined == "none":
+    assert name(jnp.bfloat16, "pallas") == "xla write, plugin attention"
+    assert llama.attention_implementation("pallas", "write_decode") == "pallas"
+  rng = np.random.default_rng(seed_from(request.node.nodeid))
+  q, k, v, kc, vc, pos, mask, sk = _inputs(rng, (2, 8, 2, 32, 20, 3), jnp.bfloat16)
+  out, nk, nv = qjax.write_and_decode_attention(q, k, v, kc, vc, pos, mask, layer=1,
+                                                sinks=sk)
+  assert calls
+  want = qjax.write_and_decode_attention(q, k, v, kc, vc, pos, mask, layer=1, sinks=sk,
+                                         implementation="xla")
+  for got, w in zip((out, nk, nv), want):
+    write_tests._same(got, np.asarray(w))
+  calls.clear()
+  cfg, params = small_llama(rng)
+  cfg = dataclasses.replace(cfg, dtype=jnp.bfloat16)
+  cache = random_cache(cfg, rng, 2, 12)
+  step = lambda c_: llama.decode_step(params, jnp.array([5, 7]), jnp.array([2, 11]),
+                                      on_device(cache), cfg=c_)  # donated: a copy each
+  (lp, cp), (lx, cx) = step(cfg), step(dataclasses.replace(cfg, implementation="xla"))
+  assert calls, "the plugin did not run in the decode step"
+  np.testing.assert_array_equal(np.asarray(lp, np.float32), np.asarray(lx, np.float32))
+  for n in ("k", "v"):
+    write_tests._same(cp[n], np.asarray(cx[n]))
+
+
+def test_no_kernel_of_any_part():
+  """No joined, write or decode kernel registered: "pallas" names the joined registry's
+  error, and the layers run XLA."""
+  empty = {"write_decode": [], "write": [], "decode": []}
+  with pytest.MonkeyPatch.context() as mp:
+    registry = qjax_attention._KERNELS  # pylint: disable=protected-access
+    mp.setattr(qjax_attention, "_KERNELS", {**registry, **empty})
+    with pytest.raises(NotImplementedError, match="no write_decode-attention kernel"):
+      qjax.write_and_decode_attention_implementation_name(jnp.bfloat16, "pallas")
+    assert llama.attention_implementation("pallas", "write_decode") == "xla"
+    assert qjax.write_and_decode_attention_implementation_name(jnp.bfloat16) == "xla"
 
 
 def _kernel_names(jaxpr) -> list[str]:

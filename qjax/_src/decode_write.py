@@ -64,7 +64,9 @@ def write_and_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache
     layer, sinks, scale: as :func:`qjax.decode_attention` (a traced ``layer`` outside
       ``[-layers, layers)`` writes nothing and reads the nearest end's layer).
     implementation: None (a registered kernel where it supports the device and q is
-      16-bit, else XLA), "xla", "pallas" or "interpret" (as :func:`qjax.matmul`).
+      16-bit, else XLA), "xla", "pallas" or "interpret" (as :func:`qjax.matmul`). Where
+      no joined kernel runs, the write and the attention run apart, each through its own
+      registry (:func:`resolve`).
 
   Returns:
     ``(out [batch, heads, head_dim] in q's dtype, k_cache, v_cache)``, the caches of the
@@ -100,7 +102,7 @@ def write_and_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache
   if sinks is not None:
     sinks = jnp.asarray(sinks, jnp.float32)
   scale = float(1.0 / np.sqrt(q.shape[-1]) if scale is None else scale)
-  _, fn = resolve(q.dtype, implementation)
+  _, fn = resolve(q.dtype, implementation, cache_dtype=k_cache.dtype)
   out, k_cache, v_cache = fn(q, k, v, k_cache, v_cache, positions, mask, layer, sinks,
                              scale=scale)
   if not stacked:
@@ -108,11 +110,53 @@ def write_and_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache
   return out, k_cache, v_cache
 
 
-def resolve(dtype, implementation: str | None):
-  """The implementation :func:`write_and_decode_attention` runs for queries of ``dtype``:
-  its name and a function of the normalized arguments."""
-  return attention.resolve_in("write_decode", dtype, implementation,
-                              write_and_decode_attention_xla)
+def resolve(dtype, implementation: str | None, *, cache_dtype=None):
+  """The implementation :func:`write_and_decode_attention` runs for queries of ``dtype``
+  (and a cache of ``cache_dtype``, None: the same): its name and a function of the
+  normalized arguments.
+
+  Where no joined kernel runs (none registered, or none for this device) but a kernel of
+  :func:`qjax.write_kv_cache` or :func:`qjax.decode_attention` does, the two operations
+  run apart, each through its own registry (a plugin that registers only a decode
+  kernel still runs at a model's decode step); the name is then ``"W write, D
+  attention"``. With ``implementation`` "pallas" / "interpret" and no joined kernel
+  registered, each part runs its registered kernel, or XLA where it has none.
+  """
+  def joined(impl):
+    return attention.resolve_in("write_decode", dtype, impl, write_and_decode_attention_xla)
+
+  if implementation == "xla":
+    return "xla", write_and_decode_attention_xla
+  if implementation is None:
+    name, fn = joined(None)
+    if name != "xla":
+      return name, fn
+  elif write_and_decode_attention_kernels() or not (attention.kernels("write")
+                                                    or attention.kernels("decode")):
+    return joined(implementation)  # the joined kernel, or that registry's error
+  return _apart(dtype, implementation, dtype if cache_dtype is None else cache_dtype)
+
+
+def _apart(dtype, implementation: str | None, cache_dtype):
+  """:func:`qjax.write_kv_cache`'s implementation followed by
+  :func:`qjax.decode_attention`'s, each resolved in its own registry (for ``implementation``
+  "pallas" / "interpret", XLA for an operation with no kernel registered); the joined XLA
+  path where both are XLA."""
+  def part(op):
+    if implementation in ("pallas", "interpret") and not attention.kernels(op):
+      return "xla"
+    return implementation
+  write_name, write = kv_cache.resolve(cache_dtype, part("write"))
+  decode_name, decode = attention.resolve(dtype, part("decode"))
+  if write_name == decode_name == "xla":
+    return "xla", write_and_decode_attention_xla
+
+  def fn(q, k, v, k_cache, v_cache, positions, mask, layer, sinks, *, scale):
+    k_cache, v_cache = write(k_cache, v_cache, k[:, None], v[:, None], positions[:, None],
+                             layer)
+    return decode(q, k_cache, v_cache, mask, layer, sinks, scale=scale), k_cache, v_cache
+
+  return f"{write_name} write, {decode_name} attention", fn
 
 
 def write_and_decode_attention_implementation_name(dtype=jnp.bfloat16,
