@@ -7,7 +7,9 @@ import os
 import pathlib
 import subprocess
 import sys
+import types
 
+import jax
 import pytest
 
 from qjax._src import cli
@@ -169,6 +171,43 @@ def test_tune_refuses_a_kernel_without_candidate_configs():
     bench.tune([(256, 384)], [1], "codebook", calls=1)
 
 
+def test_tune_missing_sweeps_only_what_the_table_lacks(monkeypatch, tmp_path):
+  """--tune-missing keeps the entries this device's table holds (a sweep cut off by a time
+  limit goes on where it stopped) and tunes the rest; plain --tune measures every one.
+  Device times are faked (no kernel compiles on the CPU): config i of a sweep takes
+  ``10 - i`` us, so the last candidate wins."""
+  import importlib  # pylint: disable=g-import-not-at-top
+  importlib.import_module("pallas_kernels")  # registers the kernels
+  from qjax._src import bench, devtime, tuning  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(tuning, "DATA_DIR", tmp_path)
+  tuning._table.cache_clear()  # pylint: disable=protected-access
+  timed = []
+
+  def fake_time(fn, args, calls):
+    del fn, args, calls
+    timed.append(1)
+    return types.SimpleNamespace(us=10.0 - len(timed))
+
+  monkeypatch.setattr(devtime, "device_time", fake_time)
+  kind = jax.devices()[0].device_kind
+  held = {"format": "int4", "m_bucket": 1, "k": 256, "n": 384,
+          "config": {"block_m": 1, "block_n": 32, "block_k": 128, "split_k": 1,
+                     "num_warps": 2, "num_stages": 1}, "us": 1.5}
+  tuning.write_table(kind, [held])
+  logs = []
+  entries = bench.tune([(256, 384)], [1, 16], "int4", calls=1, missing_only=True,
+                       log=logs.append)
+  assert [(e["m_bucket"], e["k"], e["n"]) for e in entries] == [(16, 256, 384)]
+  assert logs[0] == "kept int4 M=1 K=256 N=384: in the table (--tune-missing)"
+  table = json.loads((tmp_path / tuning.device_file_name(kind)).read_text())["entries"]
+  assert held in table and len(table) == 2
+  assert tuning.lookup(kind, "int4", 16, 256, 384) == tuning.KernelConfig.from_json(
+      entries[0]["config"])
+  timed.clear()
+  again = bench.tune([(256, 384)], [1, 16], "int4", calls=1, log=logs.append)
+  assert [e["m_bucket"] for e in again] == [1, 16] and len(timed) > 2
+
+
 def test_llama_stack_fused_and_separate_hold_the_same_weights():
   """The fused stack (qkv, gate+up as one matrix each) stores what the separate one does."""
   from qjax._src import bench  # pylint: disable=g-import-not-at-top
@@ -288,6 +327,8 @@ def test_read_ceiling_example_sizes():
 # Bad arguments: one line "qjax COMMAND: error: ..." naming the value, exit code 2, before
 # any work starts (each of these was a traceback, or a nan / empty result with exit 0).
 BAD_ARGUMENTS = [
+    (["bench", "--tune-missing"], "--tune-missing is an option of --tune; add --tune or "
+     "drop it"),
     (["bench", "--format", "foo"], "argument --format: unknown format 'foo'; known formats: "
      "int4,int4nk,mxfp4,mxfp4nk,nvfp4,nvfp4nk,codebook,codebook2"),
     (["bench", "--format", "int4,foo"], "unknown format 'foo' in 'int4,foo'; known formats"),

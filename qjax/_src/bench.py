@@ -302,13 +302,20 @@ def plot(rows: Sequence[Row], impls: Sequence[str], path: str, title: str) -> An
 
 
 def tune(shapes: Sequence[tuple[int, int]], ms: Sequence[int], fmt: str, *, calls: int,
-         log: Callable[[str], None] = print) -> list[dict[str, Any]]:
-  """Sweeps the kernel's candidate configs; returns tuning-table entries."""
+         missing_only: bool = False, log: Callable[[str], None] = print
+         ) -> list[dict[str, Any]]:
+  """Sweeps the kernel's candidate configs for each shape and M; returns the
+  tuning-table entries (each also merged into this device's table as it is measured).
+  ``missing_only``: skips the (format, M bucket, K, N) the table already holds."""
   key = jax.random.key(1)
+  device_kind = jax.devices()[0].device_kind
   entries = []
   for k, n in shapes:
     ws = None
     for m in ms:
+      if missing_only and tuning.lookup(device_kind, fmt, m, k, n) is not None:
+        log(f"kept {fmt} M={m} K={k} N={n}: in the table (--tune-missing)")
+        continue
       w0 = random_weight(fmt, k, n, key)
       if ws is None:
         ws = [w0] + [random_weight(fmt, k, n, jax.random.fold_in(key, i))
@@ -335,7 +342,7 @@ def tune(shapes: Sequence[tuple[int, int]], ms: Sequence[int], fmt: str, *, call
                  "config": best[1].to_json(), "us": round(best[0], 2)}
         entries.append(entry)
         # Written as it goes, so a run cut off by a time limit keeps what it measured.
-        tuning.write_table(jax.devices()[0].device_kind, [entry])
+        tuning.write_table(device_kind, [entry])
     del ws
   return entries
 
@@ -803,7 +810,8 @@ def run(args) -> int:
       return 2
     entries = []
     for fmt in fmts:
-      entries += tune(shapes, ms, fmt, calls=args.calls)
+      entries += tune(shapes, ms, fmt, calls=args.calls,
+                      missing_only=getattr(args, "tune_missing", False))
     path = tuning.DATA_DIR / tuning.device_file_name(env["device"])
     print(f"wrote {len(entries)} entries to {path}")
   bandwidth = measure_copy_bandwidth(2**30 if on_gpu else 2**26)

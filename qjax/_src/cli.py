@@ -266,7 +266,11 @@ def _add_bench(sub) -> None:
   p.add_argument("--plot", type=_plot_file, help="also write a plot of %% of floor against "
                  "M to this file, in the format its extension names (.png, .pdf, .svg, ...)")
   p.add_argument("--tune", action="store_true", help="sweep kernel configs first and write "
-                 "the best ones to the tuning table of this device (GPU only)")
+                 "the best ones to the tuning table of this device (GPU only; each entry "
+                 "as it is measured)")
+  p.add_argument("--tune-missing", action="store_true", help="with --tune: sweep only the "
+                 "(format, M, K, N) this device's table has no entry for, so that a sweep "
+                 "cut off (a time limit) goes on where it stopped")
   p.add_argument("--model", action="store_true", help="also time batch-1 decode through a "
                  "Llama-3-8B-shaped stack of linear layers, int4 vs bf16")
   p.add_argument("--moe", action="store_true", help="instead, time qjax.moe_matmul on MXFP4 "
@@ -366,6 +370,8 @@ def _add_bench(sub) -> None:
       args.format = args.format or "int4"
       if args.moe_experts or args.moe_top_k:
         p.error("--moe-experts and --moe-top-k are options of --moe; add --moe or drop them")
+      if args.tune_missing and not args.tune:
+        p.error("--tune-missing is an option of --tune; add --tune or drop it")
       if args.tune and not on_gpu:
         p.error(f"--tune needs a GPU (it times the compiled kernels); this device is "
                 f"{_device()}")
