@@ -199,6 +199,8 @@ def test_tune_missing_sweeps_only_what_the_table_lacks(monkeypatch, tmp_path):
                        log=logs.append)
   assert [(e["m_bucket"], e["k"], e["n"]) for e in entries] == [(16, 256, 384)]
   assert logs[0] == "kept int4 M=1 K=256 N=384: in the table (--tune-missing)"
+  assert logs[1].startswith("tuning int4 M=16 K=256 N=384: ") and " configs" in logs[1]
+  assert logs[-1].startswith("tuned int4 M=16 K=256 N=384: ") and "swept in" in logs[-1]
   table = json.loads((tmp_path / tuning.device_file_name(kind)).read_text())["entries"]
   assert held in table and len(table) == 2
   assert tuning.lookup(kind, "int4", 16, 256, 384) == tuning.KernelConfig.from_json(

@@ -327,7 +327,11 @@ def tune(shapes: Sequence[tuple[int, int]], ms: Sequence[int], fmt: str, *, call
                          f"{', '.join(TUNABLE_FORMATS[:-1])} or {TUNABLE_FORMATS[-1]}")
       x = jax.random.normal(key, (m, k), jnp.float32).astype(jnp.bfloat16)
       best = None
-      for cfg in backend.candidate_configs(m, k, n):
+      candidates = backend.candidate_configs(m, k, n)
+      log(f"tuning {fmt} M={m} K={k} N={n}: {len(candidates)} configs (each compiled "
+          "and timed)...")
+      start = time.perf_counter()
+      for cfg in candidates:
         f = jax.jit(lambda x_, w_, cfg=cfg: backend.fn(x_, w_, interpret=False, config=cfg))
         try:
           t = devtime.device_time(f, [(x, w) for w in ws], calls=max(5, calls // 2)).us
@@ -337,7 +341,8 @@ def tune(shapes: Sequence[tuple[int, int]], ms: Sequence[int], fmt: str, *, call
         if best is None or t < best[0]:
           best = (t, cfg)
       if best:
-        log(f"tuned {fmt} M={m} K={k} N={n}: {best[0]:.1f} us {best[1]}")
+        log(f"tuned {fmt} M={m} K={k} N={n}: {best[0]:.1f} us {best[1]} (swept in "
+            f"{time.perf_counter() - start:.0f} s)")
         entry = {"format": fmt, "m_bucket": tuning.m_bucket(m), "k": k, "n": n,
                  "config": best[1].to_json(), "us": round(best[0], 2)}
         entries.append(entry)
