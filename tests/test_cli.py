@@ -357,6 +357,7 @@ BAD_ARGUMENTS = [
     (["bench", "--moe", "--format", "int4", "--shapes", "160x64"], "--shapes 160x64: K=160 "
      "must be a multiple of 128 for INT4 experts"),
     (["bench", "--offload", "--format", "int4"], "--offload does not use --format; drop it"),
+    (["bench", "--moe", "--tune-missing"], "--moe does not use --tune-missing; drop it"),
     (["bench", "--offload", "--shapes", "512x512"], "--offload does not use --shapes; drop it"),
     (["bench", "--moe-top-k", "2"], "--moe-experts and --moe-top-k are options of --moe"),
     (["bench", "--attention", "--shapes", "512x512"], "--attention does not use --shapes; "

@@ -326,8 +326,8 @@ def _add_bench(sub) -> None:
       p.error("--attention-slots, --attention-heads and --prefill are options of "
               "--attention; add --attention or drop them")
     if args.attention:
-      refuse_unused(args, "attention", ("moe", "offload", "tune", "shapes", "plot", "model",
-                                        "moe_experts", "moe_top_k"))
+      refuse_unused(args, "attention", ("moe", "offload", "tune", "tune_missing", "shapes",
+                                        "plot", "model", "moe_experts", "moe_top_k"))
       if args.impl and "pallas" in args.impl.split(",") and not _on_gpu():
         p.error(f"--impl {args.impl}: pallas needs a GPU (the compiled kernel); this "
                 f"device is {_device()}, where bench times xla,interpret")
@@ -338,8 +338,8 @@ def _add_bench(sub) -> None:
                   f"be a multiple of the KV heads ({kv})")
       return bench.run(args)
     if args.offload:
-      refuse_unused(args, "offload", ("moe", "impl", "tune", "shapes", "json", "plot",
-                                      "model", "moe_experts", "moe_top_k"))
+      refuse_unused(args, "offload", ("moe", "impl", "tune", "tune_missing", "shapes", "json",
+                                      "plot", "model", "moe_experts", "moe_top_k"))
       from qjax._src import offload  # pylint: disable=g-import-not-at-top
       from qjax._src import offload_bench  # pylint: disable=g-import-not-at-top
       if args.offload_group is None:
@@ -353,7 +353,7 @@ def _add_bench(sub) -> None:
       return offload_bench.run(args)
     on_gpu = _on_gpu()
     if args.moe:
-      refuse_unused(args, "moe", ("impl", "tune", "plot", "model"))
+      refuse_unused(args, "moe", ("impl", "tune", "tune_missing", "plot", "model"))
       moe = bench.moe_defaults(args.format or bench.MOE_BENCH_FORMATS[0], on_gpu)
       experts = args.moe_experts or moe["experts"]
       top_k = args.moe_top_k or moe["top_k"]
