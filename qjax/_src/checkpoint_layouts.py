@@ -41,6 +41,7 @@ Conventions implemented (per the reference packers):
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -94,6 +95,17 @@ def _unpack_rows(words: jax.Array) -> jax.Array:
   """Inverse of :func:`_pack_rows`: ``[K // 8, N]`` int32 -> ``[K, N]`` uint8."""
   kw, n = words.shape
   return _nibbles_last(words).transpose(0, 2, 1).reshape(kw * 8, n)
+
+
+@functools.partial(jax.jit, static_argnames=("tile_k",))
+def _rows_in_tile_order(qweight: jax.Array, perm: jax.Array | None, tile_k: int) -> jax.Array:
+  """GPTQ's ``qweight [K // 8, N]`` int32 (row ``8r + i`` at nibble ``i`` of word ``r``),
+  rows permuted by ``perm [K]`` (None: as they are), as :class:`Int4Weight` codes in tile
+  order ``tile_k``: one compiled program per shape."""
+  codes = _unpack_rows(qweight)
+  if perm is not None:
+    codes = jnp.take(codes, perm, axis=0)
+  return packing.pack_codes(codes, tile_k)
 
 
 def _pack_cols(a: jax.Array) -> jax.Array:
@@ -246,11 +258,12 @@ class GPTQWeight(formats.QuantizedWeight):
 
     ``zeros`` are the effective zero points (``nibble + 1`` for v1, so up to 16).
     """
-    codes = _unpack_rows(self.qweight)
+    return _unpack_rows(self.qweight), self.scales, self._zeros(), self.g_idx
+
+  def _zeros(self) -> jax.Array:
+    """The effective zero points ``[K // G, N]`` uint8 (``nibble + 1`` for v1)."""
     zeros = _unpack_cols(self.qzeros)
-    if self.zero_point_version == 1:
-      zeros = zeros + jnp.uint8(1)
-    return codes, self.scales, zeros, self.g_idx
+    return zeros + jnp.uint8(1) if self.zero_point_version == 1 else zeros
 
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
     """``[K, N]`` in ``dtype`` (computed in float32): ``(q - z[g_idx[k]]) * s[g_idx[k]]``."""
@@ -276,7 +289,9 @@ class GPTQWeight(formats.QuantizedWeight):
     """
     k, n = self.shape
     gs = self.group_size
-    codes, scales, zeros, g_idx = self.unpack()
+    # The zero points and g_idx (small) are checked here; the codes, K x N, are unpacked and
+    # packed again by one compiled program (eager ops took ~50x longer, 2-core CPU).
+    scales, zeros, g_idx = self.scales, self._zeros(), self.g_idx
     what = (f"GPTQWeight.to_int4 (zero_point_version={self.zero_point_version}; effective "
             "zeros must fit 4 bits")
     if self.zero_point_version == 1:  # qzeros hold z - 1: nibble 15 reads as 16
@@ -309,9 +324,8 @@ class GPTQWeight(formats.QuantizedWeight):
         trivial = bool(np.array_equal(gi, np.arange(k) // gs))
       if not trivial:
         perm = jnp.argsort(g_idx, stable=True).astype(jnp.int32)
-        codes = jnp.take(codes, perm, axis=0)
     w4 = int4.Int4Weight(
-        codes=packing.pack_codes(codes, tile_k),
+        codes=_rows_in_tile_order(self.qweight, perm, tile_k),
         scales=scales,
         zeros=None if zeros is None else zeros.astype(jnp.uint8),
         shape=(k, n),
@@ -350,6 +364,14 @@ class GPTQWeight(formats.QuantizedWeight):
 # ---------------------------------------------------------------------------------- AWQ
 
 
+@functools.partial(jax.jit, static_argnames=("tile_k",))
+def _contiguous_to_int4(w: Any, tile_k: int) -> int4.Int4Weight:
+  """:meth:`_ContiguousGroups.to_int4` as one compiled program."""
+  codes, scales, zeros, _ = w.unpack()
+  return int4.Int4Weight(codes=packing.pack_codes(codes, tile_k), scales=scales, zeros=zeros,
+                         shape=w.shape, group_size=w.group_size, tile_k=tile_k)
+
+
 class _ContiguousGroups:
   """``dequantize`` and ``to_int4`` of layouts whose group of row k is ``k // G``
   (no act-order): ``unpack()`` gives codes, scales and zero points (None: z = 8)."""
@@ -362,11 +384,8 @@ class _ContiguousGroups:
 
   def to_int4(self, tile_k: int = packing.NATIVE_TILE_K) -> int4.Int4Weight:
     """Lossless :class:`Int4Weight` (bit-identical ``dequantize``; symmetric iff there is
-    no zero point); jittable."""
-    codes, scales, zeros, _ = self.unpack()
-    return int4.Int4Weight(codes=packing.pack_codes(codes, tile_k), scales=scales,
-                           zeros=zeros, shape=self.shape, group_size=self.group_size,
-                           tile_k=tile_k)
+    no zero point); jittable, and one compiled program per shape when called eagerly."""
+    return _contiguous_to_int4(self, tile_k)
 
 
 @formats.register_format
