@@ -310,13 +310,23 @@ def _moe_impl_name(params: dict, cfg: Any, implementation: str | None) -> str:
   (one token's pairs) and at prefill (more pairs), as :func:`_impl_name`."""
   import qjax  # pylint: disable=g-import-not-at-top
   from flax_layers import llama  # pylint: disable=g-import-not-at-top
-  p = params["params"]
-  w = (qjax.layer_of(p["blocks"]["moe"]["gate"], 0) if "blocks" in p else
-       p["layers_0"]["moe"]["gate"])
+  w = _first_layer(params, "moe", "gate")
   impl = llama.moe_implementation(w, implementation)
   decode = qjax.moe_implementation_name(w, impl, cfg.experts_per_token)
   prefill = qjax.moe_implementation_name(w, impl, PROMPT_BUCKET_MIN * cfg.experts_per_token)
   return decode if decode == prefill else f"{decode} (decode), {prefill} (prefill)"
+
+
+def _first_layer(params: dict, *keys: str) -> Any:
+  """The first layer's leaf at ``keys`` of Llama params, stacked (``blocks``: its layer 0
+  through ``qjax.layer_of``) or unrolled (``layers_0``)."""
+  import qjax  # pylint: disable=g-import-not-at-top
+  p = params["params"]
+  stacked = "blocks" in p
+  node = p["blocks"] if stacked else p["layers_0"]
+  for key in keys:
+    node = node[key]
+  return qjax.layer_of(node, 0) if stacked else node
 
 
 def _attention_impl_name(implementation: str | None, dtype: Any) -> str:
@@ -381,13 +391,10 @@ def _load_gguf_model(args, path: str, dtype: Any, implementation: str | None):
   plan = _plan(args, header.metadata, header.tensor_types, path, dtype, implementation)
   gfile = gguf_io.load_gguf(header, progress=not args.json)
   del header
-  q_name = "blk.0.attn_q.weight"
-  q_weight = gfile.tensors[q_name]
-  convert = _kernel_layouts(implementation) or _xla_layouts
-  impl_name = _impl_name(convert(q_name, q_weight), implementation, plan.cfg.dtype)
-  del q_weight
   file_bytes = gfile.file_tensor_bytes
   params = gguf_params(gfile, plan.cfg, implementation, consume=True)
+  impl_name = _impl_name(_first_layer(params, "attn", "q", "kernel"), implementation,
+                         plan.cfg.dtype)
   if plan.cfg.moe:
     impl_name += f"; experts: {_moe_impl_name(params, plan.cfg, implementation)}"
   impl_name += f"; {_attention_impl_name(implementation, plan.cfg.dtype)}"
@@ -456,8 +463,8 @@ def _load_hf_model(args, folder: str, dtype: Any, implementation: str | None):
   # The same config.json gives load_hf_llama the same config.
   _, params = hf_checkpoint.load_hf_llama(folder, convert=convert, progress=not args.json,
                                           dtype=dtype, implementation=implementation)
-  q = params["params"]["blocks"]["attn"]["q"]["kernel"]
-  impl_name = _impl_name(qjax.layer_of(q, 0), implementation, cfg.dtype)
+  impl_name = _impl_name(_first_layer(params, "attn", "q", "kernel"), implementation,
+                         cfg.dtype)
   if cfg.moe:  # the experts as loaded: MXFP4Weight (GPT-OSS) or float stacks
     impl_name += f"; experts: {_moe_impl_name(params, cfg, implementation)}"
   impl_name += f"; {_attention_impl_name(implementation, cfg.dtype)}"
