@@ -290,7 +290,8 @@ class GPTQWeight(formats.QuantizedWeight):
     k, n = self.shape
     gs = self.group_size
     # The zero points and g_idx (small) are checked here; the codes, K x N, are unpacked and
-    # packed again by one compiled program (eager ops took ~50x longer, 2-core CPU).
+    # packed again by one compiled program (2048 x 8192 on a 2-core CPU: 0.6 ms, where the
+    # eager ops took ~110 ms).
     scales, zeros, g_idx = self.scales, self._zeros(), self.g_idx
     what = (f"GPTQWeight.to_int4 (zero_point_version={self.zero_point_version}; effective "
             "zeros must fit 4 bits")
