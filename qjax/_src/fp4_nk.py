@@ -243,6 +243,13 @@ def _fragment_codes(w) -> jax.Array:
   if k % int4_nk.CHUNK:
     raise ValueError(f"{type(w).__name__} with K={k}: the [N, K // 8] layout needs K to be "
                      f"a multiple of {int4_nk.CHUNK}")
+  return _fragment_words_of(w)
+
+
+@jax.jit
+def _fragment_words_of(w) -> jax.Array:
+  """:func:`_fragment_codes`' words as one compiled program per shape (MXFP4 2048 x 8192
+  on a 2-core CPU: ~5 ms, where the eager ops apart took ~240 ms)."""
   return to_stored_words(int4_nk.fragment_words(w.unpacked_codes()))
 
 

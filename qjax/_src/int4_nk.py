@@ -137,10 +137,16 @@ def to_int4_nk(w: int4.Int4Weight) -> Int4NKWeight:
   if k % CHUNK or w.group_size % CHUNK:
     raise ValueError(f"to_int4_nk needs K={k} and group_size={w.group_size} to be "
                      f"multiples of {CHUNK}; keep the Int4Weight for this shape")
+  return Int4NKWeight(codes=_nk_codes(w), scales=w.scales, shape=w.shape,
+                      group_size=w.group_size)
+
+
+@jax.jit
+def _nk_codes(w: int4.Int4Weight) -> jax.Array:
+  """The fragment-order words of a symmetric ``w``'s codes, as one compiled program per
+  shape (2048 x 8192 on a 2-core CPU: ~15 ms, where the eager ops apart took ~440 ms)."""
   q = w.unpacked_codes().astype(jnp.uint32)  # [..., K, N] in [0, 15]
-  # q - 8 in 4-bit two's complement
-  return Int4NKWeight(codes=fragment_words(q ^ jnp.uint32(8)), scales=w.scales,
-                      shape=w.shape, group_size=w.group_size)
+  return fragment_words(q ^ jnp.uint32(8))  # q - 8 in 4-bit two's complement
 
 
 def fragment_words(q: jax.Array) -> jax.Array:
