@@ -281,9 +281,17 @@ def kernel_layout(w: Any) -> Any:
   for MXFP4, the tiled layout for Q8_0 / Q4_K / Q5_K / Q6_K, anything else unchanged
   (:func:`converts`). Expert stacks (leading axes) stay as they are, but Q4_0 / Q4_1 /
   MXFP4 ones, whose ``to_int4()`` / ``to_mxfp4()`` is the stack the MoE kernels read: no
-  MoE kernel reads the other GGUF types. Lossless, jittable."""
+  MoE kernel reads the other GGUF types. Lossless, jittable; called eagerly, one compiled
+  program per weight type and shape (Q4_K 2048 x 8192 on a 2-core CPU: ~10 ms, where the
+  eager ops took ~135 ms; Q8_0 14 -> 28 ms, the one type slower so)."""
   if not converts(w):
-    return w
+    return w  # as it is (a jitted identity would copy it)
+  return _converted_layout(w)
+
+
+@jax.jit
+def _converted_layout(w: Any) -> Any:
+  """:func:`kernel_layout` of a weight it converts, as one compiled program."""
   if isinstance(w, (gf.GGUFQ4_0, gf.GGUFQ4_1)):
     return w.to_int4()
   if isinstance(w, gf.GGUFMXFP4):
