@@ -116,9 +116,9 @@ def _kernel_layouts(implementation: str | None):
     return None
   if implementation is None and not kernels[0].supported_on(dispatch.default_device()):
     return None
-  layout = _jitted(gguf_tiled.kernel_layout)
-  # Not through jit where nothing changes: a jitted identity copies the weight.
-  return lambda name, w: layout(w) if gguf_tiled.converts(w) else w
+  # One compiled program per weight type and shape; weights it keeps are returned as they
+  # are (gguf_tiled.kernel_layout does both).
+  return lambda name, w: gguf_tiled.kernel_layout(w)
 
 
 @functools.cache
@@ -152,7 +152,7 @@ def _xla_layouts(name: str, w: Any) -> Any:
   if isinstance(w, gguf_formats.GGUFBlockWeight) and w.leading_axes:
     return w
   if isinstance(w, gguf_formats.GGUFMXFP4):
-    return _jitted(gguf_tiled.kernel_layout)(w)
+    return gguf_tiled.kernel_layout(w)
   if (isinstance(w, (gguf_formats.GGUFQ4_0, gguf_formats.GGUFQ4_1))
       and jax.default_backend() == "cpu"):
     # Plain order (tile_k 8): XLA's fastest here, and a row split needs whole 8-row tiles.
