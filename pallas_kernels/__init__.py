@@ -114,13 +114,16 @@ qjax.register_kernel(
 qjax.register_kernel(
     qjax.Int4NKWeight,
     qjax.Backend(name="mosaic_gpu_wgmma", fn=int4_wgmma.int4_nk_matmul,
-                 supported_on=int4_wgmma.supported, declines=int4_wgmma.declines))
+                 supported_on=int4_wgmma.supported, declines=int4_wgmma.declines,
+                 candidate_configs=int4_wgmma.tuner_candidates("int4nk")))
 # MXFP4NKWeight, NVFP4NKWeight: the same kernel with E2M1 codes and their block scales.
 for _fp4_nk_format in (qjax.MXFP4NKWeight, qjax.NVFP4NKWeight):
   qjax.register_kernel(
       _fp4_nk_format,
       qjax.Backend(name="mosaic_gpu_wgmma", fn=int4_wgmma.fp4_nk_matmul,
-                   supported_on=int4_wgmma.supported, declines=int4_wgmma.declines))
+                   supported_on=int4_wgmma.supported, declines=int4_wgmma.declines,
+                   candidate_configs=int4_wgmma.tuner_candidates(
+                       int4_wgmma.TABLE_FORMATS[_fp4_nk_format])))
   # ... and qjax.moe_matmul of their expert stacks: a grouped GEMM over the selected
   # experts.
   qjax.register_moe_kernel(

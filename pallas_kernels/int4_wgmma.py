@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +70,7 @@ from qjax._src import fp4_nk
 from qjax._src import int4_nk
 from qjax._src import moe
 from qjax._src import stacked as stacked_lib
+from qjax._src import tuning
 
 _CHAIN = plgpu.PipelinePipeline  # pipeline_state values of chained tiles
 
@@ -96,96 +97,9 @@ _ODD_FP4_SPLITS = ((5, 192), (3, 320))
 _FP4_FORMATS = {"mxfp4": fp4_nk.MXFP4NKWeight, "nvfp4": fp4_nk.NVFP4NKWeight}
 
 
-# K per pipeline step: powers of two, and for K = 2880 (GPT-OSS) multiples of 64 that
-# divide it; those take FP4 weights only (INT4 steps must divide or span whole groups).
-_TILE_K = (64, 128, 192, 256, 320, 512, 576)
-
-
-@dataclasses.dataclass(frozen=True)
-class WgmmaConfig:
-  """Static tile configuration of :func:`int4_nk_matmul`.
-
-  Attributes:
-    tile_n: rows of W^T (columns of y) per compute warpgroup; wgmma's M: 64 or 128.
-    tile_m: rows of x per CTA; wgmma's N: a multiple of 8, at most 256.
-    tile_k: K per pipeline step: 64, 128, 256 or 512, dividing the group size or a
-      multiple of it (512 with groups of 128: four scale rows and four wgmmas per step,
-      and 256-byte rows of int4 per TMA copy instead of 64); FP4 also 192, 320 or 576
-      (for K = 2880).
-    stages: pipeline depth (TMA copies in flight).
-    epi_m: rows of y per epilogue store; divides tile_m.
-    split_k: K splits (float32 partial outputs summed by XLA when > 1).
-    m_minor: walk output tiles with M fastest (each W^T tile read once from memory, x
-      tiles from L2) instead of N fastest.
-    consumers: compute warpgroups per CTA, each owning tile_n rows of W^T: 2 (3 and 4
-      compiled but hung on the H100; 4 compute warpgroups run with a register count
-      that fits, but were slower: BENCHMARKS.md session 28).
-    snake_width: 0, or walk the tiles along a snake of this many rows (columns with
-      m_minor) for locality in L2 (``plgpu.planar_snake``).
-    chain_tiles: run a CTA's tiles as one chained pipeline (Pallas' ``pipeline_state``
-      START / STEADY / STOP): the memory warpgroup loads the next tile's first steps
-      while the compute warpgroups finish the last ones and store, instead of refilling an
-      empty pipeline per tile. Needs ``stages`` to divide the K steps of a tile.
-    scale_accumulator: multiply the group scales into float32 partial products (one
-      wgmma per group into its own accumulator, then ``acc += part * s``) instead of into
-      the bf16 weights: fewer multiplies where the accumulator is small (small tile_m).
-    mma_sync: multiply each group (INT4, with ``scale_accumulator``) or 128 of K (FP4)
-      with per-warp ``mma.sync.m16n8k16`` (x's fragments by ``ldmatrix`` from the
-      swizzled tile) into a float32 value of its own, added to the accumulator, instead
-      of a warpgroup-wide wgmma: no wgmma fences or waits in the step.
-  """
-  tile_n: int = 64
-  tile_m: int = 256
-  tile_k: int = 64
-  stages: int = 4
-  epi_m: int = 64
-  split_k: int = 1
-  m_minor: bool = False
-  consumers: int = 2
-  snake_width: int = 0
-  chain_tiles: bool = False
-  scale_accumulator: bool = False
-  mma_sync: bool = False
-
-  def __post_init__(self):
-    if (isinstance(self.snake_width, bool) or not isinstance(self.snake_width, int)
-        or self.snake_width < 0):
-      raise ValueError(f"WgmmaConfig.snake_width={self.snake_width!r} must be an int >= 0")
-    for name in ("m_minor", "chain_tiles", "scale_accumulator", "mma_sync"):
-      if not isinstance(getattr(self, name), bool):
-        raise ValueError(f"WgmmaConfig.{name}={getattr(self, name)!r} must be a bool")
-    if self.consumers != 2:
-      # 3 and 4 lowered but hung on the H100 (session 16). With 4, Pallas' pipeline asks
-      # setmaxnreg for 112 registers per compute thread, more than a block of 640 threads
-      # holds (96 each): a count that fits runs them, correct and 3-25 % slower than 2
-      # (session 28, BENCHMARKS.md). The pipeline is only run with 2.
-      raise ValueError(f"WgmmaConfig.consumers={self.consumers!r} must be 2")
-    for name in ("tile_n", "tile_m", "tile_k", "stages", "epi_m", "split_k"):
-      v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise ValueError(f"WgmmaConfig.{name}={v!r} must be a positive int")
-    if self.tile_n not in (64, 128):
-      raise ValueError(f"WgmmaConfig.tile_n={self.tile_n} must be 64 or 128 (wgmma M)")
-    if self.tile_m % 8 or self.tile_m > 256:
-      raise ValueError(f"WgmmaConfig.tile_m={self.tile_m} must be a multiple of 8 up to 256")
-    if self.tile_k not in _TILE_K:
-      raise ValueError(f"WgmmaConfig.tile_k={self.tile_k} must be one of {_TILE_K}")
-    if self.tile_m % self.epi_m or self.epi_m % 8:
-      raise ValueError(
-          f"WgmmaConfig.epi_m={self.epi_m} must be a multiple of 8 dividing tile_m="
-          f"{self.tile_m}")
-
-  def epilogue_bytes(self) -> int:
-    """Shared memory of the epilogue: two buffers per compute warpgroup."""
-    return self.consumers * 2 * self.epi_m * self.tile_n * (4 if self.split_k > 1 else 2)
-
-  def stage_bytes(self, group_size: int = 128, scale_bytes: int = 2) -> int:
-    """Shared memory of one pipeline stage: x tile, W^T tile (4-bit), scale rows (one per
-    ``group_size`` of K, ``scale_bytes`` per element: 2 for bf16, 1 for FP4's E8M0 or
-    float8_e4m3fn)."""
-    c = self.consumers
-    return (self.tile_m * self.tile_k * 2 + c * self.tile_n * self.tile_k // 2
-            + c * self.tile_n * scale_bytes * _groups_per_step(self.tile_k, group_size))
+# K per pipeline step (:class:`WgmmaConfig`, defined with the tuning table that stores it).
+_TILE_K = tuning.WGMMA_TILE_K
+WgmmaConfig = tuning.WgmmaConfig
 
 
 def supported(device: jax.Device) -> bool:
@@ -302,17 +216,139 @@ def config_for(m: int, k: int, n: int, group_size: int, num_sms: int = 132, *,
                              mma_sync=mma_sync)
 
 
+# The tuner's search space (:func:`candidate_configs`): K kept in flight per CTA (stages
+# times tile_k; config_for keeps 768-2048), K splits, and the stage counts tried.
+_CANDIDATE_K_IN_FLIGHT = (768, 1024, 1536, 2048)
+_CANDIDATE_SPLITS = (1, 2, 4, 8)
+_CANDIDATE_STAGES = (2, 3, 4, 6, 8)
+
+
+def abstract_weight(k: int, n: int, *, group_size: int = 128, fp4: str | None = None) -> Any:
+  """An abstract ``[k, n]`` Int4NKWeight (bf16 scales per ``group_size``), or
+  MXFP4NKWeight / NVFP4NKWeight for ``fp4``: arrays as ``jax.ShapeDtypeStruct``, for
+  checking configurations without a weight."""
+  codes = jax.ShapeDtypeStruct((n, k // 8), jnp.uint32)
+  if fp4 is None:
+    return int4_nk.Int4NKWeight(codes=codes,
+                                scales=jax.ShapeDtypeStruct((k // group_size, n), jnp.bfloat16),
+                                shape=(k, n), group_size=group_size)
+  cls = _FP4_FORMATS[fp4]
+  extra = {"global_scale": jax.ShapeDtypeStruct((), jnp.float32)} if fp4 == "nvfp4" else {}
+  return cls(codes=codes, scales=jax.ShapeDtypeStruct((k // cls.block_size, n),
+                                                      cls.scale_dtype),
+             shape=(k, n), **extra)
+
+
+def config_error(m: int, w: Any, cfg: WgmmaConfig) -> str | None:
+  """Why ``cfg`` cannot run ``m`` rows of bf16 x times ``w`` (one weight; arrays may be
+  abstract): what :func:`int4_nk_matmul` / :func:`fp4_nk_matmul` would raise, or shared
+  memory past the block's limit; None where it runs."""
+  try:
+    _check(jax.ShapeDtypeStruct((m, w.shape[0]), jnp.bfloat16), w, cfg)
+  except NotImplementedError as e:
+    return str(e)
+  fp4 = _fp4_name(w)
+  scale_args = (w.block_size, 1) if fp4 else (w.group_size, 2)
+  smem = cfg.stages * cfg.stage_bytes(*scale_args) + cfg.epilogue_bytes()
+  if smem > _SMEM_MAX:
+    return (f"{cfg.stages} stages of {cfg.stage_bytes(*scale_args)} bytes and an epilogue "
+            f"of {cfg.epilogue_bytes()} take {smem} bytes of shared memory, more than "
+            f"{_SMEM_MAX}")
+  return None
+
+
+def candidate_configs(m: int, w: Any, num_sms: int = 132) -> list[WgmmaConfig]:
+  """The configurations ``qjax bench --tune`` times for ``m`` rows of x times ``w`` (one
+  weight; arrays may be abstract): :func:`config_for`'s choice first, then its row
+  tile with each column tile (64, 128 rows of W^T per warpgroup), K step, K split and
+  stage count that runs (:func:`config_error`) and keeps 768-2048 of K in flight per
+  CTA, each with the tile chaining, scale placement and mma.sync choice of
+  :func:`config_for`'s rules."""
+  k, n = w.shape
+  fp4 = _fp4_name(w)
+  base = default_config(m, w, num_sms, table=False)
+  odd_fp4 = fp4 is not None and k % 128
+  tile_ks = (192, 320) if odd_fp4 else (128, 256, 512)
+  out = [base]
+  for tile_n in (64, 128):
+    if n % (base.consumers * tile_n):
+      continue
+    tiles = -(-m // base.tile_m) * (n // (base.consumers * tile_n))
+    for tile_k in tile_ks:
+      for split_k in _CANDIDATE_SPLITS:
+        if split_k > 1 and tiles * split_k > 2 * num_sms:
+          continue
+        for stages in _CANDIDATE_STAGES:
+          if stages * tile_k not in _CANDIDATE_K_IN_FLIGHT:
+            continue
+          steps = k // split_k // tile_k
+          if steps < 2:
+            continue
+          cfg = dataclasses.replace(
+              base, tile_n=tile_n, tile_k=tile_k, split_k=split_k, stages=stages,
+              chain_tiles=tiles * split_k > num_sms and steps % stages == 0)
+          if cfg not in out and config_error(m, w, cfg) is None:
+            out.append(cfg)
+  return out
+
+
+def tuner_candidates(fmt: str) -> Callable[[int, int, int], list[WgmmaConfig]]:
+  """``Backend.candidate_configs`` of the ``fmt`` layout (a :data:`TABLE_FORMATS` name):
+  ``(m, k, n) ->`` :func:`candidate_configs` of a ``[k, n]`` weight of that format (INT4
+  with groups of 128, as ``qjax bench`` builds them) on this device's SMs."""
+  fp4 = {"int4nk": None, "mxfp4nk": "mxfp4", "nvfp4nk": "nvfp4"}[fmt]
+
+  def candidates(m: int, k: int, n: int) -> list[WgmmaConfig]:
+    return candidate_configs(m, abstract_weight(k, n, fp4=fp4), _grid_sms(False, None))
+
+  return candidates
+
+
 def _fp4_name(w: Any) -> str | None:
   """"mxfp4" or "nvfp4" for the FP4 formats (:data:`_FP4_FORMATS`), else None."""
   return next((name for name, cls in _FP4_FORMATS.items() if isinstance(w, cls)), None)
 
 
-def default_config(m: int, w: Any, num_sms: int = 132) -> WgmmaConfig:
-  """:func:`config_for` of ``m`` rows of x times the weight ``w`` (an Int4NKWeight,
-  MXFP4NKWeight or NVFP4NKWeight): the configuration the kernel runs with none given."""
+# The tuning table's format name of each weight class the kernel takes (the exact class:
+# a registered subclass gets config_for's heuristics, as the Triton kernels' subclasses do).
+TABLE_FORMATS = {int4_nk.Int4NKWeight: "int4nk", fp4_nk.MXFP4NKWeight: "mxfp4nk",
+                 fp4_nk.NVFP4NKWeight: "nvfp4nk"}
+
+
+def default_config(m: int, w: Any, num_sms: int = 132, *, table: bool = True
+                   ) -> WgmmaConfig:
+  """The configuration the kernel runs ``m`` rows of x times the weight ``w`` (an
+  Int4NKWeight, MXFP4NKWeight or NVFP4NKWeight) with when none is given: the tuning
+  table's entry for this device kind, format (:data:`TABLE_FORMATS`), M's bucket, K and N
+  (``qjax bench --tune``), where ``table`` is set, ``num_sms`` is the device's SM count
+  (the grid the entry was timed on) and the entry runs this weight (:func:`config_error`:
+  an entry tuned on groups of 128 may not fit other group sizes); else
+  :func:`config_for`."""
+  if table:
+    tuned = _table_config(m, w, num_sms)
+    if tuned is not None:
+      return tuned
   k, n = w.shape
   fp4 = _fp4_name(w)
   return config_for(m, k, n, w.block_size if fp4 else w.group_size, num_sms, fp4=fp4)
+
+
+def _table_device() -> Any:
+  """The device whose kind and SM count key the tuning table (the first, as the Triton
+  kernels' lookups take)."""
+  return jax.devices()[0]
+
+
+def _table_config(m: int, w: Any, num_sms: int) -> WgmmaConfig | None:
+  """The table entry :func:`default_config` runs, or None."""
+  fmt = TABLE_FORMATS.get(type(w))
+  device = _table_device()
+  if fmt is None or getattr(device, "core_count", None) != num_sms:
+    return None
+  cfg = tuning.lookup(device.device_kind, fmt, m, *w.shape)
+  if cfg is None or config_error(m, w, cfg) is not None:
+    return None
+  return cfg
 
 
 def _check(x: jax.Array, w: Any, cfg: WgmmaConfig) -> None:

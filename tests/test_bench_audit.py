@@ -281,9 +281,10 @@ def test_tune_refuses_untunable_formats_before_any_work(capsys, monkeypatch):
   codebook with a ValueError traceback."""
   monkeypatch.setattr(cli, "_on_gpu", lambda: True)
   monkeypatch.setattr(bench, "run", lambda args: pytest.fail("bench ran"))
-  last = _usage_error(capsys, ["bench", "--tune", "--format", "int4,codebook,int4nk"])
-  assert last.endswith("--tune --format int4,codebook,int4nk: codebook,int4nk have no "
-                       "kernel configs to sweep; tune int4,mxfp4,nvfp4")
+  last = _usage_error(capsys, ["bench", "--tune", "--format", "int4,codebook,codebook2"])
+  assert last.endswith("--tune --format int4,codebook,codebook2: codebook,codebook2 have "
+                       "no kernel configs to sweep; tune int4,int4nk,mxfp4,mxfp4nk,nvfp4,"
+                       "nvfp4nk")
 
 
 def test_tunable_formats_are_the_ones_with_candidate_configs():

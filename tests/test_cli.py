@@ -167,7 +167,7 @@ def test_tune_refuses_a_kernel_without_candidate_configs():
   import importlib  # pylint: disable=g-import-not-at-top
   importlib.import_module("pallas_kernels")  # registers the kernels
   from qjax._src import bench  # pylint: disable=g-import-not-at-top
-  with pytest.raises(ValueError, match="no candidate configs.*tune int4, mxfp4 or nvfp4"):
+  with pytest.raises(ValueError, match="no candidate configs.*tune int4, int4nk, mxfp4, mxfp4nk, nvfp4 or nvfp4nk"):
     bench.tune([(256, 384)], [1], "codebook", calls=1)
 
 

@@ -202,6 +202,134 @@ def test_config_validation_names_the_field(field, value):
     kw.WgmmaConfig(**{field: value})
 
 
+@pytest.mark.parametrize("fp4", [None, "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize("k,n", [(4096, 4096), (4096, 14336), (8192, 28672), (1024, 384),
+                                 (2880, 5760)])
+def test_candidate_configs_run_and_start_with_the_heuristic(m, k, n, fp4):
+  """The tuner's search space: config_for's choice first, no repeats, every config one the
+  kernel runs for the weight (its checks and shared memory), the row tile of config_for,
+  768-2048 of K in flight, tiles chained exactly where config_for's rule chains them."""
+  if fp4 is None and k % 128:
+    pytest.skip("INT4 of groups of 128 needs K a multiple of 128")
+  w = kw.abstract_weight(k, n, fp4=fp4)
+  base = kw.config_for(m, k, n, w.block_size if fp4 else 128, 132, fp4=fp4)
+  cands = kw.candidate_configs(m, w, 132)
+  assert cands[0] == base and len(set(cands)) == len(cands) > 1
+  for cfg in cands[1:]:
+    assert kw.config_error(m, w, cfg) is None, cfg
+    assert (cfg.tile_m, cfg.scale_accumulator, cfg.mma_sync) == (
+        base.tile_m, base.scale_accumulator, base.mma_sync)
+    assert cfg.stages * cfg.tile_k in (768, 1024, 1536, 2048)
+    tiles = -(-m // cfg.tile_m) * (n // (2 * cfg.tile_n))
+    steps = k // cfg.split_k // cfg.tile_k
+    assert steps >= 2
+    assert cfg.chain_tiles == (tiles * cfg.split_k > 132 and steps % cfg.stages == 0)
+    if fp4 and k % 128:
+      assert cfg.tile_k in (192, 320)
+  if n % 256 == 0 and m <= 16:  # wider column tiles (at M = 64 they overflow shared memory)
+    assert {c.tile_n for c in cands} == {64, 128}
+
+
+def test_config_error_names_what_does_not_fit():
+  w = kw.abstract_weight(4096, 4096)
+  assert kw.config_error(16, w, kw.config_for(16, 4096, 4096, 128)) is None
+  big = kw.WgmmaConfig(tile_m=256, tile_k=512, stages=8)
+  assert "more than" in kw.config_error(256, w, big) and "shared memory" in kw.config_error(
+      256, w, big)
+  assert "not a multiple of tile_k=512" in kw.config_error(
+      1, w, kw.WgmmaConfig(tile_m=8, epi_m=8, tile_k=512, split_k=16, stages=2))
+  fp4 = kw.abstract_weight(2880, 5760, fp4="mxfp4")
+  assert "scale_accumulator" in kw.config_error(1, fp4, kw.WgmmaConfig(
+      tile_m=8, epi_m=8, tile_k=320, stages=2, scale_accumulator=True))
+
+
+class _FakeHopper:
+  device_kind = "Test H200"
+  core_count = 132
+
+
+@pytest.fixture
+def tuning_table(tmp_path, monkeypatch):
+  """A tuning table directory of its own, and a device that looks like a 132-SM Hopper to
+  the wgmma kernel's table lookup."""
+  from qjax._src import tuning  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(tuning, "DATA_DIR", tmp_path)
+  monkeypatch.setattr(kw, "_table_device", _FakeHopper)
+  tuning._table.cache_clear()
+  yield tuning
+  tuning._table.cache_clear()
+
+
+def test_default_config_takes_the_table_entry_that_runs(request, tuning_table,
+                                                       monkeypatch):
+  """default_config (what the kernel runs with no config) takes the tuning table's entry
+  for the device kind, format, M bucket, K and N where the grid has the device's SM count
+  and the entry runs the weight; config_for elsewhere."""
+  k, n = 2048, 512
+  _, _, wn = make_case(request.node.nodeid, 3, k, n)
+  tuned = kw.WgmmaConfig(tile_n=128, tile_m=8, tile_k=256, stages=4, epi_m=8, split_k=2,
+                         scale_accumulator=True, mma_sync=True)
+  assert tuned != kw.config_for(3, k, n, 128) and kw.config_error(3, wn, tuned) is None
+  # A stale entry at M bucket 16: K split more ways than K has groups of 128.
+  stale = dataclasses.replace(tuned, tile_m=16, epi_m=16, mma_sync=False, split_k=32)
+  entry = lambda fmt, m, cfg: {"format": fmt, "m_bucket": m, "k": k, "n": n,
+                               "config": cfg.to_json(), "us": 1.0}
+  tuning_table.write_table(_FakeHopper.device_kind, [
+      entry("int4nk", 4, tuned), entry("int4nk", 16, stale), entry("mxfp4nk", 8, tuned)])
+  assert kw.default_config(3, wn) == tuned
+  assert kw.default_config(4, wn, 132) == tuned
+  assert kw.default_config(3, wn, table=False) == kw.config_for(3, k, n, 128)
+  assert kw.default_config(3, wn, 66) == kw.config_for(3, k, n, 128, 66)  # another grid
+  assert kw.default_config(5, wn) == kw.config_for(5, k, n, 128)  # bucket 8: mxfp4nk only
+  assert kw.default_config(16, wn) == kw.config_for(16, k, n, 128)  # the stale entry
+  # The kernel launches with it.
+  launched = []
+
+  class Launched(Exception):
+    pass
+
+  def run_kernel(x, w, cfg, num_sms, tile_table=None):
+    launched.append(cfg)
+    raise Launched
+
+  monkeypatch.setattr(kw, "_run_kernel", run_kernel)
+  x = jnp.ones((3, k), jnp.bfloat16)
+  with pytest.raises(Launched):
+    kw.int4_nk_matmul(x, wn)
+  assert launched == [tuned]
+
+
+def test_tuner_writes_wgmma_entries_the_kernel_reads(request, tuning_table, monkeypatch):
+  """qjax bench --tune --format int4nk sweeps candidate_configs and writes the fastest
+  correct one as a WgmmaConfig entry, which default_config then returns (the timings and
+  the check are mocked: the kernel needs a Hopper GPU)."""
+  import importlib  # pylint: disable=g-import-not-at-top
+  importlib.import_module("pallas_kernels")
+  from qjax._src import bench, devtime  # pylint: disable=g-import-not-at-top
+  k, n, m = 1024, 512, 16
+  cands = kw.candidate_configs(m, kw.abstract_weight(k, n), 132)
+  times = {c: 10.0 - 0.1 * i for i, c in enumerate(cands)}  # the last one is fastest
+  order = iter(cands)
+  monkeypatch.setattr(bench.devtime, "device_time", lambda *a, **kw_: devtime.Timing(
+      us=times[next(order)], source="trace"))
+  monkeypatch.setattr(bench.jax, "devices", lambda *a: [_FakeHopper()])
+  monkeypatch.setattr(kw, "_grid_sms", lambda interpret, num_sms: 132)
+  checked = []
+
+  def fastest_correct(timed, backend, x, w, log):
+    checked.append([c for _, c in timed])
+    return timed[1]  # as if the fastest computed something else
+
+  monkeypatch.setattr(bench, "_fastest_correct", fastest_correct)
+  entries = bench.tune([(k, n)], [m], "int4nk", calls=2, log=lambda s: None)
+  assert checked == [cands[::-1]]  # fastest first
+  assert entries == [{"format": "int4nk", "m_bucket": 16, "k": k, "n": n,
+                      "config": cands[-2].to_json(), "us": round(times[cands[-2]], 2)}]
+  _, _, wn = make_case(request.node.nodeid, m, k, n)
+  assert kw.default_config(m, wn) == cands[-2]
+
+
 def test_kernel_declines_what_it_lacks(request):
   x, w, wn = make_case(request.node.nodeid, 4, 256, 128)
   cases = [
@@ -370,6 +498,99 @@ def test_wgmma_group_sizes(request, group):
   x, w, wn = make_case(request.node.nodeid, 130, 1024, 256, group)
   y = jax.jit(lambda a, b: qjax.matmul(a, b, implementation="pallas"))(x, wn)
   assert rel_err(y, reference(x, w)) < 1e-2
+
+
+def _family_samples(cands):
+  """The first and last candidate of each (tile_n, split_k, chain_tiles) family."""
+  families = {}
+  for c in cands:
+    families.setdefault((c.tile_n, c.split_k, c.chain_tiles), []).append(c)
+  return [c for f in families.values() for c in {f[0]: 0, f[-1]: 0}]
+
+
+def _float64_case(fmt, m, k, n, seed):
+  """x ``[m, k]`` bf16, a random ``fmt`` NK weight (bench.random_weight) and the float64
+  x @ W of its exact dequantization."""
+  from qjax._src import bench  # pylint: disable=g-import-not-at-top
+  key = jax.random.key(seed)
+  w = bench.random_weight(fmt, k, n, key)
+  x = jax.random.normal(jax.random.fold_in(key, 99), (m, k), jnp.float32).astype(jnp.bfloat16)
+  ref = np.asarray(x.astype(jnp.float32), np.float64) @ np.asarray(
+      w.dequantize(jnp.float32), np.float64)
+  return x, w, ref
+
+
+@needs_gpu
+@needs_hopper
+@pytest.mark.parametrize("fmt", ["int4nk", "mxfp4nk", "nvfp4nk"])
+@pytest.mark.parametrize("m,k,n", [(1, 4096, 512), (16, 2048, 768), (1, 1024, 17408)])
+def test_tuner_candidates_match_float64(request, fmt, m, k, n):
+  """Any candidate may win a sweep and enter the table: a sample of each family of the
+  search space (column tile, K split, chained or not; the first and last K step / stage
+  count) compiles and matches float64, outputs poisoned first."""
+  x, w, ref = _float64_case(fmt, m, k, n, seed_from(request.node.nodeid))
+  fn = kw.int4_nk_matmul if fmt == "int4nk" else kw.fp4_nk_matmul
+  rms = np.sqrt(np.mean(ref ** 2))
+  for cfg in _family_samples(kw.candidate_configs(m, w, jax.devices()[0].core_count)):
+    y = _poisoned_run(jax.jit(lambda a, b, cfg=cfg: fn(a, b, config=cfg)), x, w, cfg)
+    assert y.shape == (m, n) and np.isfinite(y).all(), cfg
+    assert rel_err(y, ref) < 1e-2 and np.abs(y - ref).max() < 2e-2 * rms, cfg
+
+
+@needs_gpu
+@needs_hopper
+def test_shipped_table_entries_match_the_xla_path():
+  """Every wgmma entry of this device's shipped tuning table (what the kernel runs with no
+  config at those shapes) against the XLA path at full float32 precision."""
+  from qjax._src import bench, tuning  # pylint: disable=g-import-not-at-top
+  device = jax.devices()[0]
+  table = tuning.read_table(tuning.DATA_DIR / tuning.device_file_name(device.device_kind))
+  entries = [(key, cfg) for key, cfg in table.items() if key[0] in kw.TABLE_FORMATS.values()]
+  if not entries:
+    pytest.skip(f"no wgmma entries shipped for {device.device_kind}")
+  for (fmt, m, k, n), cfg in entries:
+    w = bench.random_weight(fmt, k, n, jax.random.key(m))
+    x = jax.random.normal(jax.random.key(k + n), (m, k), jnp.float32).astype(jnp.bfloat16)
+    assert kw.default_config(m, w, device.core_count) == cfg
+    fn = kw.int4_nk_matmul if fmt == "int4nk" else kw.fp4_nk_matmul
+    y = _poisoned_run(jax.jit(fn), x, w, cfg)
+    with jax.default_matmul_precision("highest"):
+      ref = np.asarray(qjax.matmul(x.astype(jnp.float32), w, implementation="xla"),
+                       np.float64)
+    assert np.isfinite(y).all() and rel_err(y, ref) < 1e-2, (fmt, m, k, n, cfg)
+
+
+@needs_gpu
+@needs_hopper
+def test_tune_writes_an_entry_the_default_route_runs(request, tmp_path, monkeypatch):
+  """bench.tune on the GPU (wall-clock timings: CUPTI does not attach in pytest-xdist
+  workers) sweeps one small int4nk shape and writes its winner; qjax.matmul then runs
+  it and matches float64."""
+  from qjax._src import bench, devtime, tuning  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+
+  def wall_time(fn, arg_sets, *, calls=5, warmup=1):
+    for a in arg_sets[:warmup]:
+      jax.block_until_ready(fn(*a))
+    t0 = time.perf_counter()
+    jax.block_until_ready([fn(*arg_sets[i % len(arg_sets)]) for i in range(calls)])
+    return devtime.Timing(us=(time.perf_counter() - t0) / calls * 1e6, source="wall")
+
+  monkeypatch.setattr(bench.devtime, "device_time", wall_time)
+  monkeypatch.setattr(tuning, "DATA_DIR", tmp_path)
+  tuning._table.cache_clear()
+  try:
+    m, k, n = 5, 2048, 512
+    entries = bench.tune([(k, n)], [m], "int4nk", calls=4, log=lambda s: None)
+    assert [(e["format"], e["m_bucket"], e["k"], e["n"]) for e in entries] == [
+        ("int4nk", 8, k, n)]
+    cfg = tuning.WgmmaConfig.from_json(entries[0]["config"])
+    x, w, wn = make_case(request.node.nodeid, m, k, n)
+    assert kw.default_config(m, wn, jax.devices()[0].core_count) == cfg
+    y = _poisoned_run(jax.jit(qjax.matmul), x, wn, cfg)
+    assert rel_err(y, reference(x, w)) < 1e-2
+  finally:
+    tuning._table.cache_clear()
 
 
 @needs_gpu

@@ -77,9 +77,21 @@ def test_shipped_tables_are_legal_as_they_stand():
     key = (name, e["format"], e["m_bucket"], e["k"], e["n"])
     assert key not in keys, key
     keys.add(key)
-    cfg = qjax.KernelConfig.from_json(e["config"])
+    cfg = tuning.CONFIG_TYPES[e["format"]].from_json(e["config"])
     assert e["us"] > 0
     assert e["m_bucket"] in tuning.M_BUCKETS
+    if isinstance(cfg, tuning.WgmmaConfig):
+      # The wgmma kernel runs it as it stands at every M of the bucket (bench's weights:
+      # INT4 groups of 128), and the tuner's search space holds it.
+      from pallas_kernels import int4_wgmma as kw  # pylint: disable=g-import-not-at-top
+      fp4 = {"int4nk": None, "mxfp4nk": "mxfp4", "nvfp4nk": "nvfp4"}[e["format"]]
+      w = kw.abstract_weight(e["k"], e["n"], fp4=fp4)
+      low = tuning.M_BUCKETS[tuning.M_BUCKETS.index(e["m_bucket"]) - 1] + 1 \
+          if e["m_bucket"] > 1 else 1
+      for m in (low, e["m_bucket"]):
+        assert kw.config_error(m, w, cfg) is None, (key, m, cfg)
+      assert cfg in kw.candidate_configs(e["m_bucket"], w), (key, cfg)
+      continue
     if e["format"] not in ("int4", "mxfp4", "nvfp4"):
       continue
     # The FP4 kernels share the INT4 GEMV's loop shape and the tiled kernel's legalize.
@@ -182,7 +194,12 @@ def test_kernel_uses_the_table_entry_of_its_key_else_its_heuristic(table_dir, mo
 
 
 @pytest.mark.parametrize("entry,message", [
-    (_entry(fmt="int4nk"), "format 'int4nk' is not one the kernels look up"),
+    (_entry(fmt="q4_k"), "format 'q4_k' is not one the kernels look up"),
+    # int4nk entries hold the wgmma kernel's config, not the Triton kernels'.
+    (_entry(fmt="int4nk"), "unknown WgmmaConfig field(s) 'block_m', 'block_n', 'block_k', "
+     "'num_warps', 'num_stages'; known: tile_n,"),
+    ({**_entry(fmt="mxfp4nk"), "config": {"tile_n": 96}}, "WgmmaConfig.tile_n=96 must be 64 "
+     "or 128"),
     (_entry(m=3), "m_bucket=3 is not one of the buckets"),
     (_entry(k="256"), "k='256' must be a positive int"),
     (_entry(block_x=4), "unknown KernelConfig field(s) 'block_x'; known: block_m,"),
@@ -239,3 +256,19 @@ def test_lookup_of_a_format_no_table_holds_is_none(table_dir):
   tuning.write_table("Test GPU", [_entry()])
   assert tuning.lookup("Test GPU", "int4", 4, 256, 128) is not None
   assert tuning.lookup("Test GPU", "int4nk", 4, 256, 128) is None
+
+
+def test_wgmma_config_round_trips_the_table(table_dir):
+  """int4nk / mxfp4nk / nvfp4nk entries hold a WgmmaConfig: written, read back and
+  looked up as the same config, next to a KernelConfig entry of another format."""
+  wg = tuning.WgmmaConfig(tile_n=128, tile_m=8, tile_k=256, stages=4, epi_m=8, split_k=2,
+                          scale_accumulator=True, mma_sync=True)
+  assert tuning.WgmmaConfig.from_json(json.loads(json.dumps(wg.to_json()))) == wg
+  assert tuning.WgmmaConfig.from_json({"tile_k": 128}) == tuning.WgmmaConfig(tile_k=128)
+  entries = [{"format": fmt, "m_bucket": 1, "k": 4096, "n": 4096, "config": wg.to_json(),
+              "us": 5.9} for fmt in ("int4nk", "mxfp4nk", "nvfp4nk")]
+  tuning.write_table("Test GPU", entries + [_entry(m=1, k=4096, n=4096)])
+  for fmt in ("int4nk", "mxfp4nk", "nvfp4nk"):
+    assert tuning.lookup("Test GPU", fmt, 1, 4096, 4096) == wg
+  assert isinstance(tuning.lookup("Test GPU", "int4", 1, 4096, 4096), qjax.KernelConfig)
+  assert tuning.lookup("Test GPU", "int4nk", 2, 4096, 4096) is None

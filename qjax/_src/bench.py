@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from qjax._src import codebook_tables
 from qjax._src import devtime
@@ -49,7 +50,7 @@ CPU_SHAPES = ((512, 512), (1024, 768))
 BENCH_FORMATS = ("int4", "int4nk", "mxfp4", "mxfp4nk", "nvfp4", "nvfp4nk", "codebook",
                  "codebook2")
 # The formats whose kernel has candidate configs for --tune (Backend.candidate_configs).
-TUNABLE_FORMATS = ("int4", "mxfp4", "nvfp4")
+TUNABLE_FORMATS = ("int4", "int4nk", "mxfp4", "mxfp4nk", "nvfp4", "nvfp4nk")
 L2_BYTES = 50 * 2**20  # H100; rotation targets several times this
 
 
@@ -326,7 +327,7 @@ def tune(shapes: Sequence[tuple[int, int]], ms: Sequence[int], fmt: str, *, call
                          "candidate configs to sweep (its heuristic is used as is); tune "
                          f"{', '.join(TUNABLE_FORMATS[:-1])} or {TUNABLE_FORMATS[-1]}")
       x = jax.random.normal(key, (m, k), jnp.float32).astype(jnp.bfloat16)
-      best = None
+      timed = []
       candidates = backend.candidate_configs(m, k, n)
       log(f"tuning {fmt} M={m} K={k} N={n}: {len(candidates)} configs (each compiled "
           "and timed)...")
@@ -338,8 +339,8 @@ def tune(shapes: Sequence[tuple[int, int]], ms: Sequence[int], fmt: str, *, call
         except Exception as e:  # pylint: disable=broad-except
           log(f"  skip {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
           continue
-        if best is None or t < best[0]:
-          best = (t, cfg)
+        timed.append((t, cfg))
+      best = _fastest_correct(sorted(timed, key=lambda tc: tc[0]), backend, x, w0, log)
       if best:
         log(f"tuned {fmt} M={m} K={k} N={n}: {best[0]:.1f} us {best[1]} (swept in "
             f"{time.perf_counter() - start:.0f} s)")
@@ -350,6 +351,31 @@ def tune(shapes: Sequence[tuple[int, int]], ms: Sequence[int], fmt: str, *, call
         tuning.write_table(device_kind, [entry])
     del ws
   return entries
+
+
+# The tuner's check of a winner against the XLA path: relative error of the outputs (bf16
+# rounding of the weight and of y leaves ~3e-3).
+_TUNE_MAX_REL_ERR = 1e-2
+
+
+def _fastest_correct(timed: Sequence[tuple[float, Any]], backend: dispatch.Backend,
+                     x: jax.Array, w: Any, log: Callable[[str], None]
+                     ) -> tuple[float, Any] | None:
+  """The first ``(us, config)`` of ``timed`` (fastest first) whose output on ``x @ w``
+  matches the XLA path's (relative error below :data:`_TUNE_MAX_REL_ERR`), so that no
+  config that computes something else enters the table; each one passed over is logged."""
+  ref = np.asarray(dispatch.matmul(x, w, implementation="xla").astype(jnp.float32),
+                   np.float64)
+  interpret = jax.devices()[0].platform == "cpu"
+  for t, cfg in timed:
+    y = np.asarray(backend.fn(x, w, interpret=interpret, config=cfg).astype(jnp.float32),
+                   np.float64)
+    err = float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-30))
+    if err < _TUNE_MAX_REL_ERR:
+      return t, cfg
+    log(f"  passed over {cfg} ({t:.1f} us): relative error {err:.2e} against the XLA "
+        "path")
+  return None
 
 
 def llama_stack_tokens_per_s(*, layers: int, hidden: int, inter: int, kv: int, calls: int,

@@ -267,7 +267,8 @@ def _add_bench(sub) -> None:
                  "M to this file, in the format its extension names (.png, .pdf, .svg, ...)")
   p.add_argument("--tune", action="store_true", help="sweep kernel configs first and write "
                  "the best ones to the tuning table of this device (GPU only; each entry "
-                 "as it is measured)")
+                 "as it is measured; formats int4, int4nk, mxfp4, mxfp4nk, nvfp4, "
+                 "nvfp4nk)")
   p.add_argument("--tune-missing", action="store_true", help="with --tune: sweep only the "
                  "(format, M, K, N) this device's table has no entry for, so that a sweep "
                  "cut off (a time limit) goes on where it stopped")

@@ -54,7 +54,9 @@ class Backend:
     fn: ``fn(x2d [M, K], w, *, interpret) -> [M, N]`` in x's dtype. Raises
       NotImplementedError naming the argument it cannot handle.
     supported_on: whether it compiles for a device (interpret mode runs anywhere).
-    candidate_configs: ``(m, k, n) -> [KernelConfig]``, the tuner's search space.
+    candidate_configs: ``(m, k, n) -> [config]``, the tuner's search space (configs the
+      ``config=`` argument of ``fn`` takes: a ``KernelConfig`` for the Triton kernels, a
+      ``WgmmaConfig`` for the Hopper wgmma kernel).
     auto_max_m: with ``implementation=None``, rows of x above which the XLA path is
       used instead (where the kernel was measured slower than XLA); None: no limit.
     auto_prefers_xla: with ``implementation=None``, ``(m, w) -> True`` for the other

@@ -6,12 +6,15 @@ The table is JSON per device kind (``qjax/data/tuning/<device_kind>.json``)::
    "entries": [{"format": "int4", "m_bucket": 16, "k": 4096, "n": 14336,
                 "config": {"block_m": 16, "block_n": 128, ...}, "us": 11.2}, ...]}
 
-``lookup`` returns the entry for the same format, M bucket, K and N, else None; kernels
-then use their own heuristics. ``qjax bench --tune`` writes the table.
+Entries of the Triton kernels' formats (``int4``, ``mxfp4``, ``nvfp4``, ``codebook``) hold a
+:class:`KernelConfig`; those of the Hopper wgmma kernel's layouts (``int4nk``, ``mxfp4nk``,
+``nvfp4nk``) a :class:`WgmmaConfig`. ``lookup`` returns the entry for the same format, M
+bucket, K and N, else None; kernels then use their own heuristics. ``qjax bench --tune``
+writes the table.
 
 A table is read where a kernel first asks for a config on this device, inside a user's
 ``jax.jit``: an entry that does not parse (an unknown format, an M bucket the lookup never
-asks for, a config field that ``KernelConfig`` lacks or a bad value) is skipped with a
+asks for, a config field that its config class lacks or a bad value) is skipped with a
 warning that names the file and the entry, and a file that is not a table at all is
 ignored with a warning. The kernels then use their heuristics for those shapes, which
 are correct, only slower: a stale table must not stop every matmul.
@@ -30,8 +33,10 @@ from typing import Any
 DATA_DIR = pathlib.Path(__file__).resolve().parent.parent / "data" / "tuning"
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # The format names the kernels look configs up by (pallas_kernels: int4_matmul,
-# fp4_matmul with the weight's format_name, codebook_matmul).
-FORMATS = ("int4", "mxfp4", "nvfp4", "codebook")
+# fp4_matmul with the weight's format_name, codebook_matmul; the Hopper wgmma kernel
+# int4_wgmma for Int4NKWeight, MXFP4NKWeight and NVFP4NKWeight), and the config class each
+# format's entries hold (CONFIG_TYPES, filled in below the classes).
+FORMATS = ("int4", "mxfp4", "nvfp4", "codebook", "int4nk", "mxfp4nk", "nvfp4nk")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -80,18 +85,132 @@ class KernelConfig:
         wrong type (the values are taken as they are: ``"16"``, ``16.5`` or ``true`` for an
         int field, and ``"false"`` or ``0`` for ``ptx_scales``, are errors, not converted).
     """
-    if not isinstance(d, dict):
-      raise ValueError(f"a config must be a JSON object of KernelConfig fields, got {d!r}")
-    known = [f.name for f in dataclasses.fields(cls)]
-    unknown = [k for k in d if k not in known]
-    if unknown:
-      raise ValueError(f"unknown KernelConfig field(s) {', '.join(map(repr, unknown))}; "
-                       f"known: {', '.join(known)}")
-    missing = [f.name for f in dataclasses.fields(cls)
-               if f.name not in d and f.default is dataclasses.MISSING]
-    if missing:
-      raise ValueError(f"KernelConfig field(s) {', '.join(map(repr, missing))} missing")
-    return cls(**d)
+    return _config_from_json(cls, d)
+
+
+def _config_from_json(cls: type, d: Any) -> Any:
+  """``cls(**d)`` for a config dataclass, with errors that name the class and fields."""
+  name = cls.__name__
+  if not isinstance(d, dict):
+    raise ValueError(f"a config must be a JSON object of {name} fields, got {d!r}")
+  known = [f.name for f in dataclasses.fields(cls)]
+  unknown = [k for k in d if k not in known]
+  if unknown:
+    raise ValueError(f"unknown {name} field(s) {', '.join(map(repr, unknown))}; "
+                     f"known: {', '.join(known)}")
+  missing = [f.name for f in dataclasses.fields(cls)
+             if f.name not in d and f.default is dataclasses.MISSING]
+  if missing:
+    raise ValueError(f"{name} field(s) {', '.join(map(repr, missing))} missing")
+  return cls(**d)
+
+
+# K per pipeline step of the Hopper wgmma kernel (pallas_kernels.int4_wgmma): powers of
+# two, and for K = 2880 (GPT-OSS) multiples of 64 that divide it; those take FP4 weights
+# only (INT4 steps must divide or span whole groups).
+WGMMA_TILE_K = (64, 128, 192, 256, 320, 512, 576)
+
+
+@dataclasses.dataclass(frozen=True)
+class WgmmaConfig:
+  """Static tile configuration of the Hopper wgmma kernel
+  (``pallas_kernels.int4_wgmma.int4_nk_matmul`` / ``fp4_nk_matmul``; hashable,
+  round-trips JSON for the tuning table's ``int4nk`` / ``mxfp4nk`` / ``nvfp4nk`` entries).
+
+  Attributes:
+    tile_n: rows of W^T (columns of y) per compute warpgroup; wgmma's M: 64 or 128.
+    tile_m: rows of x per CTA; wgmma's N: a multiple of 8, at most 256.
+    tile_k: K per pipeline step: 64, 128, 256 or 512, dividing the group size or a
+      multiple of it (512 with groups of 128: four scale rows and four wgmmas per step,
+      and 256-byte rows of int4 per TMA copy instead of 64); FP4 also 192, 320 or 576
+      (for K = 2880).
+    stages: pipeline depth (TMA copies in flight).
+    epi_m: rows of y per epilogue store; divides tile_m.
+    split_k: K splits (float32 partial outputs summed by XLA when > 1).
+    m_minor: walk output tiles with M fastest (each W^T tile read once from memory, x
+      tiles from L2) instead of N fastest.
+    consumers: compute warpgroups per CTA, each owning tile_n rows of W^T: 2 (3 and 4
+      compiled but hung on the H100; 4 compute warpgroups run with a register count
+      that fits, but were slower: BENCHMARKS.md session 28).
+    snake_width: 0, or walk the tiles along a snake of this many rows (columns with
+      m_minor) for locality in L2 (``plgpu.planar_snake``).
+    chain_tiles: run a CTA's tiles as one chained pipeline (Pallas' ``pipeline_state``
+      START / STEADY / STOP): the memory warpgroup loads the next tile's first steps
+      while the compute warpgroups finish the last ones and store, instead of refilling an
+      empty pipeline per tile. Needs ``stages`` to divide the K steps of a tile.
+    scale_accumulator: multiply the group scales into float32 partial products (one
+      wgmma per group into its own accumulator, then ``acc += part * s``) instead of into
+      the bf16 weights: fewer multiplies where the accumulator is small (small tile_m).
+    mma_sync: multiply each group (INT4, with ``scale_accumulator``) or 128 of K (FP4)
+      with per-warp ``mma.sync.m16n8k16`` (x's fragments by ``ldmatrix`` from the
+      swizzled tile) into a float32 value of its own, added to the accumulator, instead
+      of a warpgroup-wide wgmma: no wgmma fences or waits in the step.
+  """
+  tile_n: int = 64
+  tile_m: int = 256
+  tile_k: int = 64
+  stages: int = 4
+  epi_m: int = 64
+  split_k: int = 1
+  m_minor: bool = False
+  consumers: int = 2
+  snake_width: int = 0
+  chain_tiles: bool = False
+  scale_accumulator: bool = False
+  mma_sync: bool = False
+
+  def __post_init__(self):
+    if (isinstance(self.snake_width, bool) or not isinstance(self.snake_width, int)
+        or self.snake_width < 0):
+      raise ValueError(f"WgmmaConfig.snake_width={self.snake_width!r} must be an int >= 0")
+    for name in ("m_minor", "chain_tiles", "scale_accumulator", "mma_sync"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"WgmmaConfig.{name}={getattr(self, name)!r} must be a bool")
+    if self.consumers != 2:
+      # 3 and 4 lowered but hung on the H100 (session 16). With 4, Pallas' pipeline asks
+      # setmaxnreg for 112 registers per compute thread, more than a block of 640 threads
+      # holds (96 each): a count that fits runs them, correct and 3-25 % slower than 2
+      # (session 28, BENCHMARKS.md). The pipeline is only run with 2.
+      raise ValueError(f"WgmmaConfig.consumers={self.consumers!r} must be 2")
+    for name in ("tile_n", "tile_m", "tile_k", "stages", "epi_m", "split_k"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ValueError(f"WgmmaConfig.{name}={v!r} must be a positive int")
+    if self.tile_n not in (64, 128):
+      raise ValueError(f"WgmmaConfig.tile_n={self.tile_n} must be 64 or 128 (wgmma M)")
+    if self.tile_m % 8 or self.tile_m > 256:
+      raise ValueError(f"WgmmaConfig.tile_m={self.tile_m} must be a multiple of 8 up to 256")
+    if self.tile_k not in WGMMA_TILE_K:
+      raise ValueError(f"WgmmaConfig.tile_k={self.tile_k} must be one of {WGMMA_TILE_K}")
+    if self.tile_m % self.epi_m or self.epi_m % 8:
+      raise ValueError(
+          f"WgmmaConfig.epi_m={self.epi_m} must be a multiple of 8 dividing tile_m="
+          f"{self.tile_m}")
+
+  def epilogue_bytes(self) -> int:
+    """Shared memory of the epilogue: two buffers per compute warpgroup."""
+    return self.consumers * 2 * self.epi_m * self.tile_n * (4 if self.split_k > 1 else 2)
+
+  def stage_bytes(self, group_size: int = 128, scale_bytes: int = 2) -> int:
+    """Shared memory of one pipeline stage: x tile, W^T tile (4-bit), scale rows (one per
+    ``group_size`` of K, ``scale_bytes`` per element: 2 for bf16, 1 for FP4's E8M0 or
+    float8_e4m3fn)."""
+    c = self.consumers
+    return (self.tile_m * self.tile_k * 2 + c * self.tile_n * self.tile_k // 2
+            + c * self.tile_n * scale_bytes * max(1, self.tile_k // group_size))
+
+  def to_json(self) -> dict[str, Any]:
+    """The fields as a dict."""
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_json(cls, d: dict[str, Any]) -> "WgmmaConfig":
+    """The config :meth:`to_json` wrote (fields left out take their defaults).
+
+    Raises:
+      ValueError: as :meth:`KernelConfig.from_json`.
+    """
+    return _config_from_json(cls, d)
 
 
 def m_bucket(m: int) -> int:
@@ -106,10 +225,14 @@ def device_file_name(device_kind: str) -> str:
   return re.sub(r"[^a-z0-9]+", "_", device_kind.lower()).strip("_") + ".json"
 
 
+Config = KernelConfig | WgmmaConfig
+CONFIG_TYPES: dict[str, type] = {
+    fmt: WgmmaConfig if fmt.endswith("nk") else KernelConfig for fmt in FORMATS}
+
 Key = tuple[str, int, int, int]  # (format, M bucket, K, N)
 
 
-def parse_entry(e: Any) -> tuple[Key, KernelConfig]:
+def parse_entry(e: Any) -> tuple[Key, Config]:
   """The lookup key and config of one table entry.
 
   Raises:
@@ -128,7 +251,8 @@ def parse_entry(e: Any) -> tuple[Key, KernelConfig]:
       raise ValueError(f"{f}={e[f]!r} must be a positive int")
   if e["m_bucket"] not in M_BUCKETS:
     raise ValueError(f"m_bucket={e['m_bucket']} is not one of the buckets {M_BUCKETS}")
-  return (e["format"], e["m_bucket"], e["k"], e["n"]), KernelConfig.from_json(e["config"])
+  cls = CONFIG_TYPES[e["format"]]
+  return (e["format"], e["m_bucket"], e["k"], e["n"]), cls.from_json(e["config"])
 
 
 def _entries(path: pathlib.Path) -> list[Any]:
@@ -143,7 +267,7 @@ def _entries(path: pathlib.Path) -> list[Any]:
   return data["entries"]
 
 
-def read_table(path: pathlib.Path) -> dict[Key, KernelConfig]:
+def read_table(path: pathlib.Path) -> dict[Key, Config]:
   """The configs of a table file by key. A file that is not a table is ignored, and an
   entry that does not parse skipped, each with a warning naming the file and the entry
   (the kernels use their heuristics there)."""
@@ -166,14 +290,14 @@ def read_table(path: pathlib.Path) -> dict[Key, KernelConfig]:
 
 
 @functools.lru_cache(maxsize=None)
-def _table(device_kind: str) -> dict[Key, KernelConfig]:
+def _table(device_kind: str) -> dict[Key, Config]:
   path = DATA_DIR / device_file_name(device_kind)
   if not path.exists():
     return {}
   return read_table(path)
 
 
-def lookup(device_kind: str, fmt: str, m: int, k: int, n: int) -> KernelConfig | None:
+def lookup(device_kind: str, fmt: str, m: int, k: int, n: int) -> Config | None:
   """The tuned config of ``fmt`` for M's bucket, K and N on this device kind, else None
   (always None for a format outside :data:`FORMATS`, such as a registered subclass's own
   ``format_name``: no table holds one, and the kernel's heuristics serve it)."""
