@@ -134,7 +134,15 @@ def test_device_time_sums_the_stream_kernels_per_call(monkeypatch):
     seen.append(a)
     return np.zeros(1)
 
-  t = devtime.device_time(fn, [(0,), (1,), (2,)], calls=2, warmup=2)
+  t = devtime.device_time(fn, [(0,), (1,), (2,), (3,)], calls=2, warmup=2)
   assert t.us == pytest.approx((4.5 + 5.5 + 1.25) / 2)
   assert t.source == "trace" and t.kernels == ("qjax_int4_matmul", "reduce_fusion")
-  assert seen == [0, 1, 0, 1]  # warm-up 0, 1; the timed calls 0, 1
+  # Warm-up 0, 1; the timed calls go on with 2, 3, not back to the sets the warm-up just
+  # read (which may sit in L2).
+  assert seen == [0, 1, 2, 3]
+  seen.clear()
+  devtime.device_time(fn, [(0,), (1,), (2,)], calls=4, warmup=2)
+  assert seen == [0, 1, 2, 0, 1, 2]
+  seen.clear()
+  devtime.device_busy_time(fn, [(0,), (1,), (2,)], calls=2, warmup=1)
+  assert seen == [0, 1, 2]
