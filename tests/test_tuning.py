@@ -272,3 +272,26 @@ def test_wgmma_config_round_trips_the_table(table_dir):
     assert tuning.lookup("Test GPU", fmt, 1, 4096, 4096) == wg
   assert isinstance(tuning.lookup("Test GPU", "int4", 1, 4096, 4096), qjax.KernelConfig)
   assert tuning.lookup("Test GPU", "int4nk", 2, 4096, 4096) is None
+
+
+def test_tuner_passes_over_a_fast_config_that_computes_something_else():
+  """bench.tune writes the fastest config whose output matches the XLA path's: a faster
+  one that is wrong is passed over (and logged), and none at all is written when every
+  one is wrong."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from qjax._src import bench, dispatch  # pylint: disable=g-import-not-at-top
+  w = bench.random_weight("int4", 256, 128, jax.random.key(0))
+  x = jax.random.normal(jax.random.key(1), (3, 256), jnp.float32).astype(jnp.bfloat16)
+  off = {"wrong": 1.05, "right": 1.0, "close": 1.004}  # relative errors ~5e-2, 0, ~4e-3
+
+  def fn(x_, w_, *, interpret, config):
+    return dispatch.matmul(x_, w_, implementation="xla") * off[config]
+
+  backend = dispatch.Backend(name="fake", fn=fn, supported_on=lambda d: True)
+  logs = []
+  assert bench._fastest_correct([(1.0, "wrong"), (2.0, "close"), (3.0, "right")], backend,
+                                x, w, logs.append) == (2.0, "close")
+  assert len(logs) == 1 and logs[0].startswith("  passed over wrong (1.0 us): relative "
+                                               "error 4.") and "e-02 against the XLA" in logs[0]
+  assert bench._fastest_correct([(1.0, "wrong")], backend, x, w, logs.append) is None
