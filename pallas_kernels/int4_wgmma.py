@@ -204,7 +204,7 @@ def config_for(m: int, k: int, n: int, group_size: int, num_sms: int = 132, *,
   # Chain the tiles of a CTA where some CTA has two or more and the stages divide the K
   # steps (session 17 A/B: 2-6.5 % faster there; forcing it elsewhere, with fewer stages
   # or one tile per CTA, was up to 8 % slower).
-  chain = tiles * split_k > num_sms and steps % stages == 0
+  chain = _chains(tiles, split_k, steps, stages, num_sms)
   # Scales on the float32 side where the accumulator is small (session 18: 1-5 % less time
   # at M <= 32 on all four shapes, 4-26 % more at M = 64).
   scale_acc = tile_m <= _SCALE_ACC_MAX_TILE_M and not fp4
@@ -214,6 +214,12 @@ def config_for(m: int, k: int, n: int, group_size: int, num_sms: int = 132, *,
   mma_sync = tile_m == _MMA_SYNC_TILE_M
   return dataclasses.replace(cfg, stages=stages, chain_tiles=chain, scale_accumulator=scale_acc,
                              mma_sync=mma_sync)
+
+
+def _chains(tiles: int, split_k: int, steps: int, stages: int, num_sms: int) -> bool:
+  """config_for's ``chain_tiles``: where some CTA runs two or more of the ``tiles`` (times
+  the K splits) and the ``stages`` divide a tile's K ``steps``."""
+  return tiles * split_k > num_sms and steps % stages == 0
 
 
 # The tuner's search space (:func:`candidate_configs`): K kept in flight per CTA (stages
@@ -286,20 +292,26 @@ def candidate_configs(m: int, w: Any, num_sms: int = 132) -> list[WgmmaConfig]:
             continue
           cfg = dataclasses.replace(
               base, tile_n=tile_n, tile_k=tile_k, split_k=split_k, stages=stages,
-              chain_tiles=tiles * split_k > num_sms and steps % stages == 0)
+              chain_tiles=_chains(tiles, split_k, steps, stages, num_sms))
           if cfg not in out and config_error(m, w, cfg) is None:
             out.append(cfg)
   return out
 
 
+def abstract_table_weight(fmt: str, k: int, n: int) -> Any:
+  """:func:`abstract_weight` of the tuning table's format ``fmt`` (a :data:`TABLE_FORMATS`
+  name; INT4 with groups of 128, as ``qjax bench`` builds them)."""
+  cls = next(c for c, name in TABLE_FORMATS.items() if name == fmt)
+  return abstract_weight(k, n, fp4=next(
+      (name for name, c in _FP4_FORMATS.items() if c is cls), None))
+
+
 def tuner_candidates(fmt: str) -> Callable[[int, int, int], list[WgmmaConfig]]:
   """``Backend.candidate_configs`` of the ``fmt`` layout (a :data:`TABLE_FORMATS` name):
-  ``(m, k, n) ->`` :func:`candidate_configs` of a ``[k, n]`` weight of that format (INT4
-  with groups of 128, as ``qjax bench`` builds them) on this device's SMs."""
-  fp4 = {"int4nk": None, "mxfp4nk": "mxfp4", "nvfp4nk": "nvfp4"}[fmt]
-
+  ``(m, k, n) ->`` :func:`candidate_configs` of :func:`abstract_table_weight` on this
+  device's SMs."""
   def candidates(m: int, k: int, n: int) -> list[WgmmaConfig]:
-    return candidate_configs(m, abstract_weight(k, n, fp4=fp4), _grid_sms(False, None))
+    return candidate_configs(m, abstract_table_weight(fmt, k, n), _grid_sms(False, None))
 
   return candidates
 

@@ -84,8 +84,7 @@ def test_shipped_tables_are_legal_as_they_stand():
       # The wgmma kernel runs it as it stands at every M of the bucket (bench's weights:
       # INT4 groups of 128), and the tuner's search space holds it.
       from pallas_kernels import int4_wgmma as kw  # pylint: disable=g-import-not-at-top
-      fp4 = {"int4nk": None, "mxfp4nk": "mxfp4", "nvfp4nk": "nvfp4"}[e["format"]]
-      w = kw.abstract_weight(e["k"], e["n"], fp4=fp4)
+      w = kw.abstract_table_weight(e["format"], e["k"], e["n"])
       low = tuning.M_BUCKETS[tuning.M_BUCKETS.index(e["m_bucket"]) - 1] + 1 \
           if e["m_bucket"] > 1 else 1
       for m in (low, e["m_bucket"]):
