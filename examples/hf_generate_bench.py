@@ -33,6 +33,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--implementations", default=None, help="comma-separated qjax generate "
                  "--implementation values for the GPTQ model (default xla,auto,pallas on "
                  "a GPU, xla,auto elsewhere)")
+  p.add_argument("--zero-points", action="store_true", help="write the GPTQ model with "
+                 "integer zero points (asymmetric, as AWQ and GPTQ sym=False store them) "
+                 "instead of symmetric codes")
   p.add_argument("--out", default=None, help="folder for the checkpoints (default: a "
                  "temporary one, removed after)")
   args = p.parse_args(argv)
@@ -68,7 +71,7 @@ def _random(shape, index: int):
   return jax.random.normal(key, shape, jax.numpy.float32) / np.sqrt(shape[0])
 
 
-def write_gptq(folder: pathlib.Path, cfg) -> None:
+def write_gptq(folder: pathlib.Path, cfg, zero_points: bool = False) -> None:
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import qjax  # pylint: disable=g-import-not-at-top
   from flax_layers import hf_checkpoint  # pylint: disable=g-import-not-at-top
@@ -83,7 +86,8 @@ def write_gptq(folder: pathlib.Path, cfg) -> None:
     for j, (module, shape) in enumerate(_shapes(cfg).items()):
       group, name, _ = hf_checkpoint.LINEARS[module]
       layer.setdefault(group, {})[name] = {"kernel": qjax.quantize(
-          _random(shape, 100 * i + j + 7), group_size=128, scale_dtype=jnp.float16)}
+          _random(shape, 100 * i + j + 7), group_size=128, scale_dtype=jnp.float16,
+          symmetric=not zero_points)}
     params[f"layers_{i}"] = layer
   hf_checkpoint.save_hf_llama(folder, {"params": params}, cfg, layout="gptq",
                               zero_point_version=2)
@@ -142,8 +146,10 @@ def main(argv=None) -> int:
   with tempfile.TemporaryDirectory() as tmp:
     out = pathlib.Path(args.out or tmp)
     rows = []
-    for name, write, runs in (("gptq", write_gptq, impls), ("float16", write_float16,
-                                                             ["xla"])):
+    gptq = "gptq-asym" if args.zero_points else "gptq"
+    for name, write, runs in (
+        (gptq, lambda f, c: write_gptq(f, c, args.zero_points), impls),
+        ("float16", write_float16, ["xla"])):
       folder = out / name
       t0 = time.time()
       write(folder, cfg)

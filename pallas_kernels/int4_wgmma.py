@@ -1,10 +1,10 @@
 """INT4 x bf16 GEMM for Hopper (sm_90) in Pallas Mosaic GPU: TMA pipeline, wgmma with the
 weight as the register operand.
 
-Computes ``y [M, N] = x [M, K] @ W`` for a :class:`qjax.Int4NKWeight` (codes
-``[N, K // 8]``: int4 ``W^T`` with K permuted in runs of 32 into wgmma's register fragment
-order) as ``y^T = W^T x^T``, so that the dequantized weight never goes through shared
-memory:
+Computes ``y [M, N] = x [M, K] @ W`` for a :class:`qjax.Int4NKWeight` (symmetric or with
+integer zero points; codes ``[N, K // 8]``: int4 ``W^T`` with K permuted in runs of 32 into
+wgmma's register fragment order) as ``y^T = W^T x^T``, so that the dequantized weight never
+goes through shared memory:
 
 * A persistent grid, one program (CTA) per SM, walks the output tiles. A CTA has
   ``consumers + 1`` warpgroups: one issues the TMA copies of a ``stages``-deep pipeline
@@ -16,8 +16,9 @@ memory:
   into registers, a 32-bit word per thread and row of each 32-code run: thanks to the
   format's permuted order each word holds four of the thread's wgmma operand pairs, which
   :func:`_to_bf16_fragments` converts to bf16 in place (a shift, a LOP3 and a bf16
-  subtraction per pair). Per group of the step it multiplies each row by its group
-  scale and issues ``wgmma`` with that register operand against the x tile in shared
+  subtraction per pair; with zero points the subtrahend is ``128 + z`` of the row's group,
+  from a uint8 row the pipeline copies with the scales, instead of 136). Per group of the
+  step it multiplies each row by its group scale and issues ``wgmma`` with that register operand against the x tile in shared
   memory (transposed view), accumulating ``[tile_n, tile_m]`` in float32; the next
   group's conversion overlaps the previous wgmma.
 * Where x is one tile of 8 rows (``mma_sync``, :func:`config_for`'s choice at M <= 8)
@@ -44,6 +45,7 @@ The weight is rounded to bf16 once per element (``bf16(c) * bf16(s)``, exact inp
 rounding), as the XLA path's dequantization does; products accumulate in float32. With
 ``scale_accumulator`` (small M) the codes multiply x exactly and each group's float32
 partial product is multiplied by its scale instead: no rounding of the weight at all.
+f16 scales (GPTQ's, AWQ's) multiply the codes in float32 (exact), rounded once to bf16.
 
 Jax's Pallas Triton backend is deprecated in favour of Mosaic GPU (JAX 0.11); this is the
 project's first Mosaic GPU kernel and registers with the dispatcher like the others.
@@ -128,16 +130,18 @@ def _k_steps(k: int, cfg: WgmmaConfig) -> int:
 
 
 def config_for(m: int, k: int, n: int, group_size: int, num_sms: int = 132, *,
-               fp4: str | None = None) -> WgmmaConfig:
+               fp4: str | None = None, group_bytes: int = 2) -> WgmmaConfig:
   """The configuration for an ``[m, k] x [k, n]`` problem: from the H100 sweeps recorded
   in BENCHMARKS.md (sessions 16-18); shapes not measured get the nearest rule.
 
   ``fp4``: "mxfp4" or "nvfp4" for an :class:`qjax.MXFP4NKWeight` or
   :class:`qjax.NVFP4NKWeight` (``group_size`` is ignored): tiled as INT4 with groups of
   128, since their one-byte block scales (per 32 or 16 of K) are multiplied into the
-  weights as they are converted, one wgmma per 128 of K.
+  weights as they are converted, one wgmma per 128 of K. ``group_bytes``: INT4's bytes
+  per group and column in a pipeline stage (:func:`_scale_args`: 2 for bf16 or f16 scales,
+  one more with zero points).
   """
-  scale_args = (_FP4_FORMATS[fp4].block_size, 1) if fp4 else (group_size, 2)
+  scale_args = (_FP4_FORMATS[fp4].block_size, 1) if fp4 else (group_size, group_bytes)
   if fp4:  # steps of 128 where they divide K, else of 64 (GPT-OSS: K = 2880)
     group_size = 128 if k % 128 == 0 else 64
   tile_k = 128 if group_size % 128 == 0 else 64
@@ -216,6 +220,15 @@ def config_for(m: int, k: int, n: int, group_size: int, num_sms: int = 132, *,
                              mma_sync=mma_sync)
 
 
+def _scale_args(w: Any) -> tuple[int, int]:
+  """:meth:`WgmmaConfig.stage_bytes`'s ``(group_size, scale_bytes)`` for the weight ``w``:
+  FP4's one-byte block scales, or INT4's 16-bit scales and, where it has them, its
+  one-byte zero points."""
+  if _fp4_name(w):
+    return w.block_size, 1
+  return w.group_size, jnp.dtype(w.scales.dtype).itemsize + (w.zeros is not None)
+
+
 def _chains(tiles: int, split_k: int, steps: int, stages: int, num_sms: int) -> bool:
   """config_for's ``chain_tiles``: where some CTA runs two or more of the ``tiles`` (times
   the K splits) and the ``stages`` divide a tile's K ``steps``."""
@@ -229,15 +242,18 @@ _CANDIDATE_SPLITS = (1, 2, 4, 8)
 _CANDIDATE_STAGES = (2, 3, 4, 6, 8)
 
 
-def abstract_weight(k: int, n: int, *, group_size: int = 128, fp4: str | None = None) -> Any:
-  """An abstract ``[k, n]`` Int4NKWeight (bf16 scales per ``group_size``), or
-  MXFP4NKWeight / NVFP4NKWeight for ``fp4``: arrays as ``jax.ShapeDtypeStruct``, for
-  checking configurations without a weight."""
+def abstract_weight(k: int, n: int, *, group_size: int = 128, fp4: str | None = None,
+                    zero_points: bool = False, scale_dtype: Any = jnp.bfloat16) -> Any:
+  """An abstract ``[k, n]`` Int4NKWeight (``scale_dtype`` scales per ``group_size``; uint8
+  zero points with ``zero_points``), or MXFP4NKWeight / NVFP4NKWeight for ``fp4``: arrays
+  as ``jax.ShapeDtypeStruct``, for checking configurations without a weight."""
   codes = jax.ShapeDtypeStruct((n, k // 8), jnp.uint32)
   if fp4 is None:
-    return int4_nk.Int4NKWeight(codes=codes,
-                                scales=jax.ShapeDtypeStruct((k // group_size, n), jnp.bfloat16),
-                                shape=(k, n), group_size=group_size)
+    groups = (k // group_size, n)
+    return int4_nk.Int4NKWeight(
+        codes=codes, scales=jax.ShapeDtypeStruct(groups, scale_dtype), shape=(k, n),
+        group_size=group_size,
+        zeros=jax.ShapeDtypeStruct(groups, jnp.uint8) if zero_points else None)
   cls = _FP4_FORMATS[fp4]
   extra = {"global_scale": jax.ShapeDtypeStruct((), jnp.float32)} if fp4 == "nvfp4" else {}
   return cls(codes=codes, scales=jax.ShapeDtypeStruct((k // cls.block_size, n),
@@ -253,8 +269,7 @@ def config_error(m: int, w: Any, cfg: WgmmaConfig) -> str | None:
     _check(jax.ShapeDtypeStruct((m, w.shape[0]), jnp.bfloat16), w, cfg)
   except NotImplementedError as e:
     return str(e)
-  fp4 = _fp4_name(w)
-  scale_args = (w.block_size, 1) if fp4 else (w.group_size, 2)
+  scale_args = _scale_args(w)
   smem = cfg.stages * cfg.stage_bytes(*scale_args) + cfg.epilogue_bytes()
   if smem > _SMEM_MAX:
     return (f"{cfg.stages} stages of {cfg.stage_bytes(*scale_args)} bytes and an epilogue "
@@ -342,7 +357,8 @@ def default_config(m: int, w: Any, num_sms: int = 132, *, table: bool = True
       return tuned
   k, n = w.shape
   fp4 = _fp4_name(w)
-  return config_for(m, k, n, w.block_size if fp4 else w.group_size, num_sms, fp4=fp4)
+  group_size, group_bytes = _scale_args(w)
+  return config_for(m, k, n, group_size, num_sms, fp4=fp4, group_bytes=group_bytes)
 
 
 def _table_device() -> Any:
@@ -387,10 +403,10 @@ def _check(x: jax.Array, w: Any, cfg: WgmmaConfig) -> None:
   if cfg.mma_sync and not cfg.scale_accumulator:
     raise NotImplementedError("mma_sync with INT4 needs scale_accumulator=True (each "
                               "group's mma.sync product is scaled in float32)")
-  if w.scales.dtype != jnp.bfloat16:
+  if w.scales.dtype not in _SCALE_DTYPES:
     raise NotImplementedError(
-        f"scales of dtype {jnp.dtype(w.scales.dtype).name}: the kernel multiplies by bf16 "
-        "scales in registers; rounding others would change the weight")
+        f"scales of dtype {jnp.dtype(w.scales.dtype).name}: the kernel takes bf16 or f16 "
+        "scales")
   if w.group_size % 64:
     raise NotImplementedError(
         f"group_size={w.group_size}: the kernel's wgmma steps take groups of 64 or a "
@@ -407,6 +423,12 @@ def _check(x: jax.Array, w: Any, cfg: WgmmaConfig) -> None:
                               f"{cfg.split_k * w.group_size}")
   _check_chain(k, cfg)
   _check_n(n, cfg)
+
+
+# INT4 scale dtypes the kernel takes: bf16 multiplies the bf16 codes; f16 (GPTQ's and AWQ's)
+# multiplies in float32 (exact: a code of 4 bits times 11), then rounds once to bf16, as
+# the XLA path's dequantization does; on the float32 side (scale_accumulator) either is exact.
+_SCALE_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
 def _check_chain(k: int, cfg: WgmmaConfig) -> None:
@@ -477,11 +499,13 @@ _BF16X2_136 = 0x43084308
 _LOP3_AND_XOR = 0x6A  # LOP3 truth table of (a & b) ^ c (a = 0xF0, b = 0xCC, c = 0xAA)
 
 
-def _to_bf16_fragments(w, first_run: int = 0, runs: int | None = None):
+def _to_bf16_fragments(w, first_run: int = 0, runs: int | None = None, zeros=None):
   """``w``: int4 ``[tile_n, tile_k]`` loaded in the WGMMA_UPCAST_4X layout (thread ``c``
   of each four-thread row group holds word ``c`` of every 32-code run of its two rows)
   -> bf16 codes ``[tile_n, 32 * runs]`` of the 32-code runs ``first_run ..
-  first_run + runs - 1`` (default: all) in wgmma's register operand layout.
+  first_run + runs - 1`` (default: all) in wgmma's register operand layout: ``c = q - 8``,
+  or ``q - z`` with ``zeros`` (uint8 ``[tile_n]`` zero points ``z`` of the runs' group, in
+  the WGMMA row layout).
 
   The format stores each run so that nibbles ``i`` and ``i + 4`` of a word are the
   thread's K pair of the run's 8-column tile ``i`` (``int4_nk.SLOT_TO_K``): a shift by
@@ -489,32 +513,53 @@ def _to_bf16_fragments(w, first_run: int = 0, runs: int | None = None):
   ``136 + q`` in both halves of a register, and one ``sub.bf16x2`` makes ``q``: per pair
   two integer instructions (one for ``i = 0``) and one bf16 one, where Mosaic's own
   conversion after its relayout from the plain order took a lane shuffle and four integer
-  instructions (session 17 profile, BENCHMARKS.md).
+  instructions (session 17 profile, BENCHMARKS.md). With zero points the subtrahend is
+  ``128 + z`` (bf16, both halves, made once per row and group by
+  :data:`_ZERO_TO_BF16X2`) instead of 136: the same instructions per pair.
   """
   if runs is None:
     runs = w.shape[1] // int4_nk.CHUNK - first_run
   shape = (w.shape[0], runs * int4_nk.CHUNK)
+  rows = () if zeros is None else (plgpu.Layout.WGMMA.reduce(1),)
 
   @plgpu.inline_mgpu(
-      arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
+      arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, *rows),
       return_type=plgpu.ShapeDtypeStruct(shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA))
-  def convert(ctx, w4):
+  def convert(ctx, w4, *zero_rows):
     del ctx
-    from jax._src.lib.mlir.dialects import llvm  # pylint: disable=g-import-not-at-top
+    # pylint: disable=g-import-not-at-top
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith
+    from jax._src.lib.mlir.dialects import llvm
+    from jax._src.lib.mlir.dialects import vector
+    i32 = ir.IntegerType.get_signless(32)
+    # A row's registers: (row tile, 1, row half, ...), as w4's (row tile, run, 1, 1, half).
+    zero2 = {}
+    for zero_row in zero_rows:
+      for idx, reg in np.ndenumerate(zero_row.registers):
+        z = arith.extui(i32, vector.extract(reg, [], [0]))
+        zero2[(idx[0], idx[2])] = llvm.inline_asm(i32, [z], _ZERO_TO_BF16X2, "=r,r")
 
     def pair(word, i32, idx, i):
-      del idx
       shift = f"shr.u32 t, $1, {4 * i};" if i else "mov.b32 t, $1;"
-      return llvm.inline_asm(
-          i32, [word],
-          f"{{ .reg .b32 t, u, b; {shift} "
-          f"lop3.b32 u, t, 0x000F000F, {_BF16X2_136:#010x}, {_LOP3_AND_XOR:#04x}; "
-          f"mov.b32 b, {_BF16X2_136:#010x}; sub.bf16x2 $0, u, b; }}",
-          "=r,r")
+      head = (f"{{ .reg .b32 t, u, b; {shift} "
+              f"lop3.b32 u, t, 0x000F000F, {_BF16X2_136:#010x}, {_LOP3_AND_XOR:#04x}; ")
+      if not zero2:
+        return llvm.inline_asm(
+            i32, [word],
+            head + f"mov.b32 b, {_BF16X2_136:#010x}; sub.bf16x2 $0, u, b; }}", "=r,r")
+      return llvm.inline_asm(i32, [word, zero2[(idx[0], idx[4])]],
+                             head + "sub.bf16x2 $0, u, $2; }", "=r,r,r")
 
     return _pairs_to_fragments(w4, shape, first_run, runs, pair)
 
-  return convert(w)
+  return convert(w, *(() if zeros is None else (zeros,)))
+
+
+# PTX of one zero point byte (``$1``, zero-extended) -> bf16 ``128 + z`` in both halves
+# (0x4300 is 128.0, whose last mantissa bit is worth 1).
+_ZERO_TO_BF16X2 = ("{ .reg .b32 a, b; or.b32 a, $1, 0x4300; shl.b32 b, a, 16; "
+                   "or.b32 $0, a, b; }")
 
 
 def _pairs_to_fragments(w4, shape, first_run: int, runs: int, pair):
@@ -656,6 +701,20 @@ def _step_groups(w_smem, x_smem, sub: int, convert=None):
     yield j, w, x.transpose((1, 0))
 
 
+def _zero_point_converter(z_smem):
+  """The ``convert`` of :func:`_step_groups` for an INT4 step with zero points ``z_smem``
+  (uint8 ``[groups, tile_n]``, one row per group of the step; None: symmetric, the
+  default conversion)."""
+  if z_smem is None:
+    return None
+
+  def convert(w4, j, first_run, runs):
+    z = plgpu.layout_cast(z_smem.at[j][...], plgpu.Layout.WGMMA.reduce(1))
+    return _to_bf16_fragments(w4, first_run, runs, z)
+
+  return convert
+
+
 def _fp4_converter(s_smem, fp4: str):
   """The ``convert`` of :func:`_step_groups` for an FP4 step whose block scale bits are
   ``s_smem`` (uint8 ``[tile_k // B, tile_n]``): :func:`_e2m1_to_bf16_fragments` with the
@@ -698,35 +757,43 @@ def _fp4_mma_sync_step(acc, w_smem, s_smem, x_smem, fp4: str, x_transforms):
   return acc
 
 
-def _convert_and_multiply(acc_ref, w_smem, s_smem, x_smem, group_size: int) -> None:
+def _convert_and_multiply(acc_ref, w_smem, s_smem, x_smem, group_size: int,
+                          z_smem=None) -> None:
   """One pipeline step of a compute warpgroup: ``acc += (W^T * s) x^T``.
 
   w_smem: ``[tile_n, tile_k]`` int4 in fragment order; s_smem: ``[groups, tile_n]`` bf16
-  (the step's group scales, one row per ``group_size`` of K when tile_k spans several);
-  x_smem: ``[tile_m, tile_k]`` bf16; acc_ref: ``[tile_n, tile_m]`` float32. With several
+  or f16 (the step's group scales, one row per ``group_size`` of K when tile_k spans
+  several); x_smem: ``[tile_m, tile_k]`` bf16; acc_ref: ``[tile_n, tile_m]`` float32;
+  z_smem: the step's zero points (uint8 ``[groups, tile_n]``) or None. With several
   groups per step each gets its own wgmma, issued before the next group's conversion so
   that the two overlap; one wait ends the step. The named scopes show in Mosaic GPU's
   profiler (``CompilerParams.profile_dir``; examples/wgmma_profile.py).
   """
-  for j, w, x_t in _step_groups(w_smem, x_smem, min(w_smem.shape[1], group_size)):
+  for j, w, x_t in _step_groups(w_smem, x_smem, min(w_smem.shape[1], group_size),
+                                _zero_point_converter(z_smem)):
     with jax.named_scope("scale"):
       s = plgpu.layout_cast(s_smem.at[j][...], plgpu.Layout.WGMMA.reduce(1))
-      w = w * lax.broadcast_in_dim(s, w.shape, [0])
+      if s.dtype == jnp.bfloat16:
+        w = w * lax.broadcast_in_dim(s, w.shape, [0])
+      else:  # f16: the exact product in float32, rounded once
+        s = lax.broadcast_in_dim(s.astype(jnp.float32), w.shape, [0])
+        w = (w.astype(jnp.float32) * s).astype(jnp.bfloat16)
     with jax.named_scope("wgmma"):
       plgpu.wgmma(acc_ref, w, x_t)
   with jax.named_scope("wgmma_wait"):
     plgpu.wgmma_wait(0)
 
 
-def _multiply_then_scale(acc, w_smem, s_smem, x_smem, group_size: int):
+def _multiply_then_scale(acc, w_smem, s_smem, x_smem, group_size: int, z_smem=None):
   """:func:`_convert_and_multiply` with the scales on the float32 side: returns
   ``acc + sum_g s_g * (W_g^T x_g^T)`` (acc ``[tile_n, tile_m]`` float32, a value), each
   group's product in its own zero-initialized accumulator."""
   groups = w_smem.shape[1] // min(w_smem.shape[1], group_size)
 
   def issue(*parts):
-    for (_, w, x_t), part in zip(_step_groups(w_smem, x_smem, min(w_smem.shape[1], group_size)),
-                                 parts):
+    groups_of_step = _step_groups(w_smem, x_smem, min(w_smem.shape[1], group_size),
+                                  _zero_point_converter(z_smem))
+    for (_, w, x_t), part in zip(groups_of_step, parts):
       with jax.named_scope("wgmma"):
         plgpu.wgmma(part, w, x_t)
     with jax.named_scope("wgmma_wait"):
@@ -741,7 +808,7 @@ def _multiply_then_scale(acc, w_smem, s_smem, x_smem, group_size: int):
 
 def _plus_scaled(acc, part, scale_row):
   """``acc + part * s``: float32 ``[tile_n, tile_m]`` values, each row of ``part``
-  times its group scale in ``scale_row`` (bf16 ``[tile_n]`` in shared memory)."""
+  times its group scale in ``scale_row`` (bf16 or f16 ``[tile_n]`` in shared memory)."""
   s = plgpu.layout_cast(scale_row[...], plgpu.Layout.WGMMA.reduce(1))
   return acc + part * lax.broadcast_in_dim(s.astype(jnp.float32), acc.shape, [0])
 
@@ -830,10 +897,11 @@ def _mma_sync_product(w, x_smem, k_offset: int, x_transforms):
   return product(w, x_smem)
 
 
-def _mma_sync_then_scale(acc, w_smem, s_smem, x_smem, group_size: int, x_transforms):
+def _mma_sync_then_scale(acc, w_smem, s_smem, x_smem, group_size: int, x_transforms,
+                         z_smem=None):
   """:func:`_multiply_then_scale` with :func:`_mma_sync_product` in place of wgmma."""
   sub = min(w_smem.shape[1], group_size)
-  for j, w, _ in _step_groups(w_smem, x_smem, sub):
+  for j, w, _ in _step_groups(w_smem, x_smem, sub, _zero_point_converter(z_smem)):
     with jax.named_scope("mma"):
       part = _mma_sync_product(w, x_smem, j * sub, x_transforms)
     with jax.named_scope("scale"):
@@ -844,7 +912,8 @@ def _mma_sync_then_scale(acc, w_smem, s_smem, x_smem, group_size: int, x_transfo
 def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Array | None,
                  cfg: WgmmaConfig, group_size: int, num_sms: int, out_dtype,
                  fp4: str | None = None, global_scale: jax.Array | None = None,
-                 tile_table: tuple[jax.Array, ...] | None = None) -> jax.Array:
+                 tile_table: tuple[jax.Array, ...] | None = None,
+                 zeros: jax.Array | None = None) -> jax.Array:
   """``[split_k, M, N]`` (``out_dtype``) partial products; M below 8 or a multiple of
   tile_m (:func:`padded_rows`).
 
@@ -853,7 +922,8 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
   scales' bits as uint8 (``group_size`` G = 32 or 16), and NVFP4's ``global_scale``
   (float32 ``[]``) multiplies the float32 products. Or, with ``layer`` (an int32 scalar),
   wt ``[L, N, K]``, scales ``[L, K // G, N]`` and global_scale ``[L]``: stacks of which the
-  kernel reads layer ``layer``.
+  kernel reads layer ``layer``. ``zeros``: INT4's uint8 zero points ``[K // G, N]`` (a
+  stack like the scales with ``layer``), or None (symmetric).
 
   ``tile_table`` (a grouped GEMM over experts, :func:`fp4_nk_moe_matmul`): int32
   ``(experts [T], rows [T], active [])``: row tile ``t``, x ``[T, tile_m, K]``, multiplies
@@ -874,6 +944,8 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
   the one before it, both writing the same values.
   """
   grouped = tile_table is not None
+  if grouped and zeros is not None:
+    raise NotImplementedError("the grouped (MoE) wgmma kernel takes FP4 experts only")
   row_per_tile = grouped and len(tile_table) in (1, 2)
   num_experts = wt.shape[-3] if grouped else None
   if grouped:
@@ -893,6 +965,7 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
   steps_per_group = max(1, group_size // tk)
   groups_per_step = _groups_per_step(tk, group_size)
   out_bits = jnp.dtype(out_dtype).itemsize * 8
+  zeros_in = zeros is not None
 
   x_swizzle = plgpu.find_swizzle(tk * 16, "lhs")
   w_swizzle = plgpu.find_swizzle(tk * 4, "rhs")
@@ -908,10 +981,13 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
 
   def kernel(x_gmem, w_gmem, s_gmem, *refs, out_smem):
     *refs, out_gmem = refs
+    z_gmem = refs.pop(0) if zeros is not None else None
     g_gmem = refs.pop(0) if global_scale is not None else None
     if layer is not None:
       index = stacked_lib.normalized_index(refs.pop(0)[...], w_gmem.shape[0])
       w_gmem, s_gmem = w_gmem.at[index], s_gmem.at[index]
+      if z_gmem is not None:
+        z_gmem = z_gmem.at[index]
       if g_gmem is not None:
         g_gmem = g_gmem.at[index]
     if row_per_tile:
@@ -925,8 +1001,8 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
           in_specs=[
               plgpu.BlockSpec((tm, tk), lambda kk: (0, kk), transforms=x_transforms),
               plgpu.BlockSpec((cta_n, tk), lambda kk: (0, kk), transforms=w_transforms),
-              plgpu.BlockSpec((groups_per_step, cta_n),
-                              lambda kk: (kk // steps_per_group, 0)),
+              *[plgpu.BlockSpec((groups_per_step, cta_n),
+                                lambda kk: (kk // steps_per_group, 0))] * (2 if zeros_in else 1),
           ],
           wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=cfg.stages,
           compute_context=context, pipeline_state=state)
@@ -935,7 +1011,8 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
 
     @functools.partial(
         pl.run_scoped,
-        allocations=pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem, s_gmem),
+        allocations=pipeline(ignore, ignore).get_allocations(
+            x_gmem, w_gmem, s_gmem, *([] if z_gmem is None else [z_gmem])),
         collective_axes="wg")
     def _scope(allocations):
       wg = lax.axis_index("wg")
@@ -1004,8 +1081,10 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
             run(acc_ref)
             epilogue(acc_ref[...])
 
-        def body(_, x_smem, w_smem, s_smem, acc):
+        def body(_, x_smem, w_smem, s_smem, *z_and_acc):
+          *z_smem, acc = z_and_acc
           w_smem, s_smem = w_smem.at[wg_rows], s_smem.at[:, wg_rows]
+          z_smem = z_smem[0].at[:, wg_rows] if z_smem else None
           if fp4 and cfg.mma_sync:
             return _fp4_mma_sync_step(acc, w_smem, s_smem, x_smem, fp4, x_transforms)
           if fp4:
@@ -1013,10 +1092,10 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
             return acc
           if cfg.mma_sync:
             return _mma_sync_then_scale(acc, w_smem, s_smem, x_smem, group_size,
-                                        x_transforms)
+                                        x_transforms, z_smem)
           if cfg.scale_accumulator:
-            return _multiply_then_scale(acc, w_smem, s_smem, x_smem, group_size)
-          _convert_and_multiply(acc, w_smem, s_smem, x_smem, group_size)
+            return _multiply_then_scale(acc, w_smem, s_smem, x_smem, group_size, z_smem)
+          _convert_and_multiply(acc, w_smem, s_smem, x_smem, group_size, z_smem)
           return acc
 
         state = None
@@ -1029,11 +1108,12 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
           state = jnp.where(first, int(_CHAIN.START),
                             jnp.where(last, int(_CHAIN.STOP), int(_CHAIN.STEADY)))
         def run_tile():
+          group_cols = (pl.ds(k0 // group_size, k_per_split // group_size), pl.ds(n0, cta_n))
           pipeline(body, context, state)(
               x_tile.at[pl.ds(m0, tm), pl.ds(k0, k_per_split)],
               w_tile.at[pl.ds(n0, cta_n), pl.ds(k0, k_per_split)],
-              s_tile.at[pl.ds(k0 // group_size, k_per_split // group_size),
-                        pl.ds(n0, cta_n)],
+              s_tile.at[group_cols],
+              *([] if z_gmem is None else [z_gmem.at[group_cols]]),
               allocations=allocations)
 
         if grouped and not row_per_tile:
@@ -1052,7 +1132,7 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       scratch_types=dict(out_smem=plgpu.SMEM((wgs, 2, cfg.epi_m, tn), out_dtype,
                                              transforms=o_transforms)))
-  extra = [a for a in (global_scale, layer) if a is not None]
+  extra = [a for a in (zeros, global_scale, layer) if a is not None]
   return call(x, wt, scales, *extra, *(tile_table or ()))
 
 
@@ -1072,8 +1152,9 @@ def int4_nk_matmul(x: jax.Array, w: int4_nk.Int4NKWeight, *, interpret: bool = F
 
   Args:
     x: ``[M, K]`` bf16; any M (from 8 rows up, padded to the tile internally).
-    w: symmetric INT4 with bf16 scales, codes ``[N, K // 8]`` in fragment order; N a
-      multiple of 128 and the group size a multiple of 64.
+    w: INT4 with bf16 or f16 scales (symmetric, or with uint8 zero points: the conversion
+      subtracts ``128 + z`` in place of 136, same instructions), codes ``[N, K // 8]`` in
+      fragment order; N a multiple of 128 and the group size a multiple of 64.
     interpret: must be False (raises NotImplementedError: no CPU interpret mode).
     config: tiles; default :func:`config_for`.
     num_sms: CTAs of the persistent grid; default the device's SM count.
@@ -1142,10 +1223,14 @@ def _run_kernel(x: jax.Array, w: Any, cfg: WgmmaConfig, num_sms: int,
   stacked codes and scales and the layer index, and reads the layer in place."""
   k = w.shape[0]
   fp4 = _fp4_name(w)
-  arrays = [w.codes, w.scales] + ([w.global_scale] if fp4 == "nvfp4" else [])
+  zeros = None if fp4 else w.zeros
+  arrays = ([w.codes, w.scales] + ([w.global_scale] if fp4 == "nvfp4" else [])
+            + ([] if zeros is None else [zeros]))
   stacks, in_stack, layer = stacked_lib.read_in_place(arrays)
   if not all(in_stack):
     stacks, layer = arrays, None
+  if zeros is not None:
+    *stacks, zeros = stacks
   codes, scales, *global_scale = stacks
   if fp4:  # the block scales' bits
     scales = lax.bitcast_convert_type(scales, jnp.uint8)
@@ -1153,7 +1238,7 @@ def _run_kernel(x: jax.Array, w: Any, cfg: WgmmaConfig, num_sms: int,
   out_dtype = jnp.float32 if cfg.split_k > 1 else jnp.bfloat16
   y = _kernel_call(x, wt, scales, layer, cfg, w.block_size if fp4 else w.group_size,
                    num_sms, out_dtype, fp4, global_scale[0] if global_scale else None,
-                   tile_table=tile_table)
+                   tile_table=tile_table, zeros=zeros)
   return y[0] if cfg.split_k == 1 else common.sum_splits(y).astype(jnp.bfloat16)
 
 

@@ -305,8 +305,9 @@ def test_flax_layers_differentiate_through_the_kernel():
 
 # -- the compiled kernels (GPU) -----------------------------------------------------------
 
-_GPU_FORMATS = ["int4-sym-g128", "int4-asym-g64-f16", "int4_nk-sym-g128", "mxfp4",
-                "nvfp4", "mxfp4_nk", "gguf-Q4_K", "marlin-sym-g128"]
+_GPU_FORMATS = ["int4-sym-g128", "int4-asym-g64-f16", "int4_nk-sym-g128",
+                "int4_nk-asym-g64-f16", "mxfp4", "nvfp4", "mxfp4_nk", "gguf-Q4_K",
+                "marlin-sym-g128"]
 
 
 @needs_gpu

@@ -119,16 +119,23 @@ def test_xla_fallback_bench_bad_shapes_and_ms_are_one_line(option):
   assert e.value.code == 2
 
 
-def test_hf_generate_bench_runs_tiny_on_the_cpu(tmp_path):
-  """Both folders written and generated from, one row per run, the folders kept in --out."""
+@pytest.mark.parametrize("zero_points", [False, True])
+def test_hf_generate_bench_runs_tiny_on_the_cpu(tmp_path, zero_points):
+  """Both folders written and generated from, one row per run, the folders kept in --out;
+  with --zero-points the GPTQ folder holds asymmetric codes (zero points other than 8)."""
   proc = _run("hf_generate_bench.py", "--tiny", "--tokens", "2", "--implementations", "xla",
-              "--out", str(tmp_path))
+              "--out", str(tmp_path), *(["--zero-points"] if zero_points else []))
   assert proc.returncode == 0, proc.stderr
-  rows = [line for line in proc.stdout.splitlines() if line.startswith("| gptq")
+  gptq = "gptq-asym" if zero_points else "gptq"
+  rows = [line for line in proc.stdout.splitlines() if line.startswith(f"| {gptq} ")
           or line.startswith("| float16")]
-  assert [r.split(" | ")[:2] for r in rows] == [["| gptq", "xla"], ["| float16", "xla"]]
+  assert [r.split(" | ")[:2] for r in rows] == [[f"| {gptq}", "xla"], ["| float16", "xla"]]
   assert all("generated 2 tokens" in r and "device memory" in r for r in rows), rows
-  assert (tmp_path / "gptq" / "config.json").exists()
+  assert (tmp_path / gptq / "config.json").exists()
+  from flax_layers import hf_checkpoint  # pylint: disable=g-import-not-at-top
+  params = hf_checkpoint.load_hf_llama(tmp_path / gptq, progress=False)[1]["params"]
+  w = params["blocks"]["attn"]["q"]["kernel"]  # a GPTQWeight stack
+  assert w.symmetric == (not zero_points)
   assert (tmp_path / "float16" / "tokenizer.json").exists()
 
 

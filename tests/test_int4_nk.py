@@ -21,19 +21,26 @@ from tests.conftest import (assert_same_bits, needs_gpu, pallas_operand_shapes, 
                             seed_from)
 
 
-def make_case(name, m, k, n, group=128, dtype=jnp.bfloat16, scale_dtype=jnp.bfloat16):
-  """x ``[m, k]``, an Int4Weight from Gaussian weights, and its Int4NKWeight."""
+def make_case(name, m, k, n, group=128, dtype=jnp.bfloat16, scale_dtype=jnp.bfloat16,
+              symmetric=True):
+  """x ``[m, k]``, an Int4Weight from Gaussian weights (integer zero points unless
+  ``symmetric``; their mean is shifted so that the zero points spread), and its
+  Int4NKWeight."""
   rng = np.random.default_rng(seed_from(name))
   x = jnp.asarray(rng.standard_normal((m, k)), dtype)
-  w = qjax.quantize(jnp.asarray(rng.standard_normal((k, n)) * 0.05, jnp.float32),
-                    group_size=group, scale_dtype=scale_dtype)
+  wf = rng.standard_normal((k, n)) * 0.05 + (0 if symmetric else rng.uniform(-0.05, 0.05, n))
+  w = qjax.quantize(jnp.asarray(wf, jnp.float32), group_size=group, scale_dtype=scale_dtype,
+                    symmetric=symmetric)
   return x, w, qjax.to_int4_nk(w)
 
 
 def reference(x, w):
-  """float64 ``x @ W`` of an Int4Weight, decoded from its codes and scales in numpy."""
-  q = np.asarray(w.unpacked_codes(), np.float64) - 8.0
-  s = np.repeat(np.asarray(w.scales.astype(jnp.float32), np.float64), w.group_size, axis=0)
+  """float64 ``x @ W`` of an Int4Weight, decoded from its codes, scales and zero points
+  (8 when symmetric) in numpy."""
+  g = w.group_size
+  z = 8.0 if w.zeros is None else np.repeat(np.asarray(w.zeros, np.float64), g, axis=0)
+  q = np.asarray(w.unpacked_codes(), np.float64) - z
+  s = np.repeat(np.asarray(w.scales.astype(jnp.float32), np.float64), g, axis=0)
   return np.asarray(x.astype(jnp.float32), np.float64) @ (q * s)
 
 
@@ -73,6 +80,32 @@ def test_layout_is_bit_exact(request, k, n, group):
   assert back.shape == w.shape and back.group_size == w.group_size and back.symmetric
 
 
+@pytest.mark.parametrize("k,n,group,scale_dtype", [(256, 40, 64, jnp.float16),
+                                                   (384, 37, 128, jnp.bfloat16),
+                                                   (992, 24, None, jnp.float32)])
+def test_zero_points_layout_is_bit_exact(request, k, n, group, scale_dtype):
+  """An Int4Weight with integer zero points (AWQ, GPTQ and compressed-tensors' asymmetric
+  form) keeps its codes as q - 8 and its zero points as they are; dequantize() and the
+  way back are bit-exact."""
+  _, w, wn = make_case(request.node.nodeid, 1, k, n, group, scale_dtype=scale_dtype,
+                       symmetric=False)
+  zeros = np.asarray(w.zeros)
+  assert len(np.unique(zeros)) > 3, "the case should spread its zero points"
+  assert not wn.symmetric and wn.zeros is w.zeros and wn.scales is w.scales
+  q = np.asarray(w.unpacked_codes(), np.int64) - 8
+  np.testing.assert_array_equal(np.asarray(wn.codes), fragment_order_reference(q))
+  for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+    assert_same_bits(lambda dtype=dtype: wn.dequantize(dtype),
+                     lambda dtype=dtype: w.dequantize(dtype), f"dequantize({dtype})")
+  g = w.group_size
+  want = ((q + 8 - np.repeat(zeros, g, axis=0).astype(np.int64)).astype(np.float32)
+          * np.repeat(np.asarray(w.scales.astype(jnp.float32)), g, axis=0))  # float32 math
+  np.testing.assert_array_equal(np.asarray(wn.dequantize()), want)
+  back = wn.to_int4(tile_k=w.tile_k)
+  np.testing.assert_array_equal(np.asarray(back.codes), np.asarray(w.codes))
+  np.testing.assert_array_equal(np.asarray(back.zeros), zeros)
+
+
 def test_layout_of_a_stack(request):
   ws = [make_case(f"{request.node.nodeid}{i}", 1, 256, 64)[1] for i in range(3)]
   stack = jax.tree.map(lambda *a: jnp.stack(a), *ws)
@@ -91,8 +124,11 @@ def test_conversion_is_jittable(request):
 def test_rejects_what_it_cannot_hold(request):
   rng = np.random.default_rng(seed_from(request.node.nodeid))
   wf = jnp.asarray(rng.standard_normal((256, 32)), jnp.float32)
-  with pytest.raises(ValueError, match="symmetric"):
-    qjax.to_int4_nk(qjax.quantize(wf, symmetric=False))
+  sym = qjax.quantize(wf)
+  biased = qjax.Int4Weight(codes=sym.codes, scales=sym.scales, zeros=None, biases=sym.scales,
+                           shape=sym.shape, group_size=sym.group_size)
+  with pytest.raises(ValueError, match="float biases"):
+    qjax.to_int4_nk(biased)
   with pytest.raises(TypeError, match="Int4Weight"):
     qjax.to_int4_nk(wf)
   wn = qjax.to_int4_nk(qjax.quantize(wf))
@@ -102,6 +138,8 @@ def test_rejects_what_it_cannot_hold(request):
     dataclasses.replace(wn, group_size=96)
   with pytest.raises(ValueError, match="group_size=16 must be a multiple of 32"):
     dataclasses.replace(wn, group_size=16)
+  with pytest.raises(ValueError, match=r"zeros must be \(2, 32\)"):
+    dataclasses.replace(wn, zeros=jnp.zeros((4, 32), jnp.uint8))
   odd_k = qjax.quantize(jnp.asarray(rng.standard_normal((1000, 8)), jnp.float32),
                         group_size=None)
   with pytest.raises(ValueError, match="K=1000 .* multiples of 32"):
@@ -110,11 +148,17 @@ def test_rejects_what_it_cannot_hold(request):
 
 def test_save_and_load(request, tmp_path):
   _, w, wn = make_case(request.node.nodeid, 1, 256, 40, 64)
-  qjax.save(tmp_path / "w.qjax", {"w": wn})
-  back = qjax.load(tmp_path / "w.qjax")["w"]
+  _, wa, wna = make_case(request.node.nodeid + "a", 1, 256, 40, 64, symmetric=False)
+  qjax.save(tmp_path / "w.qjax", {"w": wn, "asym": wna})
+  loaded = qjax.load(tmp_path / "w.qjax")
+  back = loaded["w"]
   assert isinstance(back, qjax.Int4NKWeight) and back.group_size == 64
+  assert back.zeros is None
   np.testing.assert_array_equal(np.asarray(back.codes), np.asarray(wn.codes))
   np.testing.assert_array_equal(np.asarray(back.dequantize()), np.asarray(w.dequantize()))
+  np.testing.assert_array_equal(np.asarray(loaded["asym"].zeros), np.asarray(wa.zeros))
+  np.testing.assert_array_equal(np.asarray(loaded["asym"].dequantize()),
+                                np.asarray(wa.dequantize()))
   # A file of session 16's plain word order (format "int4_nk") must not load as this one.
   raw = (tmp_path / "w.qjax").read_bytes()
   old = raw.replace(b'\\"int4_nk.v2\\"', b'\\"int4_nk\\"   ')  # same header length
@@ -129,18 +173,20 @@ def test_save_and_load(request, tmp_path):
     (33, 512, 96, 64, jnp.float16), (7, 256, 64, 256, jnp.float32),
     (1, 512, 40, 32, jnp.float32), (1, 992, 24, None, jnp.float16),
     (3, 992, 24, None, jnp.bfloat16)])
-def test_xla_path(request, m, k, n, group, dtype):
-  x, w, wn = make_case(request.node.nodeid, m, k, n, group, dtype)
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_xla_path(request, m, k, n, group, dtype, symmetric):
+  x, w, wn = make_case(request.node.nodeid, m, k, n, group, dtype, symmetric=symmetric)
   y = jax.jit(lambda a, b: qjax.matmul(a, b, implementation="xla"))(x, wn)
   assert y.shape == (m, n) and y.dtype == dtype
   assert rel_err(y, reference(x, w)) < (1e-5 if dtype == jnp.float32 else 1e-2)
 
 
-@pytest.mark.parametrize("group,dtype", [(32, jnp.bfloat16), (128, jnp.float16),
-                                         (None, jnp.bfloat16)])
-def test_xla_dequantization_in_word_pairs_is_bit_exact(request, group, dtype):
+@pytest.mark.parametrize("group,dtype,symmetric", [
+    (32, jnp.bfloat16, True), (128, jnp.float16, True), (None, jnp.bfloat16, True),
+    (64, jnp.bfloat16, False), (None, jnp.float16, False)])
+def test_xla_dequantization_in_word_pairs_is_bit_exact(request, group, dtype, symmetric):
   from qjax._src import int4_nk  # pylint: disable=g-import-not-at-top
-  _, _, wn = make_case(request.node.nodeid, 1, 512, 72, group)
+  _, _, wn = make_case(request.node.nodeid, 1, 512, 72, group, symmetric=symmetric)
   pairs = jax.jit(int4_nk._dequantize_nk_pairs, static_argnums=1)(wn, dtype)
   plain = wn.dequantize_nk(dtype)
   np.testing.assert_array_equal(np.asarray(pairs.view(jnp.uint16)),
@@ -335,7 +381,7 @@ def test_kernel_declines_what_it_lacks(request):
   cases = [
       (x.astype(jnp.float16), wn, "bf16 activations"),
       (x, qjax.to_int4_nk(make_case(request.node.nodeid, 4, 256, 128,
-                                    scale_dtype=jnp.float32)[1]), "bf16 scales"),
+                                    scale_dtype=jnp.float32)[1]), "bf16 or f16 scales"),
       (x, qjax.to_int4_nk(make_case(request.node.nodeid, 4, 256, 64)[1]), "N=64"),
       (x, qjax.to_int4_nk(make_case(request.node.nodeid, 4, 256, 128, group=32)[1]),
        "group_size=32"),
@@ -409,6 +455,46 @@ def test_kernel_lowers_for_cuda(m, k, n, cfg):
   assert "stablehlo.reduce" not in lowered.as_text()
 
 
+# Weights the kernel takes besides symmetric ones with bf16 scales: (symmetric, scale dtype).
+ZERO_POINT_AND_F16_VARIANTS = [(False, jnp.bfloat16), (True, jnp.float16), (False, jnp.float16)]
+
+
+@pytest.mark.parametrize("symmetric,scale_dtype", ZERO_POINT_AND_F16_VARIANTS)
+@pytest.mark.parametrize("m,k,n,cfg", [LOWERED[1], LOWERED[2], LOWERED[3], LOWERED[0],
+                                       LOWERED[6], LOWERED[-1]])
+def test_kernel_lowers_zero_points_and_f16_scales(m, k, n, cfg, symmetric, scale_dtype):
+  """With zero points the pipeline copies a uint8 row per group and column more (the
+  stage's bytes count it); f16 scales take the float32 multiply."""
+  x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+  wn = kw.abstract_weight(k, n, zero_points=not symmetric, scale_dtype=scale_dtype)
+  c = cfg or kw.default_config(m, wn, 132, table=False)
+  assert kw.config_error(m, wn, c) is None
+  lowered = jax.jit(lambda a, b: kw.int4_nk_matmul(a, b, config=c, num_sms=132)).trace(
+      x, wn).lower(lowering_platforms=("cuda",))
+  assert "mosaic_gpu" in lowered.as_text()
+
+
+def test_zero_points_take_shared_memory():
+  """A byte per group and column more per stage: config_for and config_error count it."""
+  sym = kw.abstract_weight(4096, 4096, group_size=64)
+  asym = kw.abstract_weight(4096, 4096, group_size=64, zero_points=True)
+  cfg = kw.WgmmaConfig(tile_n=128, tile_m=16, tile_k=256, epi_m=16, stages=5)
+  assert cfg.stage_bytes(64, 3) - cfg.stage_bytes(64, 2) == 2 * 128 * 256 // 64
+  scale_args = kw._scale_args  # pylint: disable=protected-access
+  assert scale_args(sym) == (64, 2) and scale_args(asym) == (64, 3)
+  assert kw.config_error(16, sym, cfg) is None  # 231424 bytes: the limit
+  assert "236544 bytes of shared memory" in kw.config_error(16, asym, cfg)
+  for m in (1, 16, 64, 256, 2048):
+    assert kw.config_error(m, asym, kw.default_config(m, asym, 132, table=False)) is None
+
+
+def test_float32_scales_are_declined():
+  wn = kw.abstract_weight(1024, 256, scale_dtype=jnp.float32)
+  assert "float32" in kw.declines(wn, jnp.bfloat16)
+  assert kw.declines(kw.abstract_weight(1024, 256, scale_dtype=jnp.float16,
+                                        zero_points=True), jnp.bfloat16) is None
+
+
 needs_hopper = pytest.mark.skipif(
     not kw.supported(jax.devices()[0]),
     reason="the wgmma kernel needs an NVIDIA Hopper GPU (sm_90)")
@@ -467,6 +553,57 @@ def test_wgmma_matches_float64(request, m, k, n, cfg):
   # leaves each output within a few 2^-9 of the outputs' rms.
   rms = np.sqrt(np.mean(ref ** 2))
   assert np.abs(y - ref).max() < 2e-2 * rms
+
+
+# One case of each family of GPU_CASES (mma.sync, K splits, scales on the accumulator,
+# wide and narrow K steps, 64 to 256 rows) for the zero-point and f16-scale variants.
+ZERO_POINT_GPU_CASES = [GPU_CASES[i] for i in (0, 1, 3, 5, 7, 12, 13, 17, 19, 20)] + [
+    MMA_SYNC_CASES[0], MMA_SYNC_CASES[3]]
+
+
+@needs_gpu
+@needs_hopper
+@pytest.mark.parametrize("symmetric,scale_dtype", ZERO_POINT_AND_F16_VARIANTS)
+@pytest.mark.parametrize("m,k,n,cfg", ZERO_POINT_GPU_CASES)
+def test_wgmma_zero_points_and_f16_scales_match_float64(request, m, k, n, cfg, symmetric,
+                                                        scale_dtype):
+  """Integer zero points (AWQ, GPTQ asymmetric) and f16 scales (GPTQ's, AWQ's) on the
+  compiled kernel against float64, outputs poisoned first."""
+  x, w, wn = make_case(request.node.nodeid, m, k, n, scale_dtype=scale_dtype,
+                       symmetric=symmetric)
+  y = _poisoned_run(jax.jit(lambda a, b: kw.int4_nk_matmul(a, b, config=cfg)), x, wn, cfg)
+  assert y.shape == (m, n) and np.isfinite(y).all(), "unwritten or non-finite outputs"
+  ref = reference(x, w)
+  assert rel_err(y, ref) < 1e-2
+  # Each output within its own rounding bound: the weight rounded to bf16 at most once
+  # (2^-8 relative; none with scales on the float32 side), float32 sums, y rounded to bf16.
+  xa = np.abs(np.asarray(x.astype(jnp.float32), np.float64))
+  bound = 2.0 ** -8 * (xa @ np.abs(np.asarray(w.dequantize(), np.float64)) + np.abs(ref))
+  excess = np.abs(y - ref) - (1.01 * bound + 1e-6)
+  assert excess.max() <= 0, f"{(excess > 0).sum()} outputs past their bound"
+
+
+@needs_gpu
+@needs_hopper
+def test_wgmma_runs_an_awq_like_weight_from_kernel_layouts(request):
+  """An asymmetric Int4Weight with f16 scales (AWQ's form) converts on Hopper and the
+  default route runs the wgmma kernel; its chained config at one row, with zero points."""
+  for m in (1, 16, 300):
+    x, w, _ = make_case(f"{request.node.nodeid}-{m}", m, 2048, 1536, scale_dtype=jnp.float16,
+                        symmetric=False)
+    wn = qjax.kernel_layouts({"w": w})["w"]
+    assert isinstance(wn, qjax.Int4NKWeight) and wn.zeros is not None
+    assert qjax.implementation_name(wn) == "mosaic_gpu_wgmma"
+    y = np.asarray(jax.jit(qjax.matmul)(x, wn).astype(jnp.float32))
+    ref = reference(x, w)
+    assert np.abs(y - ref).max() < 2e-2 * np.sqrt(np.mean(ref ** 2)), m
+  cfg = kw.WgmmaConfig(tile_m=8, tile_k=512, epi_m=8, stages=2, chain_tiles=True,
+                       scale_accumulator=True, mma_sync=True)
+  fn = jax.jit(lambda a, b: kw.int4_nk_matmul(a, b, config=cfg, num_sms=5))
+  x, w, wn = make_case(request.node.nodeid, 5, 2048, 1536, symmetric=False)
+  y = _poisoned_run(fn, x, wn, cfg)
+  ref = reference(x, w)
+  assert np.abs(y - ref).max() < 2e-2 * np.sqrt(np.mean(ref ** 2))
 
 
 @needs_gpu
@@ -693,12 +830,14 @@ def _scanned_matmul(stack, x, layers):
   return jax.lax.scan(body, 0, jnp.arange(layers))[1]
 
 
-def test_kernel_reads_a_layer_of_a_stack_in_place(request):
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_kernel_reads_a_layer_of_a_stack_in_place(request, symmetric):
   """Under ``qjax.layer_of`` the Mosaic kernel is handed the stacked codes and scales
-  (no per-layer copy) and lowers for CUDA; test_wgmma_layer_of_equals_each_layer runs it
-  on a GPU."""
+  (and zero points; no per-layer copy) and lowers for CUDA;
+  test_wgmma_layer_of_equals_each_layer runs it on a GPU."""
   layers, k, n = 3, 1024, 256
-  cases = [make_case(f"{request.node.nodeid}-{i}", 16, k, n) for i in range(layers)]
+  cases = [make_case(f"{request.node.nodeid}-{i}", 16, k, n, symmetric=symmetric)
+           for i in range(layers)]
   stack = jax.tree.map(lambda *a: jnp.stack(a), *[c[2] for c in cases])
   x = cases[0][0]
   calls = pallas_operand_shapes(jax.make_jaxpr(_scanned_wgmma, static_argnums=2)(
@@ -706,6 +845,7 @@ def test_kernel_reads_a_layer_of_a_stack_in_place(request):
   assert calls, "no pallas_call traced"
   for shapes in calls:
     assert (layers, n, k) in shapes and (layers, k // 128, n) in shapes, shapes
+    assert shapes.count((layers, k // 128, n)) == (1 if symmetric else 2), shapes
   lowered = jax.jit(_scanned_wgmma, static_argnums=2).trace(stack, x, layers).lower(
       lowering_platforms=("cuda",))
   assert "mosaic_gpu" in lowered.as_text()
@@ -713,9 +853,11 @@ def test_kernel_reads_a_layer_of_a_stack_in_place(request):
 
 @needs_gpu
 @needs_hopper
-def test_wgmma_layer_of_equals_each_layer(request):
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_wgmma_layer_of_equals_each_layer(request, symmetric):
   layers, k, n = 3, 2048, 384
-  cases = [make_case(f"{request.node.nodeid}-{i}", 16, k, n) for i in range(layers)]
+  cases = [make_case(f"{request.node.nodeid}-{i}", 16, k, n, symmetric=symmetric)
+           for i in range(layers)]
   stack = jax.tree.map(lambda *a: jnp.stack(a), *[c[2] for c in cases])
   x = cases[0][0]
   fn = jax.jit(_scanned_matmul, static_argnums=2)

@@ -52,7 +52,7 @@ def one(w, **kw_args):
 ON_HOPPER = {
     "int4-sym-g32": "Int4Weight",  # the wgmma kernel takes groups of 64 and up
     "int4-sym-g128": "Int4NKWeight",
-    "int4-asym-g64-f16": "Int4Weight",  # asymmetric: no [N, K / 8] form
+    "int4-asym-g64-f16": "Int4NKWeight",  # zero points and f16 scales: the kernel takes both
     "int4-bias-g32-f16": "Int4Weight",
     "gguf-Q4_0": "Int4Weight",  # blocks of 32: groups of 32
     "gguf-Q4_1": "Int4Weight",
@@ -62,15 +62,16 @@ ON_HOPPER = {
     "gguf-Q6_K": "GGUFTiledWeight",
     "gguf_tiled-Q8_0": "GGUFTiledWeight",
     "gguf-MXFP4": "MXFP4NKWeight",
-    "gptq-v2-g128": "Int4Weight",
+    "gptq-v2-g128": "Int4NKWeight",  # GPTQ -> Int4Weight -> Int4NKWeight
     "gptq-v1-actorder-g32": "GPTQWeight",  # needs x permuted: repacked per call
-    "awq-g128": "Int4Weight",
-    "compressed_tensors-asym-g128": "Int4Weight",
-    "marlin-asym-g128": "Int4Weight",
+    "awq-g128": "Int4NKWeight",
+    "compressed_tensors-asym-g128": "Int4NKWeight",
+    "marlin-asym-g128": "Int4NKWeight",
     "mxfp4": "MXFP4NKWeight",
     "nvfp4": "NVFP4NKWeight",
     "gpt_oss-mxfp4": "MXFP4NKWeight",
     "int4_nk-sym-g128": "Int4NKWeight",
+    "int4_nk-asym-g64-f16": "Int4NKWeight",
     "mxfp4_nk": "MXFP4NKWeight",
 }
 
@@ -114,9 +115,11 @@ def test_reasons_name_what_the_kernel_lacks():
   f32 = qjax.quantize(wide, group_size=128, symmetric=True, scale_dtype=jnp.float32)
   new, choice = one(f32, device=HOPPER)
   assert new is f32 and "float32" in choice.reason, choice.reason
-  asym = qjax.quantize(wide, group_size=128, symmetric=False)
-  new, choice = one(asym, device=HOPPER)
-  assert new is asym and "asymmetric" in choice.reason, choice.reason
+  sym = qjax.quantize(wide, group_size=128)
+  biased = qjax.Int4Weight(codes=sym.codes, scales=sym.scales, zeros=None, biases=sym.scales,
+                           shape=sym.shape, group_size=128)
+  new, choice = one(biased, device=HOPPER)
+  assert new is biased and "float biases" in choice.reason, choice.reason
   gptq = build("gptq-v1-actorder-g32")
   gptq = gptq[0] if isinstance(gptq, tuple) else gptq
   new, choice = one(gptq, device=HOPPER)
@@ -245,7 +248,7 @@ def test_gptq_with_the_trivial_g_idx_converts():
                      group_size=64, symmetric=False)
   gptq = qjax.GPTQWeight.from_int4(w4, g_idx=jnp.arange(256, dtype=jnp.int32) // 64)
   new, choice = one(gptq, device=HOPPER)
-  assert type(new).__name__ == "Int4Weight", str(choice)
+  assert type(new).__name__ == "Int4NKWeight", str(choice)  # via Int4Weight
   assert_same_values(new, gptq)
   shuffled = qjax.GPTQWeight.from_int4(
       w4, g_idx=jnp.asarray(rng.permutation(np.arange(256) // 64), jnp.int32))

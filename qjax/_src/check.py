@@ -170,6 +170,8 @@ def format_cases() -> list[FormatCase]:
           lambda r, w: qjax.CompressedTensorsWeight.from_int4(w)), 128),
       FormatCase("int4_nk-sym-g128", lambda r, k, n: qjax.to_int4_nk(
           _random_int4(r, k, n, 128, "sym", jnp.bfloat16)), 128, 128),
+      FormatCase("int4_nk-asym-g64-f16", lambda r, k, n: qjax.to_int4_nk(
+          _random_int4(r, k, n, 64, "asym", jnp.float16)), 64, 128),
       FormatCase("marlin-sym-g128", _layout(
           lambda r, w: qjax.MarlinWeight.from_int4(w), 128, "sym"), 128, 64),
       FormatCase("marlin-asym-g128", _layout(lambda r, w: qjax.MarlinWeight.from_int4(w)),

@@ -1,4 +1,4 @@
-"""Symmetric INT4 weights stored by output column: codes ``[N, K // 8]`` in the order of
+"""INT4 weights stored by output column: codes ``[N, K // 8]`` in the order of
 Hopper's wgmma register fragments.
 
 :class:`~qjax.Int4Weight` packs eight codes of one column per word and lays the words out
@@ -12,8 +12,10 @@ accelerator, then each thread reads whole 32-bit words from shared memory and co
 to bf16 in place as the left operand of ``W^T x^T``: no register shuffles (BENCHMARKS.md,
 session 17: 3-11 % faster than the plain ``jnp.int4 [N, K]`` order of session 16).
 
-Convert once, at load: ``qjax.to_int4_nk(w)`` from a symmetric :class:`~qjax.Int4Weight`
-(bit-exact, and :meth:`Int4NKWeight.to_int4` is its inverse). On the H100 the wgmma
+Convert once, at load: ``qjax.to_int4_nk(w)`` from an :class:`~qjax.Int4Weight`, symmetric
+or with integer zero points (AWQ, GPTQ and compressed-tensors' asymmetric checkpoints;
+bit-exact, and :meth:`Int4NKWeight.to_int4` is its inverse). Float biases (GGUF Q4_1 /
+K-quant style) have no form here. On the H100 the wgmma
 kernel beats the Triton kernels from M = 16 up, but not the M = 1 GEMV: keep
 :class:`Int4Weight` where one-row decode dominates (BENCHMARKS.md).
 """
@@ -45,10 +47,13 @@ K_TO_SLOT = np.argsort(SLOT_TO_K)
 @formats.register_format
 @dataclasses.dataclass(frozen=True)
 class Int4NKWeight(formats.QuantizedWeight):
-  """Symmetric 4-bit weight of logical shape ``[K, N]``, used as ``y = x @ W``.
+  """4-bit weight of logical shape ``[K, N]``, used as ``y = x @ W``.
 
-  ``W[k, n] = c[n, k] * scales[k // G, n]`` with integer codes ``c`` in ``[-8, 7]`` (the
-  ``q - 8`` of a symmetric :class:`~qjax.Int4Weight`).
+  Symmetric: ``W[k, n] = c[n, k] * scales[k // G, n]`` with integer codes ``c`` in
+  ``[-8, 7]`` (the ``q - 8`` of a symmetric :class:`~qjax.Int4Weight`). With integer zero
+  points: ``W[k, n] = (c[n, k] + 8 - zeros[k // G, n]) * scales[k // G, n]``, which is
+  ``(q - z) * s`` of the :class:`~qjax.Int4Weight` it was converted from (the codes are
+  stored as ``q - 8`` either way).
 
   Attributes:
     codes: ``[N, K // 8]`` uint32; bits ``4e .. 4e + 3`` of word ``(n, 4t + c)`` hold
@@ -58,6 +63,7 @@ class Int4NKWeight(formats.QuantizedWeight):
     scales: ``[K // G, N]`` bf16, f16 or f32.
     shape: the logical ``(K, N)``; K a multiple of 32.
     group_size: ``G``; a multiple of 32 dividing K (K itself for one scale per column).
+    zeros: ``[K // G, N]`` uint8 zero points in ``[0, 15]``, or None (symmetric: 8).
   """
 
   # ".v2": the fragment order of session 17. Files of session 16's plain order (format
@@ -68,6 +74,7 @@ class Int4NKWeight(formats.QuantizedWeight):
   scales: jax.Array
   shape: tuple[int, int] = formats.static_field()
   group_size: int = formats.static_field()
+  zeros: jax.Array | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
@@ -83,8 +90,15 @@ class Int4NKWeight(formats.QuantizedWeight):
       return
     want = {"codes": ((n, k // 8), (jnp.uint32,)),
             "scales": ((k // self.group_size, n), int4.SCALE_DTYPES)}
+    if self.zeros is not None:
+      want["zeros"] = ((k // self.group_size, n), (jnp.uint8,))
     formats.check_trailing_fields(self, want,
                                   f"shape={self.shape}, group_size={self.group_size}")
+
+  @property
+  def symmetric(self) -> bool:
+    """Whether the zero point is 8 everywhere (no ``zeros``)."""
+    return self.zeros is None
 
   @property
   def num_groups(self) -> int:
@@ -96,20 +110,32 @@ class Int4NKWeight(formats.QuantizedWeight):
     v = fragment_nibbles(self.codes, self.shape[0]).astype(jnp.int8)
     return (v ^ 8) - 8  # two's complement nibbles
 
+  def offsets(self) -> jax.Array | None:
+    """``[..., N, K // G]`` float32 ``8 - zeros`` (what each group adds to ``c``: ``W = (c +
+    offset) * s``), or None when symmetric."""
+    if self.zeros is None:
+      return None
+    return 8.0 - jnp.swapaxes(self.zeros, -1, -2).astype(jnp.float32)
+
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
-    """``[K, N]`` W in ``dtype``: ``c * s`` computed in float32, rounded once."""
+    """``[K, N]`` W in ``dtype``: ``(c + 8 - z) * s`` computed in float32, rounded once."""
     return jnp.swapaxes(self.dequantize_nk(dtype), -1, -2)
 
   def dequantize_nk(self, dtype=jnp.float32) -> jax.Array:
-    """``[N, K]`` W^T in ``dtype``: ``c * s`` computed in float32, rounded once."""
+    """``[N, K]`` W^T in ``dtype``: ``(c + 8 - z) * s`` computed in float32, rounded once."""
     s = jnp.repeat(jnp.swapaxes(self.scales, -1, -2).astype(jnp.float32), self.group_size,
                    axis=-1)  # [..., N, K]
-    return (self.signed_codes().astype(jnp.float32) * s).astype(dtype)
+    c = self.signed_codes().astype(jnp.float32)
+    if self.zeros is not None:
+      c = c + jnp.repeat(self.offsets(), self.group_size, axis=-1)
+    return (c * s).astype(dtype)
 
   def to_int4(self, tile_k: int = packing.NATIVE_TILE_K) -> int4.Int4Weight:
-    """The same weight as a symmetric :class:`~qjax.Int4Weight` (lossless, jittable)."""
+    """The same weight as an :class:`~qjax.Int4Weight` (symmetric or with the same zero
+    points; lossless, jittable)."""
     q = (jnp.swapaxes(self.signed_codes(), -1, -2).astype(jnp.int32) + 8).astype(jnp.uint8)
-    return int4.Int4Weight(codes=packing.pack_codes(q, tile_k), scales=self.scales, zeros=None,
+    return int4.Int4Weight(codes=packing.pack_codes(q, tile_k), scales=self.scales,
+                           zeros=self.zeros,
                            shape=self.shape, group_size=self.group_size, tile_k=tile_k)
 
 
@@ -117,8 +143,9 @@ def to_int4_nk(w: int4.Int4Weight) -> Int4NKWeight:
   """``w`` in the ``[N, K // 8]`` layout of :class:`Int4NKWeight`: bit-exact, jittable.
 
   Args:
-    w: a symmetric :class:`~qjax.Int4Weight` (no zero points, no biases); K a multiple
-      of 8. Its scales are kept as they are (dtype included).
+    w: an :class:`~qjax.Int4Weight`, symmetric or with integer zero points (not float
+      biases); K and its group size multiples of 32. Its scales and zero points are kept
+      as they are (dtype included).
 
   >>> import jax, qjax
   >>> w = qjax.quantize(jax.random.normal(jax.random.key(0), (256, 128)))
@@ -128,22 +155,22 @@ def to_int4_nk(w: int4.Int4Weight) -> Int4NKWeight:
   """
   if not isinstance(w, int4.Int4Weight):
     raise TypeError(f"to_int4_nk takes an Int4Weight, got {type(w).__name__}")
-  if not w.symmetric:
+  if w.biases is not None:
     raise ValueError(
-        "to_int4_nk needs a symmetric Int4Weight (zero point 8): this one has "
-        f"{'zero points' if w.zeros is not None else 'float biases'}; quantize with "
-        "symmetric=True or keep the Int4Weight")
+        "to_int4_nk takes a symmetric Int4Weight or one with integer zero points: this one "
+        "has float biases (W = q * s + b, GGUF Q4_1 / K-quant style), which the [N, K / 8] "
+        "layout does not hold; keep the Int4Weight")
   k, n = w.shape
   if k % CHUNK or w.group_size % CHUNK:
     raise ValueError(f"to_int4_nk needs K={k} and group_size={w.group_size} to be "
                      f"multiples of {CHUNK}; keep the Int4Weight for this shape")
   return Int4NKWeight(codes=_nk_codes(w), scales=w.scales, shape=w.shape,
-                      group_size=w.group_size)
+                      group_size=w.group_size, zeros=w.zeros)
 
 
 @jax.jit
 def _nk_codes(w: int4.Int4Weight) -> jax.Array:
-  """The fragment-order words of a symmetric ``w``'s codes, as one compiled program per
+  """The fragment-order words of ``w``'s codes (``q - 8``), as one compiled program per
   shape (2048 x 8192 on a 2-core CPU: ~15 ms, where the eager ops apart took ~440 ms)."""
   q = w.unpacked_codes().astype(jnp.uint32)  # [..., K, N] in [0, 15]
   return fragment_words(q ^ jnp.uint32(8))  # q - 8 in 4-bit two's complement
@@ -197,6 +224,9 @@ def _row_xla(x: jax.Array, w: Int4NKWeight) -> jax.Array:
   xs = x_in_fragment_order(x)
   acc = sum(p * xs[:, i] for i, p in enumerate(_signed_planes(w.codes)))  # [N, K // 8]
   per_group = acc.reshape(n, k // w.group_size, w.group_size // 8).sum(-1)  # [N, K // G]
+  if w.zeros is not None:  # + (8 - z) times each group's sum of x
+    x_sums = x[0].astype(jnp.float32).reshape(k // w.group_size, w.group_size).sum(-1)
+    per_group = per_group + w.offsets() * x_sums
   y = (per_group * w.scales.T.astype(jnp.float32)).sum(-1)
   return y[None].astype(x.dtype)
 
@@ -208,6 +238,9 @@ def _dequantize_nk_pairs(w: Int4NKWeight, dtype) -> jax.Array:
   k, n = w.shape
   s = jnp.repeat(w.scales.T.astype(jnp.float32), w.group_size // 8, axis=1)  # [N, K // 8]
   planes = _signed_planes(w.codes)
+  if w.zeros is not None:  # c + 8 - z
+    off = jnp.repeat(w.offsets(), w.group_size // 8, axis=1)  # [N, K // 8]
+    planes = [p + off for p in planes]
 
   def bits(v):
     return jax.lax.bitcast_convert_type((v * s).astype(dtype), jnp.uint16).astype(jnp.uint32)

@@ -2,7 +2,8 @@
 fastest kernels registered for a device read.
 
 A format may have a lossless conversion to another whose kernel is faster on some
-devices: on Hopper, a symmetric :class:`~qjax.Int4Weight` to :class:`~qjax.Int4NKWeight`
+devices: on Hopper, an :class:`~qjax.Int4Weight` (symmetric or with integer zero points) to
+:class:`~qjax.Int4NKWeight`
 (the wgmma kernel: at M = 1 / 16, 68-92 % of the bandwidth floor on three of the four
 Llama shapes where the Int4Weight GEMV / Triton kernels reach 65-81 %; from M = 256,
 0.82-1.03x bf16's time, where Int4Weight's XLA path takes 1.2-2.2x; BENCHMARKS.md),
@@ -49,7 +50,7 @@ class LayoutConversion:
     target: the format class ``convert`` returns.
     convert: ``w -> w'`` with ``w'.dequantize() == w.dequantize()`` bit for bit.
     refuses: ``w -> None`` where ``convert`` applies to ``w``, else the reason it does not
-      (e.g. an asymmetric Int4Weight has no Int4NKWeight form).
+      (e.g. an Int4Weight with float biases has no Int4NKWeight form).
   """
   target: type
   convert: Callable[[Any], Any]
@@ -88,8 +89,9 @@ def register_layout_conversion(source: type, conversion: LayoutConversion) -> No
 
 
 def _int4_nk_refuses(w: int4.Int4Weight) -> str | None:
-  if not w.symmetric:
-    return "asymmetric: the [N, K / 8] layout holds symmetric INT4 only"
+  if w.biases is not None:
+    return ("float biases (W = q * s + b): the [N, K / 8] layout holds symmetric INT4 or "
+            "integer zero points only")
   k = w.shape[0]
   if k % int4_nk.CHUNK or w.group_size % int4_nk.CHUNK:
     return (f"K={k} and group_size={w.group_size} must be multiples of {int4_nk.CHUNK} for "
@@ -203,7 +205,7 @@ def kernel_layouts(tree: Any, *, device: Any = None, dtype: Any = jnp.bfloat16,
   format's registered kernel runs on ``device`` and accepts the converted weight for
   activations of ``dtype`` at every M; other weights are kept as they are.
 
-  On an H100: symmetric Int4Weight -> Int4NKWeight, MXFP4Weight -> MXFP4NKWeight,
+  On an H100: Int4Weight (no float biases) -> Int4NKWeight, MXFP4Weight -> MXFP4NKWeight,
   NVFP4Weight -> NVFP4NKWeight (bf16 activations; N a multiple of 128, INT4 with bf16
   scales and groups of a multiple of 64); GGUF Q4_0 / Q4_1 -> Int4Weight, GGUF MXFP4 ->
   MXFP4Weight (-> MXFP4NKWeight), Q8_0 / K-quants -> GGUFTiledWeight (expert stacks:

@@ -146,7 +146,8 @@ def _int4_rule(s: dict[str, Any]) -> SplitRule:
 def _int4_nk_rule(s: dict[str, Any]) -> SplitRule:
   g = s["group_size"]
   return SplitRule(
-      fields=(("codes", FieldAxes(ndim=2, k=-1, n=-2)), ("scales", MATRIX)),
+      fields=(("codes", FieldAxes(ndim=2, k=-1, n=-2)), ("scales", MATRIX),
+              ("zeros", MATRIX)),
       k_unit=math.lcm(int4_nk.CHUNK, g),
       k_unit_why=f"whole groups (group_size={g}) of whole {int4_nk.CHUNK}-code runs (the "
                  "codes are permuted within each run)")
