@@ -18,9 +18,9 @@ goes through shared memory:
   :func:`_to_bf16_fragments` converts to bf16 in place (a shift, a LOP3 and a bf16
   subtraction per pair; with zero points the subtrahend is ``128 + z`` of the row's group,
   from a uint8 row the pipeline copies with the scales, instead of 136). Per group of the
-  step it multiplies each row by its group scale and issues ``wgmma`` with that register operand against the x tile in shared
-  memory (transposed view), accumulating ``[tile_n, tile_m]`` in float32; the next
-  group's conversion overlaps the previous wgmma.
+  step it multiplies each row by its group scale and issues ``wgmma`` with that register
+  operand against the x tile in shared memory (transposed view), accumulating ``[tile_n,
+  tile_m]`` in float32; the next group's conversion overlaps the previous wgmma.
 * Where x is one tile of 8 rows (``mma_sync``, :func:`config_for`'s choice at M <= 8)
   each warp multiplies its 16 rows with ``mma.sync.m16n8k16`` instead: wgmma's register
   layout is, per warp, mma.sync's A fragments, and x's B fragments come from the
@@ -981,7 +981,7 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
 
   def kernel(x_gmem, w_gmem, s_gmem, *refs, out_smem):
     *refs, out_gmem = refs
-    z_gmem = refs.pop(0) if zeros is not None else None
+    z_gmem = refs.pop(0) if zeros_in else None
     g_gmem = refs.pop(0) if global_scale is not None else None
     if layer is not None:
       index = stacked_lib.normalized_index(refs.pop(0)[...], w_gmem.shape[0])

@@ -1,10 +1,12 @@
 """Int4NKWeight (codes ``[N, K // 8]``) and its Hopper wgmma kernel (Pallas Mosaic GPU).
 
 CPU: the layout conversion is bit-exact both ways and stores the codes in the documented
-fragment order (a numpy reference of ``SLOT_TO_K``); the XLA path against a float64
-reference; save / load; the kernel's configurations and argument checks; the kernel lowers
-for CUDA (Mosaic GPU's layout inference and lowering run without a GPU). GPU (Hopper): the compiled kernel against float64 on fresh random inputs,
-many shapes including odd M, N and K, every configuration family.
+fragment order (a numpy reference of ``SLOT_TO_K``), symmetric or with integer zero points;
+the XLA path against a float64 reference; save / load; the kernel's configurations and
+argument checks; the kernel lowers for CUDA (Mosaic GPU's layout inference and lowering run
+without a GPU). GPU (Hopper): the compiled kernel against float64 on fresh random inputs,
+many shapes including odd M, N and K, every configuration family, zero points and f16
+scales.
 """
 
 import dataclasses
