@@ -15,9 +15,9 @@ session 17: 3-11 % faster than the plain ``jnp.int4 [N, K]`` order of session 16
 Convert once, at load: ``qjax.to_int4_nk(w)`` from an :class:`~qjax.Int4Weight`, symmetric
 or with integer zero points (AWQ, GPTQ and compressed-tensors' asymmetric checkpoints;
 bit-exact, and :meth:`Int4NKWeight.to_int4` is its inverse). Float biases (GGUF Q4_1 /
-K-quant style) have no form here. On the H100 the wgmma
-kernel beats the Triton kernels from M = 16 up, but not the M = 1 GEMV: keep
-:class:`Int4Weight` where one-row decode dominates (BENCHMARKS.md).
+K-quant style) have no form here. ``qjax.kernel_layouts`` converts on Hopper: there the
+wgmma kernel beats ``Int4Weight``'s kernels at every M but one row of 4096x4096 (H100:
+slower there, sessions 17-23; H200: equal, sessions 43-45, BENCHMARKS.md).
 """
 
 from __future__ import annotations
