@@ -2,11 +2,11 @@
 fastest kernels registered for a device read.
 
 A format may have a lossless conversion to another whose kernel is faster on some
-devices: on Hopper, an :class:`~qjax.Int4Weight` (symmetric or with integer zero points) to
-:class:`~qjax.Int4NKWeight`
-(the wgmma kernel: at M = 1 / 16, 68-92 % of the bandwidth floor on three of the four
-Llama shapes where the Int4Weight GEMV / Triton kernels reach 65-81 %; from M = 256,
-0.82-1.03x bf16's time, where Int4Weight's XLA path takes 1.2-2.2x; BENCHMARKS.md),
+devices: on Hopper, an :class:`~qjax.Int4Weight` (symmetric or with integer zero points,
+bf16 or f16 scales) to :class:`~qjax.Int4NKWeight` (the wgmma kernel: at M = 1 / 16,
+68-92 % of the bandwidth floor on three of the four Llama shapes where the Int4Weight
+GEMV / Triton kernels reach 65-81 %; from M = 256, 0.82-1.03x bf16's time, where
+Int4Weight's XLA path takes 1.2-2.2x; BENCHMARKS.md),
 MXFP4 / NVFP4 to their ``[N, K / 8]`` forms likewise; on any GPU with the Triton
 kernels, GGUF blocks to the layouts their kernels read (else converted on every call) and
 GPTQ / AWQ / compressed-tensors to Int4Weight (else repacked on every call).
@@ -206,8 +206,8 @@ def kernel_layouts(tree: Any, *, device: Any = None, dtype: Any = jnp.bfloat16,
   activations of ``dtype`` at every M; other weights are kept as they are.
 
   On an H100: Int4Weight (no float biases) -> Int4NKWeight, MXFP4Weight -> MXFP4NKWeight,
-  NVFP4Weight -> NVFP4NKWeight (bf16 activations; N a multiple of 128, INT4 with bf16
-  scales and groups of a multiple of 64); GGUF Q4_0 / Q4_1 -> Int4Weight, GGUF MXFP4 ->
+  NVFP4Weight -> NVFP4NKWeight (bf16 activations; N a multiple of 128, INT4 with bf16 or
+  f16 scales and groups of a multiple of 64); GGUF Q4_0 / Q4_1 -> Int4Weight, GGUF MXFP4 ->
   MXFP4Weight (-> MXFP4NKWeight), Q8_0 / K-quants -> GGUFTiledWeight (expert stacks:
   Q4_0 / Q4_1 -> Int4Weight and MXFP4 -> MXFP4Weight where ``experts`` names them, for
   the MoE kernels; the others are kept); GPT-OSS's
