@@ -906,3 +906,16 @@ def test_mma_sync_ptx_is_the_one_validated_on_the_gpu():
   import hashlib  # pylint: disable=g-import-not-at-top
   text = kw._MMA_M16N8K16 + "\n" + kw._LDMATRIX_X4  # pylint: disable=protected-access
   assert hashlib.sha256(text.encode()).hexdigest() == _VALIDATED_MMA_SYNC_PTX_SHA256
+
+
+# sha256 of the zero point's PTX (a byte -> bf16 128 + z, both halves) as compiled and
+# matched on the H200 (session 45: the zero-point GPU cases of this file, 144 passed).
+_VALIDATED_ZERO_POINT_PTX_SHA256 = (
+    "cc01564be6ba86a3dd8e1cbe2dee02b61cc11c17af4132f812be75612684e620")
+
+
+def test_zero_point_ptx_is_the_one_validated_on_the_gpu():
+  """As the mma.sync text above: a changed text must run the GPU tests first."""
+  import hashlib  # pylint: disable=g-import-not-at-top
+  text = kw._ZERO_TO_BF16X2  # pylint: disable=protected-access
+  assert hashlib.sha256(text.encode()).hexdigest() == _VALIDATED_ZERO_POINT_PTX_SHA256
