@@ -116,6 +116,11 @@ qjax.register_kernel(
     qjax.Backend(name="mosaic_gpu_wgmma", fn=int4_wgmma.int4_nk_matmul,
                  supported_on=int4_wgmma.supported, declines=int4_wgmma.declines,
                  candidate_configs=int4_wgmma.tuner_candidates("int4nk")))
+# ... and qjax.moe_matmul of its expert stacks (GPTQ / AWQ experts after qjax.to_int4_nk).
+qjax.register_moe_kernel(
+    qjax.Int4NKWeight,
+    qjax.Backend(name="mosaic_gpu_wgmma", fn=int4_wgmma.int4_nk_moe_matmul,
+                 supported_on=int4_wgmma.supported, declines=int4_wgmma.moe_declines))
 # MXFP4NKWeight, NVFP4NKWeight: the same kernel with E2M1 codes and their block scales.
 for _fp4_nk_format in (qjax.MXFP4NKWeight, qjax.NVFP4NKWeight):
   qjax.register_kernel(

@@ -393,10 +393,16 @@ def _check(x: jax.Array, w: Any, cfg: WgmmaConfig) -> None:
     raise NotImplementedError(
         f"x.dtype={jnp.dtype(x.dtype).name}: the wgmma kernel converts 4-bit codes to bf16 "
         "and takes bf16 activations")
-  k, n = w.shape
-  if isinstance(w, tuple(_FP4_FORMATS.values())):
+  _check_steps(w, cfg)
+  _check_n(w.shape[1], cfg)
+
+
+def _check_steps(w: Any, cfg: WgmmaConfig) -> None:
+  """NotImplementedError where ``cfg``'s K steps, splits and scale handling do not fit one
+  weight ``w`` (the dense kernel and, per expert, the MoE kernel; N is checked apart)."""
+  k = w.shape[0]
+  if _fp4_name(w):
     _check_fp4_steps(k, cfg)
-    _check_n(n, cfg)
     return
   if cfg.tile_k & (cfg.tile_k - 1):
     raise NotImplementedError(f"tile_k={cfg.tile_k}: INT4 steps are powers of two")
@@ -422,7 +428,6 @@ def _check(x: jax.Array, w: Any, cfg: WgmmaConfig) -> None:
     raise NotImplementedError(f"K={k} is not a multiple of split_k * group_size = "
                               f"{cfg.split_k * w.group_size}")
   _check_chain(k, cfg)
-  _check_n(n, cfg)
 
 
 # INT4 scale dtypes the kernel takes: bf16 multiplies the bf16 codes; f16 (GPTQ's and AWQ's)
@@ -925,10 +930,10 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
   kernel reads layer ``layer``. ``zeros``: INT4's uint8 zero points ``[K // G, N]`` (a
   stack like the scales with ``layer``), or None (symmetric).
 
-  ``tile_table`` (a grouped GEMM over experts, :func:`fp4_nk_moe_matmul`): int32
+  ``tile_table`` (a grouped GEMM over experts, :func:`_moe_matmul`): int32
   ``(experts [T], rows [T], active [])``: row tile ``t``, x ``[T, tile_m, K]``, multiplies
-  expert ``experts[t]`` of wt ``[E, N, K]`` (after ``layer``'s axis, if any; scales and
-  global_scale likewise have an expert axis); the first ``active`` tiles have ``rows[t] >
+  expert ``experts[t]`` of wt ``[E, N, K]`` (after ``layer``'s axis, if any; scales, zeros
+  and global_scale likewise have an expert axis); the first ``active`` tiles have ``rows[t] >
   0``, the others are skipped. (A row offset read from memory, to take the tiles' rows
   from one ``[R, K]`` array, failed Mosaic GPU's layout inference.)
   Returns ``[split_k, T, tile_m, N]``, garbage in the skipped tiles. Or ``(experts [T],
@@ -944,8 +949,6 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
   the one before it, both writing the same values.
   """
   grouped = tile_table is not None
-  if grouped and zeros is not None:
-    raise NotImplementedError("the grouped (MoE) wgmma kernel takes FP4 experts only")
   row_per_tile = grouped and len(tile_table) in (1, 2)
   num_experts = wt.shape[-3] if grouped else None
   if grouped:
@@ -1036,7 +1039,7 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
         if n % cta_n:  # the last column tile overlaps the one before it
           n0 = jnp.minimum(n0, n - cta_n)
         k0 = si * k_per_split
-        x_tile, w_tile, s_tile, g_tile = x_gmem, w_gmem, s_gmem, g_gmem
+        x_tile, w_tile, s_tile, z_tile, g_tile = x_gmem, w_gmem, s_gmem, z_gmem, g_gmem
         out_tile = out_gmem.at[si]
         row_factor = None
         if grouped:
@@ -1050,6 +1053,8 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
           if row_per_tile:  # x [R, 1, K]: the tile's row, the rest zero-filled by TMA
             x_tile = x_gmem.at[x_rows_gmem[0].at[mi][...] if x_rows_gmem else 0]
           w_tile, s_tile = w_gmem.at[expert], s_gmem.at[expert]
+          if z_gmem is not None:
+            z_tile = z_gmem.at[expert]
           if g_gmem is not None:
             g_tile = g_gmem.at[expert]
 
@@ -1113,7 +1118,7 @@ def _kernel_call(x: jax.Array, wt: jax.Array, scales: jax.Array, layer: jax.Arra
               x_tile.at[pl.ds(m0, tm), pl.ds(k0, k_per_split)],
               w_tile.at[pl.ds(n0, cta_n), pl.ds(k0, k_per_split)],
               s_tile.at[group_cols],
-              *([] if z_gmem is None else [z_gmem.at[group_cols]]),
+              *([] if z_tile is None else [z_tile.at[group_cols]]),
               allocations=allocations)
 
         if grouped and not row_per_tile:
@@ -1236,9 +1241,9 @@ def _run_kernel(x: jax.Array, w: Any, cfg: WgmmaConfig, num_sms: int,
     scales = lax.bitcast_convert_type(scales, jnp.uint8)
   wt = lax.bitcast_convert_type(codes, jnp.int4).reshape(*codes.shape[:-1], k)
   out_dtype = jnp.float32 if cfg.split_k > 1 else jnp.bfloat16
-  y = _kernel_call(x, wt, scales, layer, cfg, w.block_size if fp4 else w.group_size,
-                   num_sms, out_dtype, fp4, global_scale[0] if global_scale else None,
-                   tile_table=tile_table, zeros=zeros)
+  y = _kernel_call(x, wt, scales, layer, cfg, _scale_args(w)[0], num_sms, out_dtype, fp4,
+                   global_scale[0] if global_scale else None, tile_table=tile_table,
+                   zeros=zeros)
   return y[0] if cfg.split_k == 1 else common.sum_splits(y).astype(jnp.bfloat16)
 
 
@@ -1252,36 +1257,59 @@ def _run_kernel(x: jax.Array, w: Any, cfg: WgmmaConfig, num_sms: int,
 _PER_PAIR_MAX_PAIRS = 32
 
 
-def moe_config_for(num_pairs: int, num_experts: int, k: int, n: int, fp4: str,
-                   num_sms: int = 132) -> WgmmaConfig:
-  """The configuration of :func:`fp4_nk_moe_matmul` for ``num_pairs`` (token, expert)
-  pairs over ``num_experts`` experts of ``[k, n]``.
+def moe_config_for(num_pairs: int, num_experts: int, k: int, n: int, fp4: str | None,
+                   num_sms: int = 132, *, group_size: int = 128, group_bytes: int = 2
+                   ) -> WgmmaConfig:
+  """The configuration of the MoE kernel (:func:`fp4_nk_moe_matmul`,
+  :func:`int4_nk_moe_matmul`) for ``num_pairs`` (token, expert) pairs over ``num_experts``
+  experts of ``[k, n]``: ``fp4`` "mxfp4" / "nvfp4", or None for INT4 with scales per
+  ``group_size`` (``group_bytes`` per group and column in a stage, :func:`_scale_args`).
 
   Row tiles and K splits are :func:`config_for`'s for the dense problem the grouped one
   resembles (the rows per selected expert, N times the experts selected at once). K
-  steps are the widest up to 512 that divide a split of K in two or more, and the tiles
-  of a CTA are chained, with the deepest pipeline (up to 8 stages, in shared memory) that
+  steps are the widest up to 512 that divide a split of K in two or more (and, for INT4,
+  that the kernel takes with the group size: :func:`_check_steps`), and the tiles of a
+  CTA are chained, with the deepest pipeline (up to 8 stages, in shared memory) that
   divides the steps. H100, 128 experts of 2880x2880, top-4 (BENCHMARKS.md, session 20):
   steps of 320 in 3 chained stages took 30.9 / 55.4 / 120.5 / 245.7 us at 1 / 4 / 16 /
   64 tokens; unchained, 4 stages, 30.7 / 60.5 / 133.7 / 269.7; steps of 64, 36-42 % more.
   """
   active = min(num_experts, num_pairs)
   rows = -(-num_pairs // active)
-  cfg = config_for(rows, k, n * active, 128, num_sms, fp4=fp4)
-  block = _FP4_FORMATS[fp4].block_size
+  cfg = config_for(rows, k, n * active, group_size, num_sms, fp4=fp4, group_bytes=group_bytes)
+  expert = abstract_weight(k, n, group_size=group_size, fp4=fp4)
+  scale_args = (_FP4_FORMATS[fp4].block_size, 1) if fp4 else (group_size, group_bytes)
   k_split = k // cfg.split_k
   for wide in sorted((t for t in _TILE_K if t <= 512), reverse=True):
-    wide_cfg = dataclasses.replace(cfg, tile_k=wide)
+    wide_cfg = dataclasses.replace(cfg, tile_k=wide, chain_tiles=False)
     steps = k_split // wide
-    if k_split % wide or steps < 2:
+    if k_split % wide or steps < 2 or _steps_error(expert, wide_cfg):
       continue
-    fit = (_SMEM_MAX - cfg.epilogue_bytes()) // wide_cfg.stage_bytes(block, 1)
+    fit = (_SMEM_MAX - cfg.epilogue_bytes()) // wide_cfg.stage_bytes(*scale_args)
     divisors = [d for d in range(min(8, fit, steps), 1, -1) if steps % d == 0]
     if divisors:
       return dataclasses.replace(wide_cfg, stages=divisors[0], chain_tiles=True)
     if fit >= 2:
-      return dataclasses.replace(wide_cfg, stages=min(8, fit), chain_tiles=False)
+      return dataclasses.replace(wide_cfg, stages=min(8, fit))
   return dataclasses.replace(cfg, chain_tiles=False)
+
+
+def moe_default_config(num_pairs: int, w: Any, num_sms: int = 132) -> WgmmaConfig:
+  """:func:`moe_config_for` of the expert stack ``w`` (its format, group size and scale
+  bytes; arrays may be abstract) at ``num_pairs`` pairs."""
+  group_size, group_bytes = _scale_args(w)
+  k, n = w.shape
+  return moe_config_for(num_pairs, w.codes.shape[-3], k, n, _fp4_name(w), num_sms,
+                        group_size=group_size, group_bytes=group_bytes)
+
+
+def _steps_error(w: Any, cfg: WgmmaConfig) -> str | None:
+  """:func:`_check_steps`' message for one weight ``w`` and ``cfg``, or None."""
+  try:
+    _check_steps(w, cfg)
+  except NotImplementedError as e:
+    return str(e)
+  return None
 
 
 def fp4_nk_moe_matmul(rows: jax.Array, w: fp4_nk.MXFP4NKWeight | fp4_nk.NVFP4NKWeight,
@@ -1314,25 +1342,68 @@ def fp4_nk_moe_matmul(rows: jax.Array, w: fp4_nk.MXFP4NKWeight | fp4_nk.NVFP4NKW
   Raises:
     NotImplementedError: an argument the kernel does not handle.
   """
+  if _fp4_name(w) is None:
+    raise NotImplementedError(
+        "fp4_nk_moe_matmul takes an MXFP4NKWeight or NVFP4NKWeight expert stack, got "
+        f"{type(w).__name__} (int4_nk_moe_matmul takes Int4NKWeight stacks)")
+  return _moe_matmul(rows, w, pair_rows, pair_experts, interpret=interpret, config=config,
+                     num_sms=num_sms)
+
+
+def int4_nk_moe_matmul(rows: jax.Array, w: int4_nk.Int4NKWeight, pair_rows: jax.Array,
+                       pair_experts: jax.Array, *, interpret: bool = False,
+                       config: WgmmaConfig | None = None, num_sms: int | None = None
+                       ) -> jax.Array:
+  """``y[p] = rows[pair_rows[p]] @ W[pair_experts[p]]`` -> ``[P, N]`` bf16 on Hopper for
+  an :class:`qjax.Int4NKWeight` expert stack (GPTQ / AWQ / compressed-tensors experts after
+  ``qjax.to_int4_nk``): :func:`fp4_nk_moe_matmul`'s grouped GEMM with
+  :func:`int4_nk_matmul`'s conversion (zero points and f16 scales included).
+
+  Args:
+    rows: ``[R, K]`` bf16.
+    w: codes ``[E, N, K // 8]``, scales ``[E, K // G, N]`` bf16 or f16, zeros ``[E, K //
+      G, N]`` uint8 or None; G a multiple of 64; N a multiple of 16, at least 128.
+    pair_rows, pair_experts, interpret, config, num_sms: as :func:`fp4_nk_moe_matmul`.
+
+  Raises:
+    NotImplementedError: an argument the kernel does not handle.
+  """
+  if not isinstance(w, int4_nk.Int4NKWeight):
+    raise NotImplementedError(
+        f"int4_nk_moe_matmul takes an Int4NKWeight expert stack, got {type(w).__name__}")
+  return _moe_matmul(rows, w, pair_rows, pair_experts, interpret=interpret, config=config,
+                     num_sms=num_sms)
+
+
+def _moe_matmul(rows: jax.Array, w: Any, pair_rows: jax.Array, pair_experts: jax.Array, *,
+                interpret: bool, config: WgmmaConfig | None, num_sms: int | None
+                ) -> jax.Array:
+  """The body of :func:`fp4_nk_moe_matmul` and :func:`int4_nk_moe_matmul`."""
   num_sms = _grid_sms(interpret, num_sms)
-  fp4 = _fp4_name(w)
-  if fp4 is None or w.codes.ndim != 3:
-    raise NotImplementedError(
-        "the wgmma MoE kernel takes an MXFP4NKWeight or NVFP4NKWeight with one leading "
-        f"expert axis, got {type(w).__name__} with codes of shape {tuple(w.codes.shape)}")
-  if rows.dtype != jnp.bfloat16:
-    raise NotImplementedError(
-        f"rows.dtype={jnp.dtype(rows.dtype).name}: the wgmma kernel takes bf16 activations")
-  num_experts = w.codes.shape[0]
-  k, n = w.shape
+  reason = _moe_weight_error(w)
+  if reason is not None:
+    raise NotImplementedError(reason)
+  reason = _declines_dtype(rows.dtype)
+  if reason is not None:
+    raise NotImplementedError(reason)
   p = pair_experts.shape[0]
-  if n % 16 or n < 128:
-    raise NotImplementedError(f"N={n}: the wgmma MoE kernel needs N >= 128, a multiple of 16")
-  cfg = config or moe_config_for(p, num_experts, k, n, fp4, num_sms)
-  _check_fp4_steps(k, cfg)  # (any N >= 128 is tiled: no _check_n)
+  cfg = config or moe_default_config(p, w, num_sms)
+  _check_steps(_one_layer(w), cfg)  # (any N >= 128 is tiled: no _check_n)
   if p <= _PER_PAIR_MAX_PAIRS:
     return _per_pair(rows, w, pair_rows, pair_experts, cfg, num_sms)
   return _grouped(rows, w, pair_rows, pair_experts, cfg, num_sms)
+
+
+def _moe_weight_error(w: Any) -> str | None:
+  """Why the MoE kernel does not take ``w`` whatever the call (format, axes, N), or None."""
+  if not isinstance(w, (int4_nk.Int4NKWeight, *_FP4_FORMATS.values())) or w.codes.ndim != 3:
+    return (f"{type(w).__name__} with codes of shape {tuple(w.codes.shape)}: the wgmma MoE "
+            "kernel takes an Int4NKWeight, MXFP4NKWeight or NVFP4NKWeight with one leading "
+            "expert axis")
+  n = w.shape[1]
+  if n % 16 or n < 128:
+    return f"N={n}: the wgmma MoE kernel needs N >= 128, a multiple of 16"
+  return None
 
 
 # Pairs at which :func:`moe_declines` checks moe_config_for: per-pair and grouped routes.
@@ -1340,31 +1411,25 @@ _MOE_DECLINES_CHECK_PAIRS = (1, 4, _PER_PAIR_MAX_PAIRS, _PER_PAIR_MAX_PAIRS + 1,
 
 
 def moe_declines(w: Any, dtype: Any) -> str | None:
-  """Why :func:`fp4_nk_moe_matmul` would raise NotImplementedError for the expert stack
-  ``w`` (arrays may be abstract) and rows of ``dtype`` at some number of pairs; None where
-  it runs them all (``qjax.Backend.declines``)."""
-  reason = _declines_dtype(dtype)
+  """Why :func:`fp4_nk_moe_matmul` / :func:`int4_nk_moe_matmul` would raise
+  NotImplementedError for the expert stack ``w`` (arrays may be abstract) and rows of
+  ``dtype`` at some number of pairs; None where it runs them all
+  (``qjax.Backend.declines``)."""
+  reason = _declines_dtype(dtype) or _moe_weight_error(w)
   if reason is not None:
     return reason
-  fp4 = _fp4_name(w)
-  if fp4 is None or w.codes.ndim != 3:
-    return (f"{type(w).__name__} with codes of {w.codes.ndim} dims: the wgmma MoE kernel "
-            "takes an MXFP4NKWeight or NVFP4NKWeight with one leading expert axis")
-  k, n = w.shape
-  if n % 16 or n < 128:
-    return f"N={n}: the wgmma MoE kernel needs N >= 128, a multiple of 16"
   num_sms = _grid_sms(False, None)
+  expert = _one_layer(w)
   for p in _MOE_DECLINES_CHECK_PAIRS:
-    try:
-      _check_fp4_steps(k, moe_config_for(p, w.codes.shape[0], k, n, fp4, num_sms))
-    except NotImplementedError as e:
-      return f"{p} pairs: {e}"
+    reason = _steps_error(expert, moe_default_config(p, w, num_sms))
+    if reason is not None:
+      return f"{p} pairs: {reason}"
   return None
 
 
 def _grouped(rows: jax.Array, w: Any, pair_rows: jax.Array, pair_experts: jax.Array,
              cfg: WgmmaConfig, num_sms: int) -> jax.Array:
-  """:func:`fp4_nk_moe_matmul` over row tiles of one expert each
+  """:func:`_moe_matmul` over row tiles of one expert each
   (:func:`qjax._src.moe.tile_slots`): x gathered into ``[T, tile_m, K]``, then each
   pair's row of the result by one gather of whole rows (H100, T = 64: 12.7 us less than
   gathering by tile and row, then by pair)."""
@@ -1381,7 +1446,7 @@ def _grouped(rows: jax.Array, w: Any, pair_rows: jax.Array, pair_experts: jax.Ar
 
 def _per_pair(rows: jax.Array, w: Any, pair_rows: jax.Array, pair_experts: jax.Array,
               cfg: WgmmaConfig, num_sms: int) -> jax.Array:
-  """:func:`fp4_nk_moe_matmul` with one row tile per pair: the kernel reads the pair's row
+  """:func:`_moe_matmul` with one row tile per pair: the kernel reads the pair's row
   of ``rows`` and writes its row of the result in place (no gather, no slice). Every tile
   is active, so no table of rows per tile is passed: its array of ones was an XLA kernel
   of 0.9 us (H100, session 24). Nor, for one row, the pairs' rows: all zero, XLA makes

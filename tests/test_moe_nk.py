@@ -116,7 +116,7 @@ def test_kernel_declines_what_it_lacks(request):
     kw.fp4_nk_moe_matmul(x, wn, pair_rows, pairs, config=bad, num_sms=132)
 
 
-def _lower(fn, *args):
+def lower_for_cuda(fn, *args):
   return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -137,7 +137,7 @@ def test_kernel_lowers_for_cuda_reading_the_stack(request, fmt, chain):
   calls = pallas_operand_shapes(jax.make_jaxpr(fn)(x, wn, ids).jaxpr)
   assert calls and all((experts, n, k) in s and (experts, k // wn.block_size, n) in s
                        for s in calls), calls
-  assert "mosaic_gpu" in _lower(fn, x, wn, ids)
+  assert "mosaic_gpu" in lower_for_cuda(fn, x, wn, ids)
 
 
 def test_kernel_reads_a_layer_of_expert_stacks_in_place(request):
@@ -152,19 +152,18 @@ def test_kernel_reads_a_layer_of_expert_stacks_in_place(request):
     return jax.lax.scan(body, 0, jnp.arange(layers))[1]
   calls = pallas_operand_shapes(jax.make_jaxpr(fn)(stack, x, ids).jaxpr)
   assert calls and all((layers, experts, n, k) in s for s in calls), calls
-  assert "mosaic_gpu" in _lower(fn, stack, x, ids)
+  assert "mosaic_gpu" in lower_for_cuda(fn, stack, x, ids)
 
 
 # ---------------------------------------------------------------------------------- GPU
 
 
-def _poisoned_moe_run(fn, x, wn, ids, cfg):
+def poisoned_moe_run(fn, x, wn, ids, cfg):
   """Runs ``fn`` right after freeing a NaN buffer of the size of the kernel's output
   (``[split_k, row tiles, tile_m, N]``, or ``[split_k, pairs, 1, N]`` for a row tile per
   pair), so a tile the kernel fails to write reads NaN."""
   pairs = ids.size
-  c = cfg or kw.moe_config_for(pairs, wn.codes.shape[-3], *wn.shape,
-                               kw._fp4_name(wn), jax.devices()[0].core_count)
+  c = cfg or kw.moe_default_config(pairs, wn, jax.devices()[0].core_count)
   tiles = moe.max_row_tiles(pairs, wn.codes.shape[-3], c.tile_m)
   rows = c.tile_m
   if pairs <= kw._PER_PAIR_MAX_PAIRS:  # a row per pair, written in place
@@ -206,11 +205,11 @@ def test_wgmma_moe_matches_float64(request, fmt, tokens, experts, k, n, top_k, o
     pair_rows = jnp.arange(c.size, dtype=jnp.int32) // c.shape[1]
     return kw.fp4_nk_moe_matmul(a, b, pair_rows, c.reshape(-1), config=cfg).reshape(
         *c.shape, -1)
-  y = _poisoned_moe_run(jax.jit(fn), x, wn, ids, cfg)
+  y = poisoned_moe_run(jax.jit(fn), x, wn, ids, cfg)
   assert_moe_close(y, moe_reference(x, w, ids))
 
 
-def _force_route(monkeypatch, route):
+def force_route(monkeypatch, route):
   """Makes fp4_nk_moe_matmul take ``route``: "per_pair" (a row tile per pair), "slots"
   (grouped tiles from moe.tile_slots) or "sort" (grouped tiles from group_by_expert)."""
   monkeypatch.setattr(kw, "_PER_PAIR_MAX_PAIRS", 1 << 20 if route == "per_pair" else 0)
@@ -222,14 +221,14 @@ ROUTES = ["per_pair", "slots", "sort"]
 
 @pytest.mark.parametrize("route", ROUTES)
 def test_each_route_lowers_for_cuda(request, monkeypatch, route):
-  _force_route(monkeypatch, route)
+  force_route(monkeypatch, route)
   experts, k, n = 8, 512, 256
   x, _, wn, ids = make_moe(request.node.nodeid, 20, experts, k, n, 2)
 
   def fn(a, b, c):
     return kw.fp4_nk_moe_matmul(a, b, jnp.arange(40, dtype=jnp.int32) // 2, c.reshape(-1),
                                 num_sms=132)
-  text = _lower(fn, x, wn, ids)
+  text = lower_for_cuda(fn, x, wn, ids)
   assert "mosaic_gpu" in text
   assert ("stablehlo.sort" in text) == (route == "sort")
   calls = pallas_operand_shapes(jax.make_jaxpr(fn)(x, wn, ids).jaxpr)
@@ -255,7 +254,7 @@ def test_one_row_is_handed_no_row_table(request, fmt):
     assert len(calls) == 1, calls
     assert (tokens, 1, k) in calls[0], calls
     assert calls[0].count((pairs,)) == (1 if tokens == 1 else 2), calls
-    assert "mosaic_gpu" in _lower(fn, x, wn, ids)
+    assert "mosaic_gpu" in lower_for_cuda(fn, x, wn, ids)
 
 
 @needs_gpu
@@ -263,7 +262,7 @@ def test_one_row_is_handed_no_row_table(request, fmt):
 @pytest.mark.parametrize("route", ROUTES)
 def test_wgmma_moe_every_route(request, monkeypatch, route):
   """The same calls with a row tile per pair, and grouped by expert with either table."""
-  _force_route(monkeypatch, route)
+  force_route(monkeypatch, route)
   for tokens, experts, top_k in [(1, 8, 4), (3, 4, 2), (12, 6, 3)]:
     x, w, wn, ids = make_moe(f"{request.node.nodeid}/{tokens}", tokens, experts, 1024, 384,
                              top_k)
@@ -349,7 +348,7 @@ def test_decode_configs_example_lowers_each_config():
   for name, cfg in variants.items():
     fn = lambda a, b, c, cfg=cfg: kw.fp4_nk_moe_matmul(
         a, b, jnp.zeros((top_k,), jnp.int32), c.reshape(-1), config=cfg, num_sms=132)
-    assert "mosaic_gpu" in _lower(fn, x, wn, ids), name
+    assert "mosaic_gpu" in lower_for_cuda(fn, x, wn, ids), name
   if not kw.supported(jax.devices()[0]):
     proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
                           env=child_env(),
@@ -394,7 +393,7 @@ def test_wgmma_moe_ids_out_of_range(request, monkeypatch, route, fmt):
   """Every wgmma route: a traced id out of range reads no memory outside the stack (the
   per-pair kernel clamps it, the grouped routes group the clamped id) and gives that pair
   a NaN row; the other pairs are unaffected."""
-  _force_route(monkeypatch, route)
+  force_route(monkeypatch, route)
   for tokens, experts, top_k in [(1, 8, 4), (3, 4, 2), (12, 6, 3)]:
     x, w, wn, ids = make_moe(f"{request.node.nodeid}/{tokens}", tokens, experts, 1024, 384,
                              top_k, fmt)

@@ -588,11 +588,11 @@ def moe_defaults(fmt: str, on_gpu: bool) -> dict:
 
 CPU_MOE = dict(experts=8, k=256, n=256, top_k=2, tokens=(1, 8))
 # The expert formats of --moe (--format): MXFP4 (the default), or symmetric INT4 of group
-# 128 (random_weight's "int4"; the MoE wgmma kernel reads no INT4 layout: its column NaN).
+# 128 (random_weight's "int4"; the wgmma column converts them to Int4NKWeight).
 MOE_BENCH_FORMATS = ("mxfp4", "int4")
 MOE_IMPLS = ("default", "grouped", "gemv", "wgmma", "xla", "dequant_all")
-# The MoE kernels, by their registered names: two for MXFP4Weight, and Hopper's wgmma
-# kernel for the same experts converted to MXFP4NKWeight.
+# The MoE kernels, by their registered names: two for MXFP4Weight (and for Int4Weight), and
+# Hopper's wgmma kernel for the same experts converted to MXFP4NKWeight (Int4NKWeight).
 MOE_GROUPED_BACKEND = "pallas_triton"
 MOE_GEMV_BACKEND = "pallas_triton_gemv"
 MOE_WGMMA_BACKEND = "mosaic_gpu_wgmma"
@@ -649,11 +649,11 @@ def bench_moe(tokens: int, *, experts: int, k: int, n: int, top_k: int, bandwidt
   * grouped: the grouped-GEMM kernel (``implementation="pallas:pallas_triton"``), routing
     and gathers included.
   * gemv: the per-pair GEMV kernel (``implementation="pallas:pallas_triton_gemv"``).
-  * wgmma: the same experts converted to :class:`qjax.MXFP4NKWeight` (once, outside the
-    timing) through Hopper's grouped wgmma kernel (``"pallas:mosaic_gpu_wgmma"``); NaN
-    where it does not run (not a Hopper GPU, or N below 128, or INT4 experts, which no
-    wgmma MoE kernel reads; any kernel that declines the shape is NaN, its reason printed
-    to stderr).
+  * wgmma: the same experts converted to :class:`qjax.MXFP4NKWeight` (INT4:
+    :class:`qjax.Int4NKWeight`; once, outside the timing) through Hopper's grouped wgmma
+    kernel (``"pallas:mosaic_gpu_wgmma"``); NaN where it does not run (not a Hopper GPU,
+    or N below 128; any kernel that declines the shape is NaN, its reason printed to
+    stderr).
   * xla: its XLA reference (gathered experts, or every expert and ragged_dot).
   * dequant_all: every expert dequantized to bf16 first (materialized: an optimization
     barrier stops XLA from dequantizing only the gathered ones), then the selected ones'
@@ -674,9 +674,9 @@ def bench_moe(tokens: int, *, experts: int, k: int, n: int, top_k: int, bandwidt
   distinct = sum(len(set(map(int, ids.reshape(-1)))) for ids in id_sets) / reps
   mode = "pallas" if on_gpu else "interpret"
   w_nk = None
-  if on_gpu and fmt == "mxfp4" and _wgmma_moe_runs():
-    from qjax._src import fp4_nk  # pylint: disable=g-import-not-at-top
-    w_nk = jax.jit(fp4_nk.to_mxfp4_nk)(w)
+  if on_gpu and _wgmma_moe_runs():
+    from qjax._src import fp4_nk, int4_nk  # pylint: disable=g-import-not-at-top
+    w_nk = jax.jit(fp4_nk.to_mxfp4_nk if fmt == "mxfp4" else int4_nk.to_int4_nk)(w)
   fns = {
       "default": lambda x_, w_, i_: dispatch_moe(x_, w_, i_, mode),
       "grouped": lambda x_, w_, i_: dispatch_moe(x_, w_, i_, f"{mode}:{MOE_GROUPED_BACKEND}"),
@@ -695,9 +695,7 @@ def bench_moe(tokens: int, *, experts: int, k: int, n: int, top_k: int, bandwidt
     if weight is None:
       times[name] = float("nan")
       nan_reasons[name] = (f"Hopper's wgmma MoE kernel does not run on "
-                           f"{jax.devices()[0].device_kind} ({jax.devices()[0].platform})"
-                           if fmt == "mxfp4" else
-                           f"Hopper's wgmma MoE kernel reads no {fmt} experts")
+                           f"{jax.devices()[0].device_kind} ({jax.devices()[0].platform})")
       continue
     try:
       t = devtime.device_time(jax.jit(fn), [(x, weight, ids) for ids in id_sets],

@@ -37,12 +37,15 @@ from qjax._src import dispatch
 from qjax._src import fp4
 from qjax._src import fp4_nk
 from qjax._src import int4
+from qjax._src import int4_nk
 from qjax._src import stacked
 
 # The formats moe_matmul takes (with a leading expert axis). The NK formats run Hopper's
-# wgmma kernel (pallas_kernels.int4_wgmma.fp4_nk_moe_matmul); Int4Weight (GPTQ / AWQ
-# experts, GGUF Q4_0 / Q4_1 stacks after their lossless to_int4) the INT4 MoE kernels.
-MOE_FORMATS = (fp4.MXFP4Weight, fp4_nk.MXFP4NKWeight, fp4_nk.NVFP4NKWeight, int4.Int4Weight)
+# wgmma kernel (pallas_kernels.int4_wgmma.fp4_nk_moe_matmul / int4_nk_moe_matmul);
+# Int4Weight (GPTQ / AWQ experts, GGUF Q4_0 / Q4_1 stacks after their lossless to_int4)
+# the INT4 MoE kernels.
+MOE_FORMATS = (fp4.MXFP4Weight, fp4_nk.MXFP4NKWeight, fp4_nk.NVFP4NKWeight, int4.Int4Weight,
+               int4_nk.Int4NKWeight)
 
 _MOE_XLA: dict[type, Callable[..., jax.Array]] = {}
 _MOE_KERNELS: dict[type, list[dispatch.Backend]] = {}
@@ -474,8 +477,10 @@ def moe_matmul(x: jax.Array, w: Any, expert_ids: jax.Array, *,
       ``[E, N, K // 8]``; ``qjax.to_mxfp4_nk(w)`` converts an MXFP4Weight exactly). Or
       :class:`qjax.Int4Weight` of E experts: codes ``[E, Kp // 8, N]``, scales (and zeros
       or biases) ``[E, K // G, N]`` (GPTQ / AWQ experts; a GGUF Q4_0 / Q4_1 stack's
-      ``to_int4()``). Or a GGUF expert stack as :func:`qjax.load_gguf` reads a ``[K, N, E]`` tensor (e.g. a
-      :class:`qjax.GGUFQ4_K` whose fields carry a leading ``[E]`` axis): XLA path only.
+      ``to_int4()``), or their :class:`qjax.Int4NKWeight` form for Hopper's wgmma kernel
+      (codes ``[E, N, K // 8]``; ``qjax.to_int4_nk(w)``, symmetric or with zero points).
+      Or a GGUF expert stack as :func:`qjax.load_gguf` reads a ``[K, N, E]`` tensor (e.g.
+      a :class:`qjax.GGUFQ4_K` whose fields carry a leading ``[E]`` axis): XLA path only.
     expert_ids: ``[T, top_k]`` integers in ``[0, E)``; an expert may appear for any
       number of tokens, or none. Concrete ids out of range raise ValueError; traced ones
       (under ``jax.jit``) cannot be checked, and each such pair's output row is NaN
