@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable
 
 import jax
@@ -1249,12 +1250,33 @@ def _run_kernel(x: jax.Array, w: Any, cfg: WgmmaConfig, num_sms: int,
 
 # ------------------------------------------------------------------ mixture of experts
 
-# Up to this many (token, expert) pairs, each pair is a row tile of its own (no sorting by
-# expert): an expert two pairs select is read twice, but the routing's dozen small XLA
-# kernels do not run. H100, 128 experts of 2880x2880, top-4 (BENCHMARKS.md, session 20):
-# 1 / 4 / 8 tokens (4 / 16 / 32 pairs): 17.2 / 39.9 / 70.1 us, grouped 31.5 / 56.9 / 85.3;
-# 16 tokens: 130.6, grouped 114.7.
-_PER_PAIR_MAX_PAIRS = 32
+# The MoE kernel's two routes: a row tile per (token, expert) pair, read and written in
+# place (no routing kernels; an expert that k pairs select is read k times, the repeats
+# mostly from L2), or the pairs grouped by expert (each selected expert read once, after
+# XLA's routing: tile slots, row gathers). H200 (docs/experiments/s46_per_pair.py,
+# BENCHMARKS.md session 46), device time per-pair / grouped, us: 128 MXFP4 experts of
+# 2880x2880, top-4, at 16 / 32 / 64 / 128 pairs 27.1 / 40.1, 50.5 / 63.7, 96.8 / 96.4,
+# 181.6 / 143.5; 32 such experts at 16 / 32 / 64, 27.0 / 39.4, 49.6 / 50.0, 95.6 / 59.6;
+# 128 INT4 experts of 2048x768, top-8, at 32 / 64 / 128 / 256 / 512, 11.6 / 22.6,
+# 15.4 / 27.6, 26.1 / 37.9, 47.2 / 46.3, 90.2 / 51.2 (768x2048: 17.6 / 28.4, 32.0 / 39.5,
+# 60.2 / 45.7 at 64 / 128 / 256); 8 INT4 experts of 4096x14336 (Mixtral's), top-2, at 8 /
+# 16 / 32, 59.3 / 61.2, 115.0 / 68.6, 224.2 / 74.8. The grouped route's routing costs
+# about 6-11 us more, and its streams run about 1.2x slower per byte: per pair while
+# ``expert bytes * (5/6 pairs - expected distinct experts)`` is at most this many bytes
+# (every case above on its faster route, or within 3 % of it).
+_PER_PAIR_SLACK_BYTES = 20 << 20
+
+
+def per_pair_route(num_pairs: int, w: Any) -> bool:
+  """Whether the MoE kernel gives each of ``num_pairs`` pairs a row tile of its own for the
+  expert stack ``w`` (arrays may be abstract), by :data:`_PER_PAIR_SLACK_BYTES`'s rule:
+  the expected distinct experts of uniform routing, ``E (1 - (1 - 1/E)^pairs)``, against
+  the pairs, weighed by one expert's bytes (codes, scales, zero points)."""
+  experts = w.codes.shape[-3]
+  distinct = experts * (1 - (1 - 1 / experts) ** num_pairs)
+  expert_bytes = sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
+                     for a in jax.tree.leaves(_one_layer(w)))
+  return expert_bytes * (5 * num_pairs / 6 - distinct) <= _PER_PAIR_SLACK_BYTES
 
 
 def moe_config_for(num_pairs: int, num_experts: int, k: int, n: int, fp4: str | None,
@@ -1325,8 +1347,9 @@ def fp4_nk_moe_matmul(rows: jax.Array, w: fp4_nk.MXFP4NKWeight | fp4_nk.NVFP4NKW
   by a sort); the persistent grid walks (row tile, K split, column tile) and each CTA's
   TMA copies read the codes and scales of its tile's expert where they lie in the stack,
   so no unselected expert is read and no expert is dequantized in memory. Tiles of the
-  table past the active ones are skipped. Up to :data:`_PER_PAIR_MAX_PAIRS` pairs
-  (decode), each pair is a row tile of its own instead, read and written in place.
+  table past the active ones are skipped. Where few pairs share an expert (decode:
+  :func:`per_pair_route`), each pair is a row tile of its own instead, read and written in
+  place.
 
   Args:
     rows: ``[R, K]`` bf16.
@@ -1389,14 +1412,17 @@ def _moe_matmul(rows: jax.Array, w: Any, pair_rows: jax.Array, pair_experts: jax
   p = pair_experts.shape[0]
   cfg = config or moe_default_config(p, w, num_sms)
   _check_steps(_one_layer(w), cfg)  # (any N >= 128 is tiled: no _check_n)
-  if p <= _PER_PAIR_MAX_PAIRS:
+  if per_pair_route(p, w):
     return _per_pair(rows, w, pair_rows, pair_experts, cfg, num_sms)
   return _grouped(rows, w, pair_rows, pair_experts, cfg, num_sms)
 
 
-def _moe_weight_error(w: Any) -> str | None:
-  """Why the MoE kernel does not take ``w`` whatever the call (format, axes, N), or None."""
-  if not isinstance(w, (int4_nk.Int4NKWeight, *_FP4_FORMATS.values())) or w.codes.ndim != 3:
+def _moe_weight_error(w: Any, layer_axes: bool = False) -> str | None:
+  """Why the MoE kernel does not take ``w`` whatever the call (format, axes, N), or None;
+  ``layer_axes``: axes before the expert axis allowed (stacks that ``qjax.layer_of``
+  reads one expert stack of)."""
+  ndim_ok = w.codes.ndim >= 3 if layer_axes else w.codes.ndim == 3
+  if not isinstance(w, (int4_nk.Int4NKWeight, *_FP4_FORMATS.values())) or not ndim_ok:
     return (f"{type(w).__name__} with codes of shape {tuple(w.codes.shape)}: the wgmma MoE "
             "kernel takes an Int4NKWeight, MXFP4NKWeight or NVFP4NKWeight with one leading "
             "expert axis")
@@ -1406,16 +1432,18 @@ def _moe_weight_error(w: Any) -> str | None:
   return None
 
 
-# Pairs at which :func:`moe_declines` checks moe_config_for: per-pair and grouped routes.
-_MOE_DECLINES_CHECK_PAIRS = (1, 4, _PER_PAIR_MAX_PAIRS, _PER_PAIR_MAX_PAIRS + 1, 256, 8192)
+# Pairs at which :func:`moe_declines` checks moe_config_for: one or more per rule of
+# config_for (mma.sync, scales on the accumulator, wide K steps, tiles of 128 and 256 rows).
+_MOE_DECLINES_CHECK_PAIRS = (1, 4, 32, 33, 256, 8192)
 
 
 def moe_declines(w: Any, dtype: Any) -> str | None:
   """Why :func:`fp4_nk_moe_matmul` / :func:`int4_nk_moe_matmul` would raise
-  NotImplementedError for the expert stack ``w`` (arrays may be abstract) and rows of
+  NotImplementedError for the expert stack ``w`` (arrays may be abstract; a stack of them
+  under layer axes, as ``qjax.layer_of`` reads one, is checked as one) and rows of
   ``dtype`` at some number of pairs; None where it runs them all
   (``qjax.Backend.declines``)."""
-  reason = _declines_dtype(dtype) or _moe_weight_error(w)
+  reason = _declines_dtype(dtype) or _moe_weight_error(w, layer_axes=True)
   if reason is not None:
     return reason
   num_sms = _grid_sms(False, None)

@@ -748,22 +748,74 @@ def test_expert_stacks_take_the_moe_kernels_layout(model):
   assert np.max(np.abs(got - want)) < 1e-5 * np.max(np.abs(want))
 
 
+def test_expert_stacks_take_the_wgmma_layout_on_hopper(model):
+  """``moe_kernel_layouts`` (what generate runs after ``expert_kernel_layouts`` where
+  kernels run): on a stand-in Hopper device the MXFP4 expert stacks become the wgmma MoE
+  kernel's MXFP4NKWeight, bit-exact; Q4_0's Int4Weight stacks (groups of 32, which that
+  kernel declines) and the other types' stacks stay, as does every weight outside ``moe``;
+  on a device without the wgmma kernel nothing changes. The MoE block on the converted
+  stacks equals the block on the GGUF stacks (XLA path)."""
+  from qjax._src import generate  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import int4_wgmma  # pylint: disable=g-import-not-at-top
+  from tests.test_kernel_layouts import HOPPER  # pylint: disable=g-import-not-at-top
+  a, path, *_ = model
+  cfg, params = _load(path, True)
+  gguf_moe = dict(params["params"]["blocks"]["moe"])
+  params = generate.expert_kernel_layouts(params)
+  before = dict(params["params"]["blocks"]["moe"])
+  outside = [leaf for p, leaf in jax.tree_util.tree_leaves_with_path(params)
+             if "moe" not in jax.tree_util.keystr(p)]
+  assert generate.moe_kernel_layouts(params, jnp.bfloat16) is params
+  if not int4_wgmma.supported(jax.devices()[0]):  # no MoE kernel's layout changes here
+    assert all(params["params"]["blocks"]["moe"][k] is v for k, v in before.items())
+  generate.moe_kernel_layouts(params, jnp.bfloat16, device=HOPPER)
+  after = params["params"]["blocks"]["moe"]
+  for name, w in before.items():
+    if isinstance(w, qjax.MXFP4Weight):
+      assert type(after[name]) is qjax.MXFP4NKWeight, name
+      np.testing.assert_array_equal(np.asarray(after[name].dequantize()),
+                                    np.asarray(w.dequantize()))
+    else:
+      assert after[name] is w, name
+  assert (type(after["gate"]) is qjax.MXFP4NKWeight) == (a.name == "qwen3moe-mxfp4"), a.name
+  assert [leaf for p, leaf in jax.tree_util.tree_leaves_with_path(params)
+          if "moe" not in jax.tree_util.keystr(p)] == outside
+  x = jnp.asarray(np.random.default_rng(seed_from("wgmma layouts")).standard_normal(
+      (1, 3, a.hidden)), jnp.float32)
+
+  def block(moe):
+    layer = jax.tree.map(lambda w: qjax.layer_of(w, 1) if qjax.is_quantized(w) else w[1], moe,
+                         is_leaf=qjax.is_quantized)
+    c = dataclasses.replace(cfg, implementation="xla")
+    return np.asarray(llama.MoE(c).apply({"params": layer}, x), np.float64)
+
+  want, got = block(gguf_moe), block(after)
+  assert np.max(np.abs(got - want)) < 1e-5 * np.max(np.abs(want))
+
+
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled MoE kernels need "
                     "an NVIDIA GPU")
 def test_generate_runs_mxfp4_experts_on_the_moe_kernels(model):
   """On a GPU, ``--implementation pallas`` runs an MXFP4_MOE file's experts on the MoE
-  kernels (named on generate's stderr line), and its prefill logits match the float64
-  reference (float32 activations: the kernels' TF32 products)."""
+  kernels (named on generate's stderr line: on Hopper the wgmma MoE kernel, its experts
+  converted by ``moe_kernel_layouts``), and its prefill logits match the float64
+  reference (float32 activations: the kernels' TF32 products; bf16 on Hopper's layout
+  within 5e-2, as bf16 outputs round)."""
   from qjax._src import generate  # pylint: disable=g-import-not-at-top
+  from pallas_kernels import int4_wgmma  # pylint: disable=g-import-not-at-top
   a, path, _, prompt_ids, _, ref_logits = _mxfp4_model(model)
   rc, _, err = spm_gguf._cli(["generate", "--model", str(path), "--prompt", PROMPT,
                               "--max-new-tokens", "2", "--implementation", "pallas"])
   assert rc == 0, err
-  assert "experts: pallas_triton" in err, err
-  cfg, params = _load(path, True, implementation="pallas", dtype=jnp.float32)
-  params = generate.expert_kernel_layouts(params)
+  hopper = int4_wgmma.supported(jax.devices()[0])
+  assert f"experts: {'mosaic_gpu_wgmma' if hopper else 'pallas_triton'}" in err, err
   tokens = jnp.asarray([prompt_ids], jnp.int32)
-  logits, _ = llama.prefill(params, tokens, llama.init_cache(cfg, 1, 64), cfg=cfg)
   ref = np.asarray(ref_logits)[:len(prompt_ids)]
-  err = np.max(np.abs(np.asarray(logits[0], np.float64) - ref)) / np.max(np.abs(ref))
-  assert err < 2e-2, err
+  for dtype, tol in [(jnp.float32, 2e-2)] + ([(jnp.bfloat16, 5e-2)] if hopper else []):
+    cfg, params = _load(path, True, implementation="pallas", dtype=dtype)
+    params = generate.moe_kernel_layouts(generate.expert_kernel_layouts(params), dtype)
+    want = qjax.MXFP4NKWeight if dtype == jnp.bfloat16 else qjax.MXFP4Weight
+    assert type(params["params"]["blocks"]["moe"]["gate"]) is want
+    logits, _ = llama.prefill(params, tokens, llama.init_cache(cfg, 1, 64), cfg=cfg)
+    err = np.max(np.abs(np.asarray(logits[0], np.float64) - ref)) / np.max(np.abs(ref))
+    assert err < tol, (dtype, err)

@@ -103,6 +103,27 @@ def test_default_config_is_legal(k, n, group, zeros, scale_dtype, pairs):
   assert kw.moe_declines(stack, jnp.bfloat16) is None
 
 
+# H200 (docs/experiments/s46_per_pair.py): format, experts, K, N, pairs, whether the row
+# tile per pair was the faster route (by more than 3 %).
+MEASURED_ROUTES = [
+    ("mxfp4", 128, 2880, 2880, 16, True), ("mxfp4", 128, 2880, 2880, 32, True),
+    ("mxfp4", 128, 2880, 2880, 128, False), ("mxfp4", 32, 2880, 2880, 16, True),
+    ("mxfp4", 32, 2880, 2880, 64, False), ("int4", 128, 2048, 768, 32, True),
+    ("int4", 128, 2048, 768, 64, True), ("int4", 128, 2048, 768, 128, True),
+    ("int4", 128, 2048, 768, 512, False), ("int4", 128, 768, 2048, 128, True),
+    ("int4", 128, 768, 2048, 256, False), ("int4", 8, 4096, 14336, 16, False),
+    ("int4", 8, 4096, 14336, 32, False)]
+
+
+@pytest.mark.parametrize("fmt,experts,k,n,pairs,want", MEASURED_ROUTES)
+def test_per_pair_route_takes_the_measured_faster_route(fmt, experts, k, n, pairs, want):
+  w = kw.abstract_weight(k, n, fp4=None if fmt == "int4" else fmt)
+  stack = jax.tree.map(lambda a: jax.ShapeDtypeStruct((experts, *a.shape), a.dtype), w)
+  assert kw.per_pair_route(pairs, stack) == want
+  layers = jax.tree.map(lambda a: jax.ShapeDtypeStruct((3, *a.shape), a.dtype), stack)
+  assert kw.per_pair_route(pairs, layers) == want  # a stack of expert stacks: the same
+
+
 def test_kernel_declines_what_it_lacks(request):
   x, ids, _, wn = make_case(request.node.nodeid, 2, 4, 2, 256, 128)
   pair_rows, pairs = pair_args(2, 2, ids)
@@ -189,6 +210,40 @@ def test_kernel_layouts_converts_int4_expert_stacks_on_hopper(request):
   assert "group_size=32" in next(c.reason for c in report if c.path == "moe/down")
   # Not named as experts: checked against the dense kernel, which declines N = 144.
   assert qjax.kernel_layouts(tree, device=HOPPER)["moe"]["gate_up"] is awq
+
+
+def test_generate_converts_int4_expert_stacks_on_hopper(request):
+  """``qjax generate``'s ``moe_kernel_layouts`` (after an HF folder's GPTQ / AWQ experts
+  load as Int4Weight stacks ``[layers, E, ...]``): on a stand-in Hopper the stacks the
+  wgmma MoE kernel takes become Int4NKWeight, bit-exact; groups of 32 stay; weights
+  outside ``moe`` stay even where a kernel would take their NK form; on a device without
+  the wgmma kernel nothing changes."""
+  from qjax._src import generate  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(seed_from(request.node.nodeid))
+
+  def layers(**kw_args):
+    return jax.tree.map(lambda *a: jnp.stack(a), *[make_experts(rng, 4, 256, 128, **kw_args)
+                                                   for _ in range(2)])
+  gate, down = layers(form="zeros", scale_dtype=jnp.float16), layers(group=32)
+  attn = qjax.quantize(jnp.asarray(rng.standard_normal((256, 128)), jnp.float32))
+  router = jnp.ones((2, 256, 4))
+  params = {"params": {"blocks": {"attn": {"q": attn}, "moe": {
+      "router": router, "gate": gate, "down": down}}}}
+  assert generate.moe_kernel_layouts(params, jnp.bfloat16) is params
+  if not kw.supported(jax.devices()[0]):  # no MoE kernel's layout changes here
+    assert params["params"]["blocks"]["moe"]["gate"] is gate
+  generate.moe_kernel_layouts(params, jnp.bfloat16, device=HOPPER)
+  moe_params = params["params"]["blocks"]["moe"]
+  assert type(moe_params["gate"]) is qjax.Int4NKWeight
+  assert moe_params["gate"].codes.shape == (2, 4, 128, 32)
+  np.testing.assert_array_equal(np.asarray(moe_params["gate"].dequantize()),
+                                np.asarray(gate.dequantize()))
+  assert moe_params["down"] is down and moe_params["router"] is router
+  assert params["params"]["blocks"]["attn"]["q"] is attn
+  # float32 activations: every layout runs XLA, nothing converts
+  params["params"]["blocks"]["moe"]["gate"] = gate
+  generate.moe_kernel_layouts(params, jnp.float32, device=HOPPER)
+  assert params["params"]["blocks"]["moe"]["gate"] is gate
 
 
 # ---------------------------------------------------------------------------------- GPU

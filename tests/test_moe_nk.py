@@ -166,7 +166,7 @@ def poisoned_moe_run(fn, x, wn, ids, cfg):
   c = cfg or kw.moe_default_config(pairs, wn, jax.devices()[0].core_count)
   tiles = moe.max_row_tiles(pairs, wn.codes.shape[-3], c.tile_m)
   rows = c.tile_m
-  if pairs <= kw._PER_PAIR_MAX_PAIRS:  # a row per pair, written in place
+  if kw.per_pair_route(pairs, wn):  # a row per pair, written in place
     tiles, rows = pairs, 1
   poison = jnp.full((c.split_k, tiles, rows, wn.shape[1]), jnp.nan,
                     jnp.float32 if c.split_k > 1 else jnp.bfloat16)
@@ -212,7 +212,7 @@ def test_wgmma_moe_matches_float64(request, fmt, tokens, experts, k, n, top_k, o
 def force_route(monkeypatch, route):
   """Makes fp4_nk_moe_matmul take ``route``: "per_pair" (a row tile per pair), "slots"
   (grouped tiles from moe.tile_slots) or "sort" (grouped tiles from group_by_expert)."""
-  monkeypatch.setattr(kw, "_PER_PAIR_MAX_PAIRS", 1 << 20 if route == "per_pair" else 0)
+  monkeypatch.setattr(kw, "per_pair_route", lambda pairs, w: route == "per_pair")
   monkeypatch.setattr(moe, "TILE_SLOTS_MAX_COMPARISONS", 1 << 40 if route == "slots" else 0)
 
 

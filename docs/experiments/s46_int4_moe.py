@@ -9,7 +9,7 @@ compared with the Int4Weight route's; floor = the distinct selected experts' byt
 scales, zero points), x and y over the measured copy bandwidth. Run on a Hopper GPU:
 
   python docs/experiments/s46_int4_moe.py [--shape 2048x768] [--experts 128] [--top-k 8]
-      [--tokens 1,4,16,64] [--zero-points] [--variants]
+      [--tokens 1,4,16,64] [--zero-points] [--variants] [--route per_pair]
 """
 
 import argparse
@@ -63,7 +63,12 @@ def main():
   p.add_argument("--calls", type=int, default=10)
   p.add_argument("--zero-points", action="store_true", help="f16 scales and zero points")
   p.add_argument("--variants", action="store_true", help="time the variants too")
+  p.add_argument("--route", choices=("auto", "per_pair", "grouped"), default="auto",
+                 help="a row tile per pair, or pairs grouped by expert (default: "
+                 "int4_wgmma.per_pair_route's rule)")
   args = p.parse_args()
+  if args.route != "auto":
+    kw.per_pair_route = lambda pairs, w: args.route == "per_pair"
   k, n = map(int, args.shape.split("x"))
   bw = bench.measure_copy_bandwidth()
   print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}, copy {bw / 1e12:.3f} "

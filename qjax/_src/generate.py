@@ -359,6 +359,30 @@ def expert_kernel_layouts(params: dict) -> dict:
                       is_leaf=is_stack)
 
 
+def moe_kernel_layouts(params: dict, dtype: Any, device: Any = None) -> dict:
+  """``params`` with each expert stack (the quantized leaves under a ``moe`` key) in the
+  layout of the MoE kernel that runs it on ``device`` (default: the one
+  ``qjax.moe_matmul`` runs on), by :func:`qjax.kernel_layouts` with every leaf named an
+  expert stack: on Hopper, MXFP4Weight stacks (GPT-OSS, GGUF MXFP4) as MXFP4NKWeight and
+  GPTQ / AWQ / compressed-tensors Int4Weight stacks (groups of 64 and up, no float
+  biases) as Int4NKWeight, for the grouped wgmma kernel; lossless. Stacks no such kernel
+  takes, and every other weight, stay as they are. Converted one leaf at a time, in
+  place, so at most one stack's copy is held at once. For a run whose kernels run
+  (:func:`_kernel_layouts`)."""
+  import qjax  # pylint: disable=g-import-not-at-top
+
+  def walk(node: Any, in_moe: bool) -> None:
+    for key, value in list(node.items()):
+      if isinstance(value, dict):
+        walk(value, in_moe or key == "moe")
+      elif in_moe:
+        node[key] = qjax.kernel_layouts(value, dtype=dtype, device=device,
+                                        experts=lambda path: True)
+
+  walk(params, False)
+  return params
+
+
 def gguf_params(gfile: Any, cfg: Any, implementation: str | None, *,
                 consume: bool = False) -> dict:
   """The params ``qjax generate`` runs from a loaded GGUF file (``gguf_io.load_gguf``)
@@ -375,8 +399,9 @@ def gguf_params(gfile: Any, cfg: Any, implementation: str | None, *,
     if name in params["params"]:
       params["params"][name] = convert(name, params["params"][name])
   if cfg.moe and kernel_convert is not None:
-    # Not given to convert (2-D weights only): MXFP4 stacks' own layout.
-    params = expert_kernel_layouts(params)
+    # Not given to convert (2-D weights only): MXFP4 stacks' own layout, then (Hopper)
+    # the wgmma MoE kernel's.
+    params = moe_kernel_layouts(expert_kernel_layouts(params), cfg.dtype)
   return params
 
 
@@ -463,6 +488,8 @@ def _load_hf_model(args, folder: str, dtype: Any, implementation: str | None):
   # The same config.json gives load_hf_llama the same config.
   _, params = hf_checkpoint.load_hf_llama(folder, convert=convert, progress=not args.json,
                                           dtype=dtype, implementation=implementation)
+  if cfg.moe and kernels:  # the expert stacks as loaded, in the MoE kernel's layout
+    params = moe_kernel_layouts(params, cfg.dtype)
   impl_name = _impl_name(_first_layer(params, "attn", "q", "kernel"), implementation,
                          cfg.dtype)
   if cfg.moe:  # the experts as loaded: MXFP4Weight (GPT-OSS) or float stacks
