@@ -81,16 +81,19 @@ qjax.register_moe_kernel(
     qjax.Backend(name="pallas_triton", fn=fp4_moe.mxfp4_moe_matmul,
                  supported_on=triton_supported))
 # The per-pair GEMV MoE kernel serves decode-sized calls (up to fp4_moe_gemv.MAX_PAIRS
-# (token, expert) pairs): on the H100, 128 experts of 2880x2880, top-4, it took 16.5 / 50 /
-# 161 / 311 us at 1 / 4 / 16 / 32 tokens against the grouped kernel's 91 / 141 / 291 /
-# 427 us, and lost at 64 tokens (611 against 540 us); BENCHMARKS.md.
+# (token, expert) pairs, while they repeat few experts: moe_common.gemv_meant_for): on the
+# H100, 128 experts of 2880x2880, top-4, it took 16.5 / 50 / 161 / 311 us at 1 / 4 / 16 /
+# 32 tokens against the grouped kernel's 91 / 141 / 291 / 427 us, and lost at 64 tokens
+# (611 against 540 us); BENCHMARKS.md.
 qjax.register_moe_kernel(
     qjax.MXFP4Weight,
     qjax.Backend(name=fp4_moe_gemv.BACKEND_NAME, fn=fp4_moe_gemv.mxfp4_moe_gemv,
                  supported_on=triton_supported),
-    auto_when=lambda num_pairs, w: fp4_moe_gemv.supports(num_pairs, w.shape[0], w.block_size))
+    auto_when=lambda num_pairs, w: fp4_moe_gemv.supports(num_pairs, w.shape[0], w.block_size,
+                                                         w.codes.shape[-3]))
 # INT4 expert stacks (GPTQ / AWQ experts, GGUF Q4_0 / Q4_1 stacks after to_int4): the
-# same two roles, the same names and the same rule as MXFP4's (not measured for INT4 yet).
+# same two roles, the same names and the same rule as MXFP4's (session 46 measured it for
+# INT4 on the H200).
 qjax.register_moe_kernel(
     qjax.Int4Weight,
     qjax.Backend(name="pallas_triton", fn=int4_moe.int4_moe_matmul,
@@ -100,7 +103,7 @@ qjax.register_moe_kernel(
     qjax.Backend(name=int4_moe_gemv.BACKEND_NAME, fn=int4_moe_gemv.int4_moe_gemv,
                  supported_on=triton_supported, declines=int4_moe_gemv.declines),
     auto_when=lambda num_pairs, w: int4_moe_gemv.supports(num_pairs, w.shape[0],
-                                                          w.group_size))
+                                                          w.group_size, w.codes.shape[-3]))
 qjax.register_kernel(
     qjax.CodebookWeight,
     qjax.Backend(name="pallas_triton", fn=codebook_matmul.codebook_matmul,

@@ -62,11 +62,15 @@ VARIANTS = fp4_gemv.VARIANTS
 DEFAULT_VARIANT = fp4_gemv.DEFAULT_VARIANT
 
 
-def supports(num_pairs: int, k: int, block_size: int = MXFP4Weight.block_size) -> bool:
-  """Whether this kernel is meant for the call: 1 to :data:`MAX_PAIRS` pairs, MXFP4 blocks
-  of 32 rows, and whole blocks in K. (It computes correct results for any P; past
-  ``MAX_PAIRS`` it re-reads shared experts too often to be the fast path.)"""
-  return (1 <= num_pairs <= MAX_PAIRS and block_size == MXFP4Weight.block_size
+def supports(num_pairs: int, k: int, block_size: int = MXFP4Weight.block_size,
+             num_experts: int | None = None) -> bool:
+  """Whether this kernel is meant for the call: 1 to :data:`MAX_PAIRS` pairs (and, given
+  ``num_experts``, few enough per expert: :func:`moe_common.gemv_meant_for`), MXFP4 blocks
+  of 32 rows, and whole blocks in K. (It computes correct results for any P; past those
+  bounds it re-reads shared experts too often to be the fast path.)"""
+  meant = (1 <= num_pairs <= MAX_PAIRS if num_experts is None
+           else moe_common.gemv_meant_for(num_pairs, num_experts))
+  return (meant and block_size == MXFP4Weight.block_size
           and fp4_gemv.supports(1, k, block_size))
 
 

@@ -44,11 +44,15 @@ BACKEND_NAME = "pallas_triton_gemv"
 MAX_PAIRS = moe_common.GEMV_MAX_PAIRS
 
 
-def supports(num_pairs: int, k: int, group_size: int) -> bool:
-  """Whether this kernel is meant for the call: 1 to :data:`MAX_PAIRS` pairs and groups
+def supports(num_pairs: int, k: int, group_size: int, num_experts: int | None = None
+             ) -> bool:
+  """Whether this kernel is meant for the call: 1 to :data:`MAX_PAIRS` pairs (and, given
+  ``num_experts``, few enough per expert: :func:`moe_common.gemv_meant_for`) and groups
   the INT4 GEMV loop takes (whole 16-row slabs that divide or are a multiple of the
   128-row K-tile, or one group per column: :func:`int4_gemv.supports`)."""
-  return 1 <= num_pairs <= MAX_PAIRS and int4_gemv.supports(1, k, group_size)
+  meant = (1 <= num_pairs <= MAX_PAIRS if num_experts is None
+           else moe_common.gemv_meant_for(num_pairs, num_experts))
+  return meant and int4_gemv.supports(1, k, group_size)
 
 
 def declines(w: Int4Weight, dtype=None) -> str | None:

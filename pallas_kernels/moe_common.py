@@ -158,6 +158,24 @@ def grouped_launch(kernel: Callable[..., None], rows: jax.Array, pair_rows: jax.
 # wins. H100, MXFP4, 128 experts of 2880x2880, top-4: 311 against 427 us at 128 pairs,
 # 611 against 540 us at 256 (BENCHMARKS.md).
 GEMV_MAX_PAIRS = 128
+# ... and only while the pairs are at most this many times the distinct experts that
+# uniform routing selects: few experts, each read again by the pairs repeating it, lose
+# to reading each once. H200, 8 INT4 experts of 4096x14336 (Mixtral's), top-2, GEMV
+# against grouped: 26.9 / 48.4, 88.4 / 107.4, 167.4 / 116.7, 322.0 / 127.1 us at 2 / 8 /
+# 16 / 32 pairs (1.07 / 1.52 / 2.27 / 4.0 pairs per expected expert); 128 MXFP4 experts of
+# 2880x2880 at 64 pairs (1.27) 143.5 / 180.0, 128 INT4 experts of 2048x768 at 128 (1.58)
+# 40.3 / 74.6 (BENCHMARKS.md, session 46); H100, MXFP4, 128 pairs (1.58): 311 / 427.
+GEMV_MAX_REPEATS = 2.0
+
+
+def gemv_meant_for(num_pairs: int, num_experts: int) -> bool:
+  """Whether a per-pair GEMV kernel is meant for ``num_pairs`` pairs over ``num_experts``
+  experts: 1 to :data:`GEMV_MAX_PAIRS` pairs, at most :data:`GEMV_MAX_REPEATS` per
+  expected distinct expert (``E (1 - (1 - 1/E)^pairs)``)."""
+  if not 1 <= num_pairs <= GEMV_MAX_PAIRS:
+    return False
+  distinct = num_experts * (1 - (1 - 1 / num_experts) ** num_pairs)
+  return num_pairs <= GEMV_MAX_REPEATS * distinct
 
 
 def gemv_loop_shape(config: KernelConfig, tiles: int) -> tuple[int, int, int]:

@@ -392,15 +392,18 @@ def test_traced_ids_out_of_range_give_nan_rows_only(rng, implementation, tokens,
 
 
 def test_default_routing_by_pairs(rng):
-  """None / "pallas" / "interpret" pick the GEMV kernel for 1 to MAX_PAIRS pairs and the
-  grouped kernel past that, as for MXFP4; XLA on a CPU; the registered names."""
+  """None / "pallas" / "interpret" pick the GEMV kernel for 1 to MAX_PAIRS pairs that
+  repeat few experts and the grouped kernel past that, as for MXFP4; XLA on a CPU; the
+  registered names."""
   gemv = _gemv()
   w = make_experts(rng, 4, 128, 32)
-  for pairs, name in ((1, GEMV), (gemv.MAX_PAIRS, GEMV), (gemv.MAX_PAIRS + 1, GROUPED),
-                      (None, GROUPED)):
-    assert qjax.moe_implementation_name(w, "interpret", pairs) == name + "-interpret"
-    assert qjax.moe_implementation_name(w, None, pairs) == (name if on_gpu() else "xla")
-    assert qjax.moe_implementation_name(w, "xla", pairs) == "xla"
+  many = make_experts(rng, 128, 128, 32)
+  for experts, pairs, name in ((w, 1, GEMV), (w, 6, GEMV), (w, 8, GROUPED),
+                               (many, gemv.MAX_PAIRS, GEMV),
+                               (many, gemv.MAX_PAIRS + 1, GROUPED), (w, None, GROUPED)):
+    assert qjax.moe_implementation_name(experts, "interpret", pairs) == name + "-interpret"
+    assert qjax.moe_implementation_name(experts, None, pairs) == (name if on_gpu() else "xla")
+    assert qjax.moe_implementation_name(experts, "xla", pairs) == "xla"
   names = [b.name for b in moe.moe_kernels_for_format(qjax.Int4Weight)]
   assert names == [GROUPED, GEMV]
   assert moe.takes_format(w) and qjax.Int4Weight in moe.MOE_FORMATS

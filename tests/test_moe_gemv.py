@@ -331,18 +331,23 @@ def test_supports_and_bad_arguments():
 
 def test_default_routing_by_pairs(request):
   """None / "pallas" / "interpret" pick the GEMV kernel for 1 to MAX_PAIRS (token, expert)
-  pairs and the grouped kernel past that (or when the pair count is not known); both give
-  the float64 result through moe_matmul. Unknown names and malformed choices are named in
-  the error."""
+  pairs that repeat few experts (at most GEMV_MAX_REPEATS pairs per expected distinct
+  expert) and the grouped kernel past that (or when the pair count is not known); both
+  give the float64 result through moe_matmul. Unknown names and malformed choices are
+  named in the error."""
+  from pallas_kernels import moe_common  # pylint: disable=g-import-not-at-top
   mod = _mod()
   rng = np.random.default_rng(seed_from(request.node.nodeid))
   w = make_experts(rng, 4, 64, 32)
+  many = make_experts(rng, 128, 64, 32)
   gemv, grouped = mod.BACKEND_NAME, "pallas_triton"
-  for pairs, name in ((1, gemv), (mod.MAX_PAIRS, gemv), (mod.MAX_PAIRS + 1, grouped),
-                      (None, grouped)):
-    assert qjax.moe_implementation_name(w, "interpret", pairs) == name + "-interpret"
-    assert qjax.moe_implementation_name(w, None, pairs) == (name if on_gpu() else "xla")
-    assert qjax.moe_implementation_name(w, "xla", pairs) == "xla"
+  assert moe_common.GEMV_MAX_REPEATS == 2.0  # 4 experts: 1.82 pairs each at 6, 2.22 at 8
+  for experts, pairs, name in ((w, 1, gemv), (w, 6, gemv), (w, 8, grouped),
+                               (many, mod.MAX_PAIRS, gemv), (many, mod.MAX_PAIRS + 1, grouped),
+                               (w, None, grouped)):
+    assert qjax.moe_implementation_name(experts, "interpret", pairs) == name + "-interpret"
+    assert qjax.moe_implementation_name(experts, None, pairs) == (name if on_gpu() else "xla")
+    assert qjax.moe_implementation_name(experts, "xla", pairs) == "xla"
   for t in (3, mod.MAX_PAIRS // 2 + 1):  # 6 pairs: GEMV; MAX_PAIRS + 2 pairs: grouped
     ids = rng.integers(0, 4, (t, 2)).astype(np.int32)
     x = make_rows(rng, t, 64, jnp.float32)
@@ -356,3 +361,15 @@ def test_default_routing_by_pairs(request):
   for bad in ("xla:pallas_triton", "pallas:", "gemv"):
     with pytest.raises(ValueError, match="implementation="):
       qjax.moe_implementation_name(w, bad)
+
+
+@pytest.mark.parametrize("experts,pairs,want", [
+    (8, 2, True), (8, 8, True), (8, 16, False), (8, 32, False),  # Mixtral's 8 (H200)
+    (128, 64, True), (128, 128, True), (128, 129, False), (4, 0, False)])
+def test_gemv_is_meant_for_few_repeats(experts, pairs, want):
+  """The GEMV kernels' rule against the H200's measured faster route (moe_common's
+  table): 8 INT4 experts of 4096x14336 lost to the grouped kernel from 16 pairs; 128
+  experts kept the GEMV up to MAX_PAIRS."""
+  from pallas_kernels import moe_common  # pylint: disable=g-import-not-at-top
+  assert moe_common.gemv_meant_for(pairs, experts) == want
+  assert _mod().supports(pairs, 2880, num_experts=experts) == want
