@@ -533,18 +533,8 @@ def _to_bf16_fragments(w, first_run: int = 0, runs: int | None = None, zeros=Non
       return_type=plgpu.ShapeDtypeStruct(shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA))
   def convert(ctx, w4, *zero_rows):
     del ctx
-    # pylint: disable=g-import-not-at-top
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith
-    from jax._src.lib.mlir.dialects import llvm
-    from jax._src.lib.mlir.dialects import vector
-    i32 = ir.IntegerType.get_signless(32)
-    # A row's registers: (row tile, 1, row half, ...), as w4's (row tile, run, 1, 1, half).
-    zero2 = {}
-    for zero_row in zero_rows:
-      for idx, reg in np.ndenumerate(zero_row.registers):
-        z = arith.extui(i32, vector.extract(reg, [], [0]))
-        zero2[(idx[0], idx[2])] = llvm.inline_asm(i32, [z], _ZERO_TO_BF16X2, "=r,r")
+    from jax._src.lib.mlir.dialects import llvm  # pylint: disable=g-import-not-at-top
+    zero2 = _row_bf16x2(zero_rows[0], _ZERO_TO_BF16X2) if zero_rows else {}
 
     def pair(word, i32, idx, i):
       shift = f"shr.u32 t, $1, {4 * i};" if i else "mov.b32 t, $1;"
@@ -560,6 +550,23 @@ def _to_bf16_fragments(w, first_run: int = 0, runs: int | None = None, zeros=Non
     return _pairs_to_fragments(w4, shape, first_run, runs, pair)
 
   return convert(w, *(() if zeros is None else (zeros,)))
+
+
+def _row_bf16x2(row, ptx: str) -> dict:
+  """Inside ``plgpu.inline_mgpu``: each register of ``row`` (uint8 ``[tile_n]`` in the
+  WGMMA row layout: a zero-point or block-scale row) zero-extended to i32 and turned by
+  the inline PTX ``ptx`` (``$1`` -> ``$0``) into an i32 of two bf16, keyed by (row tile,
+  row half): entries 0 and 4 of a WGMMA_UPCAST_4X register index (row tile, run, 1, 1,
+  row half), as a row's registers are (row tile, 1, row half, ...)."""
+  # pylint: disable=g-import-not-at-top
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith
+  from jax._src.lib.mlir.dialects import llvm
+  from jax._src.lib.mlir.dialects import vector
+  i32 = ir.IntegerType.get_signless(32)
+  return {(idx[0], idx[2]): llvm.inline_asm(
+              i32, [arith.extui(i32, vector.extract(reg, [], [0]))], ptx, "=r,r")
+          for idx, reg in np.ndenumerate(row.registers)}
 
 
 # PTX of one zero point byte (``$1``, zero-extended) -> bf16 ``128 + z`` in both halves
@@ -663,20 +670,8 @@ def _e2m1_to_bf16_fragments(w, scales, first_run: int, runs: int, fp4: str):
       return_type=plgpu.ShapeDtypeStruct(shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA))
   def convert(ctx, w4, *scale_rows):
     del ctx
-    # pylint: disable=g-import-not-at-top
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith
-    from jax._src.lib.mlir.dialects import llvm
-    from jax._src.lib.mlir.dialects import vector
-    i32 = ir.IntegerType.get_signless(32)
-    # Registers: w4 (row tile, run, 1, 1, row half, ...); a row (row tile, 1, row half, ...).
-    scale2 = []
-    for rows in scale_rows:
-      by_half = {}
-      for idx, reg in np.ndenumerate(rows.registers):
-        e = arith.extui(i32, vector.extract(reg, [], [0]))
-        by_half[(idx[0], idx[2])] = llvm.inline_asm(i32, [e], _SCALE_TO_BF16X2[fp4], "=r,r")
-      scale2.append(by_half)
+    from jax._src.lib.mlir.dialects import llvm  # pylint: disable=g-import-not-at-top
+    scale2 = [_row_bf16x2(rows, _SCALE_TO_BF16X2[fp4]) for rows in scale_rows]
 
     def pair(word, i32, idx, i):
       s2 = scale2[(idx[1] - first_run) * per_run + i * per_run // 4][(idx[0], idx[4])]

@@ -21,6 +21,8 @@ from pallas_kernels import int4_wgmma as kw
 from qjax._src import stacked
 from tests.conftest import (assert_same_bits, needs_gpu, pallas_operand_shapes, rel_err,
                             seed_from)
+# float64 x @ W of an Int4Weight, decoded in numpy from its codes, scales and zero points
+from tests.test_matmul import reference
 
 
 def make_case(name, m, k, n, group=128, dtype=jnp.bfloat16, scale_dtype=jnp.bfloat16,
@@ -34,16 +36,6 @@ def make_case(name, m, k, n, group=128, dtype=jnp.bfloat16, scale_dtype=jnp.bflo
   w = qjax.quantize(jnp.asarray(wf, jnp.float32), group_size=group, scale_dtype=scale_dtype,
                     symmetric=symmetric)
   return x, w, qjax.to_int4_nk(w)
-
-
-def reference(x, w):
-  """float64 ``x @ W`` of an Int4Weight, decoded from its codes, scales and zero points
-  (8 when symmetric) in numpy."""
-  g = w.group_size
-  z = 8.0 if w.zeros is None else np.repeat(np.asarray(w.zeros, np.float64), g, axis=0)
-  q = np.asarray(w.unpacked_codes(), np.float64) - z
-  s = np.repeat(np.asarray(w.scales.astype(jnp.float32), np.float64), g, axis=0)
-  return np.asarray(x.astype(jnp.float32), np.float64) @ (q * s)
 
 
 def fragment_order_reference(q):
