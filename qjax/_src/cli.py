@@ -278,7 +278,8 @@ def _add_bench(sub) -> None:
                  "experts, or INT4 ones of group 128 with --format int4 (GPU default: 128 "
                  "experts of 2880x2880, top-4 (INT4: 2048x768, top-8), tokens 1,4,16,64; "
                  "--m sets the tokens, the first of --shapes KxN the expert shape): the kernel "
-                 "moe_matmul picks, the grouped and the per-pair GEMV kernels each, their "
+                 "moe_matmul picks, the grouped and the per-pair GEMV kernels each, on "
+                 "Hopper the wgmma kernel on the same experts in their NK layout, their "
                  "XLA reference, and dequantizing every expert first, against the bandwidth "
                  "floor of the selected experts' bytes")
   p.add_argument("--moe-experts", type=_positive_int,
