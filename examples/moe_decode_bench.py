@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import qjax
 from flax_layers import llama
 from qjax._src import generate
 from qjax._src import gguf_formats as gf
@@ -61,6 +62,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "the kernels for the dense projections where a GPU has them)")
   p.add_argument("--steps", type=int, default=None, help="timed decode steps (default 64, "
                  "4 with --tiny)")
+  p.add_argument("--int4-experts", action="store_true", help="give each model random INT4 "
+                 "experts of group 128 with f16 scales (qjax.Int4Weight stacks, as a GPTQ "
+                 "Hugging Face folder loads) in place of its GGUF ones; where kernels run, "
+                 "each implementation times them both as qjax generate puts them "
+                 "(generate.moe_kernel_layouts: Int4NKWeight on Hopper) and as loaded")
   args = p.parse_args(argv)
   for name in ("layers", "steps"):
     if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -170,6 +176,25 @@ def model_file(s: dict, layers: int, ggml_type: str, seed: int = 0,
                           file_tensor_bytes=0)
 
 
+def int4_experts(params: dict, s: dict, seed: int = 0) -> dict:
+  """``params`` with random symmetric INT4 expert stacks (group 128, f16 scales: a GPTQ
+  folder's ``Int4Weight [layers, E, ...]``) in place of ``blocks/moe``'s gate, up and
+  down."""
+  moe = params["params"]["blocks"]["moe"]
+  d, f, e = s["hidden"], s["expert_ffn"], s["experts"]
+  key = jax.random.key(seed)
+  for i, (name, (k, n)) in enumerate((("gate", (d, f)), ("up", (d, f)), ("down", (f, d)))):
+    layers = moe[name].stack.codes.shape[0] if isinstance(moe[name], qjax.LayerOf) else (
+        jax.tree.leaves(moe[name])[0].shape[0])
+    kc, ks = jax.random.split(jax.random.fold_in(key, i))
+    moe[name] = qjax.Int4Weight(
+        codes=jax.random.bits(kc, (layers, e, k // 8, n), jnp.uint32),
+        scales=(jax.random.uniform(ks, (layers, e, k // 128, n), jnp.float32, 0.5, 1.5)
+                / (8 * np.sqrt(k))).astype(jnp.float16),
+        zeros=None, shape=(k, n), group_size=128)
+  return params
+
+
 def weight_bytes(params) -> int:
   return sum(a.nbytes for a in jax.tree.leaves(params))
 
@@ -203,10 +228,20 @@ def main(argv=None) -> int:
       params = generate.gguf_params(  # as qjax generate loads a file
           gguf_io.GGUFFile(**{**vars(gfile), "tensors": dict(gfile.tensors)}), cfg,
           implementation)
-      rate = decode_rate(params, cfg, args.steps)
-      rows.append((ggml_type, impl, rate, weight_bytes(params) / 2**30))
-      print(f"{ggml_type} {impl}: {rate:.1f} tokens/s", flush=True)
-      del params
+      variants = [(ggml_type, impl, params)]
+      if args.int4_experts and ggml_type != "BF16":
+        params = int4_experts(params, args.shape)
+        label = f"{ggml_type}, INT4 experts"
+        variants = [(label, impl, params)]
+        if generate._kernel_layouts(implementation) is not None:  # pylint: disable=protected-access
+          kept = jax.tree.map(lambda a: a, params)
+          variants = [(label, impl, generate.moe_kernel_layouts(params, cfg.dtype)),
+                      (label, f"{impl}, experts kept", kept)]
+      for label, name, weights in variants:
+        rate = decode_rate(weights, cfg, args.steps)
+        rows.append((label, name, rate, weight_bytes(weights) / 2**30))
+        print(f"{label} {name}: {rate:.1f} tokens/s", flush=True)
+      del params, variants
   base = rows[-1][2]
   print("\n| weights | implementation | tokens/s | vs bf16 | weights on device (GiB) |")
   print("| --- | --- | --- | --- | --- |")

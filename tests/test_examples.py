@@ -159,6 +159,17 @@ def test_moe_decode_bench_runs_tiny_on_the_cpu(arch, kind):
   assert float(rows[0][2]) > 0 and rows[1][3] == "1.00x", rows
 
 
+def test_moe_decode_bench_int4_experts_on_the_cpu():
+  """``--int4-experts``: the quantized model's experts are INT4 stacks (one row per
+  implementation without kernels), the bf16 baseline as it is."""
+  proc = _run("moe_decode_bench.py", "--tiny", "--steps", "2", "--types", "Q4_K",
+              "--implementations", "xla", "--int4-experts")
+  assert proc.returncode == 0, proc.stderr
+  rows = [line.split(" | ") for line in proc.stdout.splitlines() if line.startswith("| Q4_K")]
+  assert [r[:2] for r in rows] == [["| Q4_K, INT4 experts", "xla"]], proc.stdout
+  assert float(rows[0][2]) > 0
+
+
 def test_moe_decode_bench_options():
   mod = _module("moe_decode_bench.py")
   args = mod.parse_args([])
