@@ -184,8 +184,7 @@ def int4_experts(params: dict, s: dict, seed: int = 0) -> dict:
   d, f, e = s["hidden"], s["expert_ffn"], s["experts"]
   key = jax.random.key(seed)
   for i, (name, (k, n)) in enumerate((("gate", (d, f)), ("up", (d, f)), ("down", (f, d)))):
-    layers = moe[name].stack.codes.shape[0] if isinstance(moe[name], qjax.LayerOf) else (
-        jax.tree.leaves(moe[name])[0].shape[0])
+    layers = jax.tree.leaves(moe[name])[0].shape[0]  # the GGUF stack's [layers, E, ...]
     kc, ks = jax.random.split(jax.random.fold_in(key, i))
     moe[name] = qjax.Int4Weight(
         codes=jax.random.bits(kc, (layers, e, k // 8, n), jnp.uint32),
