@@ -20,6 +20,7 @@ from pallas_kernels import int4_moe as int4_moe
 from pallas_kernels import int4_moe_gemv as int4_moe_gemv
 from pallas_kernels import int4_wgmma as int4_wgmma
 from pallas_kernels import kv_cache_write as kv_cache_write
+from pallas_kernels import moe_common as moe_common
 from pallas_kernels import prefill_attention as prefill_attention
 from qjax._src import gguf_formats as _gguf_formats
 from qjax._src import gguf_tiled as _gguf_tiled
@@ -90,7 +91,7 @@ qjax.register_moe_kernel(
     qjax.Backend(name=fp4_moe_gemv.BACKEND_NAME, fn=fp4_moe_gemv.mxfp4_moe_gemv,
                  supported_on=triton_supported),
     auto_when=lambda num_pairs, w: fp4_moe_gemv.supports(num_pairs, w.shape[0], w.block_size,
-                                                         w.codes.shape[-3]))
+                                                         moe_common.stack_experts(w)))
 # INT4 expert stacks (GPTQ / AWQ experts, GGUF Q4_0 / Q4_1 stacks after to_int4): the
 # same two roles, the same names and the same rule as MXFP4's (session 46 measured it for
 # INT4 on the H200).
@@ -103,7 +104,8 @@ qjax.register_moe_kernel(
     qjax.Backend(name=int4_moe_gemv.BACKEND_NAME, fn=int4_moe_gemv.int4_moe_gemv,
                  supported_on=triton_supported, declines=int4_moe_gemv.declines),
     auto_when=lambda num_pairs, w: int4_moe_gemv.supports(num_pairs, w.shape[0],
-                                                          w.group_size, w.codes.shape[-3]))
+                                                          w.group_size,
+                                                          moe_common.stack_experts(w)))
 qjax.register_kernel(
     qjax.CodebookWeight,
     qjax.Backend(name="pallas_triton", fn=codebook_matmul.codebook_matmul,

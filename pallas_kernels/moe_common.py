@@ -168,6 +168,12 @@ GEMV_MAX_PAIRS = 128
 GEMV_MAX_REPEATS = 2.0
 
 
+def stack_experts(w: Any) -> int:
+  """The experts of the expert stack ``w`` (the axis before its codes' last two); 1 for a
+  single matrix, which ``qjax.moe_matmul`` refuses after asking the routing rules."""
+  return w.codes.shape[-3] if w.codes.ndim >= 3 else 1
+
+
 def gemv_meant_for(num_pairs: int, num_experts: int) -> bool:
   """Whether a per-pair GEMV kernel is meant for ``num_pairs`` pairs over ``num_experts``
   experts: 1 to :data:`GEMV_MAX_PAIRS` pairs, at most :data:`GEMV_MAX_REPEATS` per
