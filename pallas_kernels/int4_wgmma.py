@@ -1265,10 +1265,10 @@ _PER_PAIR_SLACK_BYTES = 20 << 20
 def per_pair_route(num_pairs: int, w: Any) -> bool:
   """Whether the MoE kernel gives each of ``num_pairs`` pairs a row tile of its own for the
   expert stack ``w`` (arrays may be abstract), by :data:`_PER_PAIR_SLACK_BYTES`'s rule:
-  the expected distinct experts of uniform routing, ``E (1 - (1 - 1/E)^pairs)``, against
-  the pairs, weighed by one expert's bytes (codes, scales, zero points)."""
-  experts = w.codes.shape[-3]
-  distinct = experts * (1 - (1 - 1 / experts) ** num_pairs)
+  the expected distinct experts of uniform routing
+  (:func:`qjax._src.moe.expected_distinct_experts`) against the pairs, weighed by one
+  expert's bytes (codes, scales, zero points)."""
+  distinct = moe.expected_distinct_experts(num_pairs, w.codes.shape[-3])
   expert_bytes = sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
                      for a in jax.tree.leaves(_one_layer(w)))
   return expert_bytes * (5 * num_pairs / 6 - distinct) <= _PER_PAIR_SLACK_BYTES
@@ -1398,10 +1398,7 @@ def _moe_matmul(rows: jax.Array, w: Any, pair_rows: jax.Array, pair_experts: jax
                 ) -> jax.Array:
   """The body of :func:`fp4_nk_moe_matmul` and :func:`int4_nk_moe_matmul`."""
   num_sms = _grid_sms(interpret, num_sms)
-  reason = _moe_weight_error(w)
-  if reason is not None:
-    raise NotImplementedError(reason)
-  reason = _declines_dtype(rows.dtype)
+  reason = _moe_weight_error(w) or _declines_dtype(rows.dtype)
   if reason is not None:
     raise NotImplementedError(reason)
   p = pair_experts.shape[0]

@@ -177,11 +177,10 @@ def stack_experts(w: Any) -> int:
 def gemv_meant_for(num_pairs: int, num_experts: int) -> bool:
   """Whether a per-pair GEMV kernel is meant for ``num_pairs`` pairs over ``num_experts``
   experts: 1 to :data:`GEMV_MAX_PAIRS` pairs, at most :data:`GEMV_MAX_REPEATS` per
-  expected distinct expert (``E (1 - (1 - 1/E)^pairs)``)."""
+  expected distinct expert (:func:`qjax._src.moe.expected_distinct_experts`)."""
   if not 1 <= num_pairs <= GEMV_MAX_PAIRS:
     return False
-  distinct = num_experts * (1 - (1 - 1 / num_experts) ** num_pairs)
-  return num_pairs <= GEMV_MAX_REPEATS * distinct
+  return num_pairs <= GEMV_MAX_REPEATS * moe.expected_distinct_experts(num_pairs, num_experts)
 
 
 def gemv_loop_shape(config: KernelConfig, tiles: int) -> tuple[int, int, int]:

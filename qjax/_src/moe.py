@@ -143,6 +143,13 @@ def max_row_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
   return max(1, (num_pairs + active * (block_m - 1)) // block_m)
 
 
+def expected_distinct_experts(num_pairs: int, num_experts: int) -> float:
+  """The distinct experts ``num_pairs`` pairs select on average under uniform routing,
+  ``E (1 - (1 - 1/E)^P)``: what the kernels' per-pair routing rules weigh the pairs
+  against (an expert repeated by several pairs is read once per pair on those routes)."""
+  return num_experts * (1 - (1 - 1 / num_experts) ** num_pairs)
+
+
 def group_by_expert(pair_experts: jax.Array, num_experts: int, block_m: int) -> ExpertGroups:
   """Routing metadata of ``pair_experts [P]`` (ints in ``[0, E)``); jittable, static
   shapes."""
