@@ -10,6 +10,7 @@ import sys
 import types
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from qjax._src import cli
@@ -221,6 +222,49 @@ def test_llama_stack_fused_and_separate_hold_the_same_weights():
     assert r["bf16_weight_gb"] * 1e9 == 2 * params
     assert 0 < r["int4_tokens_per_s"] < float("inf") and r["int4_device_ms"] > 0
   assert abs(fus["int4_weight_gb"] - sep["int4_weight_gb"]) / sep["int4_weight_gb"] < 0.02
+
+
+def test_wall_rates_time_each_block_of_chained_calls():
+  """One untimed call, then ``repeats`` blocks of ``calls`` calls, each fed the last's
+  output; a rate per block; non-positive counts are refused by name."""
+  from qjax._src import bench  # pylint: disable=g-import-not-at-top
+  seen = []
+
+  def fn(h, ws):
+    seen.append(int(h))
+    return h + ws
+
+  rates = bench.wall_rates(fn, jnp.int32(0), jnp.int32(1), calls=3, repeats=2)
+  assert len(rates) == 2 and all(0 < r < float("inf") for r in rates)
+  assert seen == [0, 0, 1, 2, 0, 1, 2]
+  for bad in (dict(calls=0, repeats=1), dict(calls=1, repeats=0)):
+    with pytest.raises(ValueError, match="must be positive"):
+      bench.wall_rates(fn, jnp.int32(0), jnp.int32(1), **bad)
+
+
+def test_llama_stack_rate_is_the_median_of_its_blocks():
+  """tokens/s of each stack is the median of its blocks' rates, which come with it."""
+  from qjax._src import bench  # pylint: disable=g-import-not-at-top
+  r = bench.llama_stack_tokens_per_s(layers=1, hidden=256, inter=512, kv=64, calls=1,
+                                     repeats=3)
+  for name in ("int4", "bf16"):
+    runs = r[f"{name}_tokens_per_s_runs"]
+    assert len(runs) == 3 and r[f"{name}_tokens_per_s"] == sorted(runs)[1]
+
+
+def test_model_rows_cover_both_stacks_as_loaded_and_in_kernel_layouts(capsys):
+  """``--model`` on the CPU: the separate and fused stacks, the scanned one, and both
+  through ``qjax.kernel_layouts``, each a result with its printed row."""
+  from qjax._src import bench  # pylint: disable=g-import-not-at-top
+  result = {}
+  bench.run_model(False, result)
+  out = capsys.readouterr().out
+  for name in ("llama_stack", "llama_stack_fused", "llama_stack_scanned",
+               "llama_stack_kernel_layouts", "llama_stack_fused_kernel_layouts"):
+    assert 0 < result[name]["int4_tokens_per_s"] < float("inf"), name
+  for label in ("separate, kernel_layouts", "fused, kernel_layouts", "separate, lax.scan"):
+    assert label in out
+  assert f"median of {bench.STACK_REPEATS} blocks" in out
 
 
 def test_llama_stack_scanned_holds_the_same_weights():

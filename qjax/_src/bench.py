@@ -378,9 +378,36 @@ def _fastest_correct(timed: Sequence[tuple[float, Any]], backend: dispatch.Backe
   return None
 
 
+# Blocks of timed calls per stack: tokens/s is their median. One block's rate of the
+# Hopper layout's stack varied 252-501 tokens/s between blocks of 50 calls in one process
+# (H200, BENCHMARKS.md session 47: its 224 Mosaic GPU launches a token are issued by the
+# host one by one, outside XLA's command buffers), the Triton stack's by 1 %.
+STACK_REPEATS = 5
+
+
+def wall_rates(fn: Callable[..., Any], h0: Any, ws: Any, *, calls: int,
+               repeats: int = STACK_REPEATS) -> list[float]:
+  """Calls per second of ``h = fn(h, ws)`` from ``h0``, one rate per block of ``calls``
+  chained calls (each block timed from its first dispatch to its last result), after
+  one untimed call that compiles."""
+  if calls < 1 or repeats < 1:
+    raise ValueError(f"calls={calls} and repeats={repeats} must be positive")
+  jax.block_until_ready(fn(h0, ws))
+  rates = []
+  for _ in range(repeats):
+    h = h0
+    t0 = time.perf_counter()
+    for _ in range(calls):
+      h = fn(h, ws)
+    jax.block_until_ready(h)
+    rates.append(calls / (time.perf_counter() - t0))
+  return rates
+
+
 def llama_stack_tokens_per_s(*, layers: int, hidden: int, inter: int, kv: int, calls: int,
                              fused: bool = False, scanned: bool = False,
-                             layouts: bool = False) -> dict[str, float]:
+                             layouts: bool = False, repeats: int = STACK_REPEATS
+                             ) -> dict[str, Any]:
   """Decode at batch 1 through a Llama-shaped stack of linear layers under one jit.
 
   Each layer: q, k, v, o projections and the SwiGLU MLP (gate, up, down), with a
@@ -391,8 +418,9 @@ def llama_stack_tokens_per_s(*, layers: int, hidden: int, inter: int, kv: int, c
   ``qjax.layer_of(stack, i)`` and the bf16 ones sliced (else an unrolled loop over
   per-layer arrays). ``layouts``: the int4 weights converted by
   :func:`qjax.kernel_layouts` for this device (on Hopper, Int4NKWeight). Returns tokens/s
-  of the int4 stack (auto implementation) and of the same stack in bf16, from wall time of repeated
-  jitted steps, and the device time per step.
+  of the int4 stack (auto implementation) and of the same stack in bf16 (``*_tokens_per_s``:
+  the median of ``repeats`` blocks of ``calls`` jitted steps by wall time,
+  :func:`wall_rates`; ``*_tokens_per_s_runs``: each block's), and the device time per step.
   """
   if fused:
     shapes = [(hidden, hidden + 2 * kv), (hidden, hidden), (hidden, 2 * inter), (inter, hidden)]
@@ -450,13 +478,9 @@ def llama_stack_tokens_per_s(*, layers: int, hidden: int, inter: int, kv: int, c
   h0 = jax.random.normal(key, (1, hidden), jnp.float32).astype(jnp.bfloat16) * 0.01
   out = {}
   for name, fn, ws in (("int4", int4_step, qws), ("bf16", bf16_step, bws)):
-    jax.block_until_ready(fn(h0, ws))
-    h = h0
-    t0 = time.perf_counter()
-    for _ in range(calls):
-      h = fn(h, ws)
-    jax.block_until_ready(h)
-    out[f"{name}_tokens_per_s"] = calls / (time.perf_counter() - t0)
+    rates = wall_rates(fn, h0, ws, calls=calls, repeats=repeats)
+    out[f"{name}_tokens_per_s"] = float(np.median(rates))
+    out[f"{name}_tokens_per_s_runs"] = rates
     out[f"{name}_device_ms"] = devtime.device_time(fn, [(h0, ws)], calls=5, warmup=1).us / 1e3
   out["speedup"] = out["int4_tokens_per_s"] / out["bf16_tokens_per_s"]
   out["int4_weight_gb"], out["bf16_weight_gb"] = int4_gb, bf16_gb
@@ -530,9 +554,10 @@ def run_model(on_gpu: bool, result: dict[str, Any]) -> None:
           dict(layers=2, hidden=512, inter=1024, kv=128, calls=3))
   here = scheduling()
   print("\nLlama-3-8B-shaped linear stack, batch-1 decode under one jit"
-        f"{' (CPU: 2 small layers, labels only)' if not on_gpu else ''}. tok/s from wall "
-        "time; device ms = summed kernel time per step (overlapping kernels each count "
-        f"whole). 'concurrent': XLA_FLAGS={CONCURRENT_FLAG} (GPU only).")
+        f"{' (CPU: 2 small layers, labels only)' if not on_gpu else ''}. tok/s: the median "
+        f"of {STACK_REPEATS} blocks of {size['calls']} steps by wall time; device ms = "
+        "summed kernel time per step (overlapping kernels each count whole). 'concurrent': "
+        f"XLA_FLAGS={CONCURRENT_FLAG} (GPU only).")
   for fused in (False, True):
     label = "fused qkv, gate+up" if fused else "separate q,k,v,gate,up"
     name = "llama_stack_fused" if fused else "llama_stack"
@@ -565,14 +590,19 @@ def run_model(on_gpu: bool, result: dict[str, Any]) -> None:
         f"{stack['int4_tokens_per_s'] / unrolled:.2f}x the unrolled int4 stack   bf16 sliced "
         f"(copied per layer) {stack['bf16_tokens_per_s']:.1f} tok/s "
         f"({stack['bf16_device_ms']:.2f} ms)", flush=True)
-  # The separate stack, unrolled, with its weights in qjax.kernel_layouts' layouts (on
-  # Hopper the Int4NKWeight kernel at one row instead of Int4Weight's GEMV).
-  stack = llama_stack_tokens_per_s(**size, layouts=True)
-  result["llama_stack_kernel_layouts"] = stack
-  print(f"  {'separate, kernel_layouts':<23} {here:<10} int4 {stack['int4_tokens_per_s']:.1f} "
-        f"tok/s ({stack['int4_device_ms']:.2f} ms device/step) = "
-        f"{stack['int4_tokens_per_s'] / unrolled:.2f}x the unrolled int4 stack; "
-        f"{stack['speedup']:.2f}x bf16 in the same run", flush=True)
+  # Both stacks, unrolled, with their weights in qjax.kernel_layouts' layouts (on Hopper
+  # the Int4NKWeight kernel at one row instead of Int4Weight's GEMV).
+  for fused in (False, True):
+    name = "llama_stack_fused_kernel_layouts" if fused else "llama_stack_kernel_layouts"
+    label = "fused, kernel_layouts" if fused else "separate, kernel_layouts"
+    by_schedule = result[("llama_stack_fused" if fused else "llama_stack") + "_by_schedule"]
+    plain = by_schedule[here]["int4_tokens_per_s"]
+    stack = llama_stack_tokens_per_s(**size, fused=fused, layouts=True)
+    result[name] = stack
+    print(f"  {label:<23} {here:<10} int4 {stack['int4_tokens_per_s']:.1f} tok/s "
+          f"({stack['int4_device_ms']:.2f} ms device/step) = "
+          f"{stack['int4_tokens_per_s'] / plain:.2f}x the same int4 stack as loaded; "
+          f"{stack['speedup']:.2f}x bf16 in the same run", flush=True)
 
 
 # ---------------------------------------------------------------------------- --moe
