@@ -428,6 +428,16 @@ BAD_ARGUMENTS = [
     (["demo", "--m", "0"], "argument --m: '0' is not an integer of at least 1"),
     (["demo", "--m", "-1"], "argument --m: '-1' is not an integer of at least 1"),
     (["fuzz-readers", "--seed", "-1"], "argument --seed: '-1' is not an integer of at least 0"),
+    (["demo", "--seed", str(2**63)], f"argument --seed: '{2**63}' is not a seed: give an "
+     "integer from -2**63 to 2**63 - 1"),
+    (["generate", "--seed", "1e3"], "argument --seed: '1e3' is not a seed"),
+    (["bench", "--offload-group", "2"], "--offload-group and --offload-carried are options "
+     "of --offload; add --offload or drop them"),
+    (["bench", "--offload-carried", "1"], "are options of --offload"),
+    (["bench", "--format", "int4,mxfp4,int4"], "argument --format: format 'int4' in "
+     "'int4,mxfp4,int4' is given twice; name each once"),
+    (["bench", "--attention", "--attention-slots", "64,0"], "'0' in '64,0' is not a "
+     "positive integer; give comma-separated integers of at least 1, e.g. 1024,4096"),
 ]
 
 
@@ -460,6 +470,13 @@ def test_what_this_device_cannot_run_is_a_usage_error(capsys, argv, message):
   """A CPU run of the compiled kernels measured nothing (nan, exit 0) or tuned nothing."""
   last = _usage_error(capsys, argv)
   assert message in last and "cpu" in last
+
+
+def test_version_names_the_installed_distribution(capsys):
+  from importlib import metadata  # pylint: disable=g-import-not-at-top
+  with pytest.raises(SystemExit) as e:
+    cli.main(["--version"])
+  assert e.value.code == 0 and capsys.readouterr().out == f"qjax {metadata.version('qjax')}\n"
 
 
 def test_check_help_counts_the_interpret_shapes(capsys):

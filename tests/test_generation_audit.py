@@ -764,6 +764,26 @@ def test_interactive_refusals(monkeypatch, argv, match):
   assert re.search(match, err), err
 
 
+def test_context_without_interactive_is_refused():
+  """--context sizes --interactive's cache only; alone it was ignored (exit 0)."""
+  rc, out, err = _cli(["generate", "--context", "64", "--model", "unused.gguf"])
+  assert rc == 2 and not out
+  assert err.strip() == ("qjax generate: error: --context=64 is an option of --interactive "
+                         "(the conversation's cache); one prompt's cache is sized from the "
+                         "prompt and --max-new-tokens: drop --context or add --interactive")
+
+
+@needs_model
+def test_interactive_context_above_the_model_is_capped_with_a_note(monkeypatch):
+  """A --context beyond the model's context length runs with that length, and says so."""
+  rc, turns, err, seen = _chat(monkeypatch, [], "--context", "100000")
+  assert rc == 0 and not turns, err
+  limit = seen["plan"].max_len
+  assert limit < 100000
+  assert (f"qjax generate: --context=100000 is above the model's context length; the cache "
+          f"holds {limit} slots") in err
+
+
 def test_generate_asks_xla_for_deterministic_ops(monkeypatch):
   """qjax generate adds --xla_gpu_deterministic_ops=true to XLA_FLAGS before JAX starts
   (on an H100 the autotuner's per-run picks changed SmolLM2's greedy text), keeps a

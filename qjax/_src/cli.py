@@ -49,20 +49,31 @@ _positive_int = _int_at_least(1)
 _non_negative_int = _int_at_least(0)
 
 
+def _jax_seed(text: str) -> int:
+  """A seed for ``jax.random.key``: an integer that fits in int64."""
+  value = _int_or_none(text)
+  if value is None or not -2**63 <= value < 2**63:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a seed: give an integer from -2**63 "
+                                     "to 2**63 - 1 (JAX keys take 64 bits)")
+  return value
+
+
 def _item(item: str, text: str) -> str:
   """The bad item of a comma-separated value, and the whole value where they differ."""
   return repr(item) if item == text else f"{item!r} in {text!r}"
 
 
-def _positive_ints(text: str) -> str:
-  """Comma-separated integers of at least 1 (``--m 1,16``)."""
-  for item in text.split(","):
-    value = _int_or_none(item)
-    if value is None or value < 1:
-      raise argparse.ArgumentTypeError(
-          f"{_item(item, text)} is not a positive integer; give comma-separated integers "
-          "of at least 1, e.g. 1,16")
-  return text
+def _positive_ints(example: str):
+  """Comma-separated integers of at least 1 (``--m 1,16``); ``example`` for the error."""
+  def parse(text: str) -> str:
+    for item in text.split(","):
+      value = _int_or_none(item)
+      if value is None or value < 1:
+        raise argparse.ArgumentTypeError(
+            f"{_item(item, text)} is not a positive integer; give comma-separated integers "
+            f"of at least 1, e.g. {example}")
+    return text
+  return parse
 
 
 def _shapes(text: str) -> str:
@@ -89,10 +100,14 @@ def _names(known, what: str):
   """Comma-separated names out of ``known()`` (called when the option is given)."""
   def parse(text: str) -> str:
     allowed = list(known())
-    for item in text.split(","):
+    items = text.split(",")
+    for i, item in enumerate(items):
       if item not in allowed:
         raise argparse.ArgumentTypeError(
             f"unknown {what} {_item(item, text)}; known {what}s: {','.join(allowed)}")
+      if item in items[:i]:
+        raise argparse.ArgumentTypeError(f"{what} {_item(item, text)} is given twice; "
+                                         "name each once")
     return text
   return parse
 
@@ -218,7 +233,7 @@ def _add_demo(sub) -> None:
   p.add_argument("--group-size", type=int, choices=int4.GROUP_SIZES, default=128,
                  help="rows of K per scale (default 128)")
   p.add_argument("--asymmetric", action="store_true", help="unsigned int4 with zero points")
-  p.add_argument("--seed", type=int, default=0,
+  p.add_argument("--seed", type=_jax_seed, default=0,
                  help="PRNG seed of the random weight and x (default 0)")
 
   def run(args):
@@ -243,7 +258,7 @@ def _add_bench(sub) -> None:
       "clock, as a smoke test.")
   from qjax._src import bench  # pylint: disable=g-import-not-at-top
   from qjax._src import dispatch  # pylint: disable=g-import-not-at-top
-  p.add_argument("--m", type=_positive_ints,
+  p.add_argument("--m", type=_positive_ints("1,16"),
                  help="comma-separated M values (default GPU: 1,16,64,256,2048; CPU: 1,16)")
   p.add_argument("--shapes", type=_shapes, help="comma-separated KxN, e.g. "
                  "4096x4096,4096x14336 (default GPU: the four Llama shapes; CPU: "
@@ -260,7 +275,7 @@ def _add_bench(sub) -> None:
                  help="comma-separated implementations to time (default GPU: pallas,xla; "
                  "CPU: xla,interpret; pallas needs a GPU)")
   p.add_argument("--calls", type=_positive_int, default=40,
-                 help="timed calls per measurement")
+                 help="timed calls per measurement (default 40)")
   p.add_argument("--json", type=_output_file,
                  help="also write the results to this JSON file")
   p.add_argument("--plot", type=_plot_file, help="also write a plot of %% of floor against "
@@ -281,7 +296,8 @@ def _add_bench(sub) -> None:
                  "moe_matmul picks, the grouped and the per-pair GEMV kernels each, on "
                  "Hopper the wgmma kernel on the same experts in their NK layout, their "
                  "XLA reference, and dequantizing every expert first, against the bandwidth "
-                 "floor of the selected experts' bytes")
+                 "floor of the selected experts' bytes (CPU default: 8 experts of 256x256, "
+                 "top-2, tokens 1,8; not kernel figures)")
   p.add_argument("--moe-experts", type=_positive_int,
                  help="experts for --moe (default GPU 128, CPU 8)")
   p.add_argument("--moe-top-k", type=_positive_int,
@@ -296,7 +312,7 @@ def _add_bench(sub) -> None:
                  "per implementation, in TFLOP/s of the causal half; --attention-slots sets "
                  "the prompt lengths (default GPU 1024,4096,8192; CPU 64,128), --m the batch "
                  "sizes (default 1)")
-  p.add_argument("--attention-slots", type=_positive_ints, metavar="S,...",
+  p.add_argument("--attention-slots", type=_positive_ints("1024,4096"), metavar="S,...",
                  help="cache slots for --attention, prompt tokens with --prefill (default "
                  "GPU 256,1024,4096,16384; CPU 64,256)")
   p.add_argument("--attention-heads", type=_heads, metavar="H/KV/D",
@@ -305,7 +321,9 @@ def _add_bench(sub) -> None:
   p.add_argument("--offload", action="store_true", help="instead: 32 layers of 4096x4096 "
                  "two-pass codebook weights, device time with pass 2 on the device and in "
                  "pinned host memory (prefetched ahead of the layers), the copy term and "
-                 "the overlap achieved (--m default 1,256,4096; GPU)")
+                 "the overlap achieved (--m default 1,256,4096 on a GPU; on a CPU 16 "
+                 "layers of 256x256 at M 1,8: a smoke test of the code path, not offload "
+                 "figures)")
   p.add_argument("--offload-group", type=int, default=None, metavar="G",
                  help="with --offload: layers per scan step of the prefetch (default "
                       "qjax's, see qjax.stack_layers)")
@@ -324,6 +342,10 @@ def _add_bench(sub) -> None:
               f"{'it' if len(given) == 1 else 'them'}")
 
   def run(args):
+    if not args.offload and (args.offload_group is not None
+                             or args.offload_carried is not None):
+      p.error("--offload-group and --offload-carried are options of --offload; add "
+              "--offload or drop them")
     if not args.attention and (args.attention_slots or args.attention_heads or args.prefill):
       p.error("--attention-slots, --attention-heads and --prefill are options of "
               "--attention; add --attention or drop them")
@@ -435,9 +457,10 @@ def _add_generate(sub) -> None:
                  "cache with the conversation, so a turn runs only its new tokens "
                  "(flax_layers.llama.extend). Ends at the end of stdin (Ctrl-D); with --json, "
                  "one JSON object per turn")
-  p.add_argument("--context", type=int, default=4096, metavar="SLOTS", help="--interactive's "
-                 "KV cache slots, the conversation's limit (default 4096, at most the model's "
-                 "context length); a turn beyond it stops the run with an error")
+  p.add_argument("--context", type=int, default=None, metavar="SLOTS", help="with "
+                 "--interactive: the KV cache slots, the conversation's limit (default 4096; "
+                 "above the model's context length, that length, with a note on stderr); a "
+                 "turn beyond it stops the run with an error")
   p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most "
                  "(per turn with --interactive); stops earlier at the end-of-sequence token "
                  "(default 64)")
@@ -445,7 +468,8 @@ def _add_generate(sub) -> None:
                  "above 0 samples with top-p")
   p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass in (0, 1] "
                  "when --temperature > 0 (default 0.9)")
-  p.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling (default 0)")
+  p.add_argument("--seed", type=_jax_seed, default=0, help="PRNG seed for sampling "
+                 "(default 0)")
   p.add_argument("--json", action="store_true", help="print only one JSON object "
                  '{"prompt_ids", "generated_ids", "text"} on stdout, no streaming or progress '
                  "(the timing line still goes to stderr)")
@@ -562,7 +586,7 @@ def _add_fuzz_readers(sub) -> None:
   p.add_argument("--cases", type=_non_negative_int, default=1000,
                  help="files per reader (default 1000)")
   p.add_argument("--seed", type=_non_negative_int, default=0,
-                 help="case i uses default_rng([seed, i])")
+                 help="case i uses default_rng([seed, i]) (default 0)")
   p.add_argument("--timeout", type=_positive_seconds, default=10.0, help="seconds per case "
                  "before it counts as a hang, above 0 (default 10)")
   p.add_argument("--keep-failures", metavar="DIR", type=_output_folder,
@@ -593,9 +617,20 @@ def _add_fuzz_readers(sub) -> None:
   p.set_defaults(func=run)
 
 
+def _version() -> str:
+  """The installed distribution's version (the package's own where it is not installed)."""
+  from importlib import metadata  # pylint: disable=g-import-not-at-top
+  try:
+    return metadata.version("qjax")
+  except metadata.PackageNotFoundError:
+    import qjax  # pylint: disable=g-import-not-at-top
+    return qjax.__version__
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="qjax", description="4-bit weights in JAX: quantize, run, benchmark.")
+  parser.add_argument("--version", action="version", version=f"qjax {_version()}")
   sub = parser.add_subparsers(dest="command", metavar="COMMAND",
                               help="one of the commands below; COMMAND --help for its options")
   _add_demo(sub)

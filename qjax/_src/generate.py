@@ -245,14 +245,23 @@ def _prompt_plan(args, cfg: Any, tok: Any) -> _Plan:
   return _Plan(cfg, tok, prompt_ids, max_len, bucket)
 
 
+# --interactive's KV cache slots where --context does not say (at most the model's
+# context length).
+DEFAULT_CONTEXT = 4096
+
+
 def _chat_plan(args, cfg: Any, tok: Any) -> _Plan:
   """--interactive's :class:`_Plan`: a cache of --context slots (at most the model's
   context) and the first turn's ids where --prompt gives one; refuses a file without a
   chat template, a first turn beyond the cache, and a --devices count that does not
   divide the heads."""
-  if args.context < 1:
-    raise UsageError(f"--context={args.context} must be positive")
-  max_len = min(cfg.context_length, args.context)
+  context = DEFAULT_CONTEXT if args.context is None else args.context
+  if context < 1:
+    raise UsageError(f"--context={context} must be positive")
+  max_len = min(cfg.context_length, context)
+  if max_len < context:
+    print(f"qjax generate: --context={context} is above the model's context length; the "
+          f"cache holds {max_len} slots", file=sys.stderr)
   first = [{"role": "user", "content": args.prompt or "x"}]
   prompt_ids = conversation_ids(tok, first)  # raises here for a file with no template
   if args.prompt is None:
@@ -510,6 +519,10 @@ def _run_generate(args) -> int:
     raise UsageError(f"--temperature={args.temperature} must be finite and >= 0")
   if not 0 < args.top_p <= 1:
     raise UsageError(f"--top-p={args.top_p} must be in (0, 1]")
+  if getattr(args, "context", None) is not None and not args.interactive:
+    raise UsageError(f"--context={args.context} is an option of --interactive (the "
+                     "conversation's cache); one prompt's cache is sized from the prompt and "
+                     "--max-new-tokens: drop --context or add --interactive")
   implementation = None if args.implementation == "auto" else args.implementation
   if implementation == "pallas" and jax.devices()[0].platform != "gpu":
     # Refused before the model loads (minutes for a big one), not at the first weight.
