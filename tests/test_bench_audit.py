@@ -236,7 +236,8 @@ def test_cpu_bench_json_table_and_plot_agree(tmp_path, capsys):
   assert cli.main(["bench", "--calls", "2", "--m", "1,16", "--shapes", "256x384",
                    "--format", "int4,int4nk", "--json", str(jpath), "--plot",
                    str(ppath)]) == 0
-  out = capsys.readouterr().out
+  captured = capsys.readouterr()
+  out = captured.out
   result = json.loads(jpath.read_text())
   rows = result["rows"]
   assert [(r["fmt"], r["m"], r["k"], r["n"]) for r in rows] == [
@@ -244,6 +245,11 @@ def test_cpu_bench_json_table_and_plot_agree(tmp_path, capsys):
   table = out[out.rindex("   fmt"):]
   cells = _cells("\n".join(table.splitlines()[:2 + len(rows)]))
   assert len(cells) == len(rows)
+  # stdout holds each row once (the table); the rows as measured went to stderr
+  row_lines = table.splitlines()[2:2 + len(rows)]
+  err_rows = [" ".join(line.split()) for line in captured.err.splitlines()]
+  for line in row_lines:
+    assert out.count(line) == 1 and " ".join(line.split()) in err_rows
   for r, c in zip(rows, cells):
     t = r["times_us"]
     assert (c["fmt"], int(c["M"])) == (r["fmt"], r["m"])

@@ -798,7 +798,7 @@ def run_moe(args, env: dict[str, str], on_gpu: bool) -> int:
     rows.append(bench_moe(t, experts=cfg["experts"], k=cfg["k"], n=cfg["n"],
                           top_k=cfg["top_k"], bandwidth=bandwidth, on_gpu=on_gpu,
                           calls=args.calls, fmt=fmt))
-    print(format_moe_table(rows[-1:]).splitlines()[-1], flush=True)
+    print(format_moe_table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
   print()
   print(format_moe_table(rows))
   reasons = {(i, why): None for r in rows for i, why in r.nan_reasons.items()}
@@ -883,7 +883,8 @@ def run(args) -> int:
       for m in ms:
         rows.append(bench_shape(m, k, n, fmt, bandwidth=bandwidth, impls=impls,
                                 calls=args.calls))
-        print(format_table(rows[-1:], impls).splitlines()[-1], flush=True)
+        # Progress on stderr: stdout holds the table once (qjax bench > file).
+        print(format_table(rows[-1:], impls).splitlines()[-1], file=sys.stderr, flush=True)
   print()
   print(format_table(rows, impls))
   for note in nan_notes(rows, impls):
