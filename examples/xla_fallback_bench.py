@@ -49,7 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--shapes", default=None, type=cli._shapes,  # pylint: disable=protected-access
                  help="comma-separated KxN, K a multiple of 128 (default: 4 LLM shapes)")
-  p.add_argument("--ms", default=None, type=cli._positive_ints,  # pylint: disable=protected-access
+  ms_type = cli._positive_ints("1,16")  # pylint: disable=protected-access
+  p.add_argument("--ms", default=None, type=ms_type,
                  help="comma-separated M (default: 1,16,256)")
   p.add_argument("--variants", default=",".join(variants.VARIANTS),
                  help="comma-separated variant names (default: all)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import pathlib
 
+import jax
 import numpy as np
 import pytest
 
@@ -18,6 +19,7 @@ import qjax  # noqa: E402
 from flax_layers import hf_checkpoint as hf  # noqa: E402
 from qjax._src import safetensors_io as sio  # noqa: E402
 from test_checkpoint_layouts import ref_ct  # noqa: E402
+from test_checkpoint_layouts import ref_ct_pack_zero_point  # noqa: E402
 
 # E2M1 code -> value (OCP MX spec; GPT-OSS's FP4_VALUES).
 E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
@@ -211,3 +213,147 @@ def test_gptq_dynamic_per_module_overrides(tmp_path, rng):
   q = sio.parse_quantization({"quantization_config": qc})
   with pytest.raises(ValueError, match=r"dynamic\['model\\\\.layers\\\\.1\\\\.'\]\.bits=8"):
     sio.read_linear(ckpt, "model.layers.1.mlp.down_proj", k, n, q)
+
+
+# ------------------------------------------- session 47: configs that disagree with tensors
+
+
+def _ct_config(**weights) -> dict:
+  """A compressed-tensors pack-quantized quantization_config, weights' keys overridden."""
+  w = {"num_bits": 4, "type": "int", "symmetric": True, "group_size": 32,
+       "strategy": "group", **weights}
+  return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+          "config_groups": {"group_0": {"targets": ["Linear"], "weights": w}}}
+
+
+def _gptq_tensors(rng, k, n, g, z):
+  """One GPTQ v1 linear ``l`` with effective zero points ``z`` [K // G, N]."""
+  q = rng.integers(0, 16, (k, n))
+  s = (rng.uniform(0.5, 1.5, (k // g, n)) * 0.02).astype(np.float16)
+  return {"l.qweight": _pack_rows(q), "l.qzeros": _pack_cols(z - 1), "l.scales": s}
+
+
+def test_gptq_sym_flag_that_disagrees_with_the_stored_zeros_is_refused(tmp_path, rng):
+  """A config.json without "sym" (GPTQ's default: true) over asymmetric zero points
+  loaded; the kernels' route then dropped the zeros under jit (relative error ~3), while
+  the XLA route read them. Now the weight is refused where it is built from the arrays,
+  naming the flag; symmetric zeros (all 8) load and both routes agree."""
+  k, n, g = 64, 16, 32
+  qc = {"quant_method": "gptq", "bits": 4, "group_size": g, "desc_act": False}
+  q = sio.parse_quantization({"quantization_config": qc})
+  assert q.symmetric
+  _save(tmp_path / sio.SINGLE_FILE, _gptq_tensors(rng, k, n, g, rng.integers(1, 16, (2, n))))
+  with pytest.raises(ValueError, match=r"GPTQWeight: symmetric=True but the effective zero "
+                     r"point at group/column \(\d+, \d+\) is \d+, not 8 .*\"sym\": false"):
+    sio.read_linear(sio.Checkpoint(tmp_path), "l", k, n, q)
+  _save(tmp_path / sio.SINGLE_FILE, _gptq_tensors(rng, k, n, g, np.full((2, n), 8)))
+  w = sio.read_linear(sio.Checkpoint(tmp_path), "l", k, n, q)
+  x = rng.standard_normal((3, k)).astype(np.float32)
+  ref = x.astype(np.float64) @ np.asarray(w.dequantize(), np.float64)
+  for impl in ("xla", "interpret"):
+    y = np.asarray(jax.jit(lambda a, b, impl=impl: qjax.matmul(a, b, implementation=impl))(
+        x, w), np.float64)
+    assert np.abs(y - ref).max() < 1e-4 * np.abs(ref).max(), impl
+
+
+def test_gptq_act_order_without_g_idx_is_refused(tmp_path, rng):
+  """desc_act=true without a g_idx tensor loaded with contiguous groups."""
+  k, n, g = 64, 16, 32
+  _save(tmp_path / sio.SINGLE_FILE, _gptq_tensors(rng, k, n, g, np.full((2, n), 8)))
+  q = sio.parse_quantization({"quantization_config": {
+      "quant_method": "gptq", "bits": 4, "group_size": g, "desc_act": True, "sym": True}})
+  with pytest.raises(ValueError, match=r"tensor l\.g_idx is missing, but quantization_config "
+                     r"has desc_act=true"):
+    sio.read_linear(sio.Checkpoint(tmp_path), "l", k, n, q)
+
+
+@pytest.mark.parametrize("extra,match", [
+    ({"is_marlin_format": True}, "is_marlin_format=True is not supported"),
+    ({"pack_dtype": "int16"}, "pack_dtype='int16' is not supported"),
+])
+def test_gptq_packings_qjax_does_not_read_are_named(extra, match):
+  """Were refused later by a tensor's shape or a missing qzeros, not by the key."""
+  qc = {"quant_method": "gptq", "bits": 4, "group_size": 128, **extra}
+  with pytest.raises(ValueError, match=match):
+    sio.parse_quantization({"quantization_config": qc})
+  qc["pack_dtype"] = "torch.int32"
+  if "is_marlin_format" not in extra:
+    assert sio.parse_quantization({"quantization_config": qc}).method == "gptq"
+
+
+def test_compressed_tensors_symmetric_with_stored_zero_points(tmp_path, rng):
+  """symmetric=true ignored a stored weight_zero_point; compressed-tensors leaves zero
+  ones out, so a non-zero one means config and tensors disagree: refused. All-zero ones
+  (packed, nibble 8) load as symmetric."""
+  n, k, g = 16, 64, 32
+  packed = rng.integers(-2**31, 2**31, (n, k // 8), dtype=np.int64).astype(np.int32)
+  scale = (rng.uniform(0.5, 1.5, (n, k // g)) * 0.02).astype(np.float16)
+  q = sio.parse_quantization({"quantization_config": _ct_config()})
+  zp = np.zeros((n, k // g), np.int8)
+  zp[3, 1] = -2
+  _save(tmp_path / sio.SINGLE_FILE, {"l.weight_packed": packed, "l.weight_scale": scale,
+                                     "l.weight_zero_point": zp})
+  with pytest.raises(ValueError, match=r"'l\.weight_zero_point' holds non-zero zero points "
+                     r"\(e\.g\. -2\), but quantization_config says symmetric=true"):
+    sio.read_linear(sio.Checkpoint(tmp_path), "l", k, n, q)
+  zeros_packed = ref_ct_pack_zero_point(np.zeros((n, k // g), np.int8))
+  _save(tmp_path / sio.SINGLE_FILE, {"l.weight_packed": packed, "l.weight_scale": scale,
+                                     "l.weight_zero_point": zeros_packed})
+  w = sio.read_linear(sio.Checkpoint(tmp_path), "l", k, n, q)
+  np.testing.assert_array_equal(np.asarray(w.dequantize()).astype(np.float64),
+                                ref_ct(packed, scale, None, g))
+
+
+@pytest.mark.parametrize("qc,match", [
+    (_ct_config(actorder=True), r"weights\.actorder=True \(weight_g_idx\) is not supported"),
+    (_ct_config(dynamic=True), r"weights\.dynamic=True is not supported"),
+    ({**_ct_config(), "sparsity_config": {"format": "sparse-24-bitmask"}},
+     r"sparsity_config\.format='sparse-24-bitmask' is not supported"),
+    ({**_ct_config(), "quantization_status": "frozen"},
+     r"quantization_status='frozen' is not supported"),
+])
+def test_compressed_tensors_schemes_qjax_does_not_read_are_named(qc, match):
+  """Were accepted, then failed on a tensor (or loaded something else)."""
+  with pytest.raises(ValueError, match=match):
+    sio.parse_quantization({"quantization_config": qc})
+
+
+def test_compressed_tensors_activation_quantization_is_warned_about():
+  """W4A8 / KV-cache schemes were ignored in silence: qjax runs the weights only."""
+  qc = _ct_config()
+  qc["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "dynamic": True}
+  qc["kv_cache_scheme"] = {"num_bits": 8, "type": "float"}
+  qc["sparsity_config"] = {"format": "dense"}
+  qc["quantization_status"] = "compressed"
+  with pytest.warns(UserWarning) as record:
+    q = sio.parse_quantization({"quantization_config": qc})
+  text = " ".join(str(r.message) for r in record)
+  assert "config_groups.group_0.input_activations is ignored" in text
+  assert "kv_cache_scheme is ignored" in text
+  assert (q.method, q.group_size, q.symmetric) == ("compressed-tensors", 32, True)
+
+
+@pytest.mark.parametrize("name,qc,method", [
+    ("quantize_config.json", {"bits": 4, "group_size": 64, "sym": False, "desc_act": False},
+     "gptq"),
+    ("quant_config.json", {"w_bit": 4, "q_group_size": 64, "zero_point": True,
+                           "version": "GEMM"}, "awq"),
+])
+def test_legacy_quantization_files_beside_config_json(tmp_path, name, qc, method):
+  """Older AutoGPTQ / AutoAWQ checkpoints keep their scheme in quantize_config.json /
+  quant_config.json only; they were read as dense ("tensor ...weight missing")."""
+  (tmp_path / sio.CONFIG_FILE).write_text(json.dumps({"model_type": "llama"}))
+  (tmp_path / name).write_text(json.dumps(qc))
+  config = sio.read_config(tmp_path)
+  assert config["quantization_config"]["quant_method"] == method
+  q = sio.parse_quantization(config)
+  assert (q.method, q.group_size) == (method, 64)
+  # config.json's own quantization_config wins; a bad legacy file is named.
+  (tmp_path / sio.CONFIG_FILE).write_text(json.dumps(
+      {"model_type": "llama", "quantization_config": {"quant_method": "gptq", "bits": 4,
+                                                      "group_size": 32}}))
+  assert sio.parse_quantization(sio.read_config(tmp_path)).group_size == 32
+  (tmp_path / sio.CONFIG_FILE).write_text(json.dumps({"model_type": "llama"}))
+  (tmp_path / name).write_text("[4]")
+  with pytest.raises(ValueError, match=rf"{name}: holds a JSON list"):
+    sio.read_config(tmp_path)

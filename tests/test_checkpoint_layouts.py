@@ -324,10 +324,9 @@ def test_errors(rng):
                        shape=(k, n), group_size=g)
   with pytest.raises(ValueError, match=r"outside \[1, 16\]"):
     cl.GPTQWeight.from_int4(w0, zero_point_version=1)
-  sym = cl.GPTQWeight(qweight=lay.qweight, qzeros=lay.qzeros, scales=lay.scales, g_idx=None,
-                      shape=(k, n), group_size=g, symmetric=True)
-  with pytest.raises(ValueError, match=r"symmetric=True but .* not 8"):
-    sym.to_int4()
+  with pytest.raises(ValueError, match=r"GPTQWeight: symmetric=True but .* not 8"):
+    cl.GPTQWeight(qweight=lay.qweight, qzeros=lay.qzeros, scales=lay.scales, g_idx=None,
+                  shape=(k, n), group_size=g, symmetric=True)
   wb = int4.Int4Weight(codes=w.codes, scales=w.scales, zeros=None, biases=w.scales,
                        shape=(k, n), group_size=g)
   with pytest.raises(ValueError, match=r"biases"):

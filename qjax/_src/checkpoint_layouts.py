@@ -198,8 +198,10 @@ class GPTQWeight(formats.QuantizedWeight):
     group_size: ``G``; -1 (per-channel) is stored as K.
     zero_point_version: 1 (stored ``z - 1``, AutoGPTQ) or 2 (stored ``z``, GPTQModel).
     symmetric: the checkpoint's ``sym`` flag; qzeros are still stored (8 in v2, 7 in v1).
-      Only ``to_int4`` uses it (to emit a symmetric Int4Weight); dequantization always
-      reads the stored zeros.
+      Only ``to_int4`` uses it (to emit a symmetric Int4Weight, without the zeros);
+      dequantization always reads the stored zeros. Checked against them when the arrays
+      are concrete (a ValueError names the first zero point that is not 8), so that a
+      weight built outside ``jit`` agrees with its flag wherever ``to_int4`` runs.
   """
 
   format_name = "gptq"
@@ -232,6 +234,19 @@ class GPTQWeight(formats.QuantizedWeight):
     _check_array("GPTQWeight", "qweight", self.qweight, (k // 8, n), (jnp.int32,), ctx)
     _check_array("GPTQWeight", "qzeros", self.qzeros, (k // gs, n // 8), (jnp.int32,), ctx)
     _check_array("GPTQWeight", "scales", self.scales, (k // gs, n), int4.SCALE_DTYPES, ctx)
+    if self.symmetric and _is_concrete(self.qzeros):  # (stacks too: leading axes)
+      words = np.asarray(self.qzeros).astype(np.int64) & 0xFFFFFFFF
+      zs = ((words[..., None] >> np.arange(0, 32, 4)) & 0xF).reshape(*words.shape[:-1], -1)
+      zs = zs + (1 if self.zero_point_version == 1 else 0)
+      if (zs != 8).any():
+        idx = tuple(int(i) for i in np.argwhere(zs != 8)[0])
+        raise ValueError(
+            f"GPTQWeight: symmetric=True but the effective zero point at group/column {idx} "
+            f"is {int(zs[idx])}, not 8 (zero_point_version={self.zero_point_version}); the "
+            "stored zeros disagree with the symmetric flag (quantization_config sym=true, "
+            "which is also GPTQ's default where config.json omits it): construct the "
+            "GPTQWeight with symmetric=False (config.json: \"sym\": false), or check "
+            "checkpoint_format (v1 stores z - 1, gptq_v2 stores z)")
     if self.g_idx is not None:
       _check_array("GPTQWeight", "g_idx", self.g_idx, (k,), (jnp.int32,), ctx)
       if _is_concrete(self.g_idx):
@@ -284,8 +299,7 @@ class GPTQWeight(formats.QuantizedWeight):
 
     Raises:
       ValueError: (concrete arrays only) a group of ``g_idx`` does not hold exactly G
-        rows, or v1 zero points equal 16 (stored nibble 15, not representable), or
-        ``symmetric`` is set but some zero point is not 8.
+        rows, or v1 zero points equal 16 (stored nibble 15, not representable).
     """
     k, n = self.shape
     gs = self.group_size
@@ -299,16 +313,7 @@ class GPTQWeight(formats.QuantizedWeight):
       what += ("; v1 stores z - 1, so a stored nibble 15 reads as 16, which is what "
                "AutoGPTQ's v1 packing writes for a zero point of 0 (z - 1 underflows)")
     _check_zero_range(zeros, 0, 15, what + ")")
-    if self.symmetric:
-      if _is_concrete(zeros):
-        zs = np.asarray(zeros)
-        if (zs != 8).any():
-          idx = tuple(int(i) for i in np.argwhere(zs != 8)[0])
-          raise ValueError(
-              f"GPTQWeight.to_int4: symmetric=True but the effective zero point at "
-              f"group/column {idx} is {int(zs[idx])}, not 8; the stored zeros disagree "
-              "with the symmetric flag (quantization_config sym=true): construct the "
-              "GPTQWeight with symmetric=False (config.json: \"sym\": false)")
+    if self.symmetric:  # zeros all 8: checked when the weight was built from arrays
       zeros = None
     perm = None
     if g_idx is not None:

@@ -35,6 +35,7 @@ import os
 import pathlib
 import re
 import tempfile
+import warnings
 from typing import Any, Iterable, Mapping
 
 import jax
@@ -48,6 +49,9 @@ from qjax._src import gguf_formats
 from qjax._src import int4
 
 CONFIG_FILE = "config.json"
+# Where older AutoGPTQ / AutoAWQ checkpoints keep their scheme, with no quantization_config
+# in config.json (file -> the quant_method it implies where it names none).
+LEGACY_QUANT_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -150,8 +154,14 @@ def parse_quantization(config: Mapping[str, Any]) -> Quantization | None:
   """The :class:`Quantization` of a ``config.json`` dict; None for a dense checkpoint.
 
   Raises:
-    ValueError: an unsupported ``quant_method``, bit width, GPTQ ``checkpoint_format``,
-      AWQ ``version``, compressed-tensors ``format`` or scheme, naming the key.
+    ValueError: an unsupported ``quant_method``, bit width, GPTQ ``checkpoint_format`` /
+      ``is_marlin_format`` / ``pack_dtype``, AWQ ``version``, compressed-tensors
+      ``format``, scheme, act-order, dynamic weight scales, sparsity format or
+      ``quantization_status``, naming the key.
+
+  Warns:
+    UserWarning: compressed-tensors activation or KV-cache quantization, which qjax does
+      not apply (weight-only: activations stay in their float dtype).
   """
   qc = config.get("quantization_config")
   if not qc:
@@ -168,6 +178,13 @@ def parse_quantization(config: Mapping[str, Any]) -> Quantization | None:
       raise ValueError(f"quantization_config checkpoint_format={fmt!r} is not supported; "
                        f"qjax reads {sorted(versions)} (repack Marlin / BitBLAS checkpoints "
                        "to gptq first)")
+    if qc.get("is_marlin_format"):
+      raise ValueError(f"quantization_config is_marlin_format={qc['is_marlin_format']!r} is "
+                       "not supported; qjax reads AutoGPTQ's own packing (repack to gptq "
+                       "first)")
+    if str(qc.get("pack_dtype", "int32")).removeprefix("torch.") != "int32":
+      raise ValueError(f"quantization_config pack_dtype={qc['pack_dtype']!r} is not "
+                       "supported; qjax reads qweight / qzeros packed in int32")
     return Quantization(method="gptq", group_size=_group_size(qc.get("group_size"),
                                                               "group_size"),
                         symmetric=bool(qc.get("sym", True)),
@@ -195,6 +212,18 @@ def _parse_compressed_tensors(qc: Mapping[str, Any]) -> Quantization:
   groups = qc.get("config_groups") or {}
   if not groups:
     raise ValueError("quantization_config (compressed-tensors) has no config_groups")
+  status = qc.get("quantization_status")
+  if status not in (None, "compressed"):
+    raise ValueError(f"quantization_config quantization_status={status!r} is not supported; "
+                     "qjax reads 'compressed' checkpoints (packed weights)")
+  sparsity = qc.get("sparsity_config") or {}
+  if sparsity and sparsity.get("format", "dense") != "dense":
+    raise ValueError(f"quantization_config sparsity_config.format="
+                     f"{sparsity.get('format')!r} is not supported; qjax reads dense "
+                     "(not sparsity-compressed) weights")
+  if qc.get("kv_cache_scheme"):
+    warnings.warn("quantization_config kv_cache_scheme is ignored: qjax keeps the KV cache "
+                  "in the activation dtype", UserWarning, stacklevel=3)
   schemes = set()
   for name, group in groups.items():
     fmt = group.get("format") or qc.get("format")
@@ -206,9 +235,19 @@ def _parse_compressed_tensors(qc: Mapping[str, Any]) -> Quantization:
     if w.get("type", "int") != "int":
       raise ValueError(f"quantization_config config_groups.{name}.weights.type="
                        f"{w.get('type')!r} is not supported (int only)")
-    if w.get("actorder") == "group":
-      raise ValueError(f"quantization_config config_groups.{name}.weights.actorder='group' "
-                       "(weight_g_idx) is not supported")
+    if w.get("actorder") in ("group", True):  # compressed-tensors reads True as "group"
+      raise ValueError(f"quantization_config config_groups.{name}.weights.actorder="
+                       f"{w.get('actorder')!r} (weight_g_idx) is not supported")
+    if w.get("dynamic"):
+      raise ValueError(f"quantization_config config_groups.{name}.weights.dynamic="
+                       f"{w.get('dynamic')!r} is not supported; qjax reads stored weight "
+                       "scales")
+    for act in ("input_activations", "output_activations"):
+      if group.get(act):
+        warnings.warn(f"quantization_config config_groups.{name}.{act} is ignored: qjax "
+                      "runs weight-only quantization, the activations in their float dtype "
+                      "(outputs differ from a run that quantizes them)", UserWarning,
+                      stacklevel=3)
     strategy = w.get("strategy", "group")
     if strategy not in ("group", "channel"):
       raise ValueError(f"quantization_config config_groups.{name}.weights.strategy="
@@ -331,7 +370,10 @@ class Checkpoint:
 
 
 def read_config(folder: str | os.PathLike[str]) -> dict[str, Any]:
-  """``config.json`` of a checkpoint folder as a dict.
+  """``config.json`` of a checkpoint folder as a dict; where it has no
+  ``quantization_config``, an older AutoGPTQ ``quantize_config.json`` (or AutoAWQ
+  ``quant_config.json``) beside it becomes that, its ``quant_method`` gptq (awq) unless it
+  names one.
 
   Raises:
     ValueError: naming the file when it is missing, not JSON or not a JSON object.
@@ -348,6 +390,18 @@ def read_config(folder: str | os.PathLike[str]) -> dict[str, Any]:
   if not isinstance(config, dict):
     raise ValueError(f"{path}: holds a JSON {type(config).__name__}, not the object of a "
                      "model config; re-download or repair the checkpoint's config.json")
+  for name, method in LEGACY_QUANT_FILES.items():
+    legacy = pathlib.Path(folder) / name
+    if config.get("quantization_config") or not legacy.exists():
+      continue
+    try:
+      qc = json.loads(legacy.read_text())
+    except (ValueError, RecursionError) as e:
+      raise ValueError(f"{legacy}: not JSON ({e}); re-download or repair it") from None
+    if not isinstance(qc, dict):
+      raise ValueError(f"{legacy}: holds a JSON {type(qc).__name__}, not the object of a "
+                       "quantization config; re-download or repair it")
+    config = {**config, "quantization_config": {"quant_method": method, **qc}}
   return config
 
 
@@ -385,7 +439,8 @@ def read_linear(ckpt: Checkpoint, prefix: str, k: int, n: int, q: Quantization |
 
   Raises:
     ValueError: naming the tensor that is missing or has the wrong shape or dtype, or
-      whose K the group size does not divide.
+      whose K the group size does not divide; GPTQ act-order (desc_act) without g_idx;
+      compressed-tensors zero points that are not zero under symmetric=true.
   """
   if q is not None:
     q = q.for_module(prefix)  # GPTQModel's per-module overrides
@@ -413,6 +468,10 @@ def read_linear(ckpt: Checkpoint, prefix: str, k: int, n: int, q: Quantization |
     _check(f"{prefix}.qzeros", qzeros, (k // g, n // 8), (np.int32,), why)
     _check(f"{prefix}.scales", scales, (k // g, n), SCALE_DTYPES, why)
     g_idx = None
+    if q.desc_act and f"{prefix}.g_idx" not in ckpt:
+      raise ValueError(f"tensor {prefix}.g_idx is missing, but quantization_config has "
+                       "desc_act=true (act-order: each row's group is in g_idx); the "
+                       "checkpoint does not fit its config")
     if f"{prefix}.g_idx" in ckpt:
       gi = get("g_idx")
       _check(f"{prefix}.g_idx", gi, (k,), (np.int32, np.int64), why)
@@ -441,26 +500,36 @@ def read_linear(ckpt: Checkpoint, prefix: str, k: int, n: int, q: Quantization |
       raise ValueError(f"tensor {prefix}.weight_shape holds {np.ravel(ws).tolist()}, want "
                        f"[{n}, {k}] ({why})")
   zp = None
+  name = f"{prefix}.weight_zero_point"
   if not q.symmetric:
-    name = f"{prefix}.weight_zero_point"
-    stored = get("weight_zero_point")
-    if stored.dtype == np.int8 and tuple(stored.shape) == (n, k // g):
-      # compressed-tensors before its zero-point packing (PR #296, April 2025) saved the
-      # int8 [N, K // G] parameter as is.
-      if stored.min() < -8 or stored.max() > 7:
-        raise ValueError(f"tensor {name!r} holds zero points in [{int(stored.min())}, "
-                         f"{int(stored.max())}], outside signed int4 [-8, 7] ({why})")
-      zp = stored
-    else:
-      _check(name, stored, (-(-n // 8), k // g), (np.int32,),
-             why + f"; packed along N, or int8 ({n}, {k // g}) unpacked")
-      zp = (unpack_nibbles(stored.T)[:, :n].T.astype(np.int16) - 8).astype(np.int8)
+    zp = _ct_zero_points(name, get("weight_zero_point"), n, k // g, why)
+  elif name in ckpt:  # compressed-tensors leaves symmetric ones out: they must be zero
+    stored = _ct_zero_points(name, get("weight_zero_point"), n, k // g, why)
+    if stored.any():
+      raise ValueError(f"tensor {name!r} holds non-zero zero points (e.g. "
+                       f"{int(stored[np.nonzero(stored)][0])}), but quantization_config "
+                       "says symmetric=true; the checkpoint does not fit its config")
   if f"{prefix}.weight_g_idx" in ckpt:
     raise ValueError(f"tensor {prefix}.weight_g_idx: compressed-tensors act-order groups "
                      "are not supported")
   return layouts.CompressedTensorsWeight(weight_packed=packed, weight_scale=scale,
                                          weight_zero_point=zp, weight_shape=(n, k),
                                          group_size=g)
+
+
+def _ct_zero_points(name: str, stored: np.ndarray, n: int, groups: int, why: str
+                    ) -> np.ndarray:
+  """compressed-tensors' stored zero points as int8 ``[N, K // G]`` in [-8, 7]: packed
+  along N (int32 ``[ceil(N / 8), K // G]``, nibble ``z + 8``), or (before its zero-point
+  packing, PR #296, April 2025) the int8 ``[N, K // G]`` parameter as is."""
+  if stored.dtype == np.int8 and tuple(stored.shape) == (n, groups):
+    if stored.min() < -8 or stored.max() > 7:
+      raise ValueError(f"tensor {name!r} holds zero points in [{int(stored.min())}, "
+                       f"{int(stored.max())}], outside signed int4 [-8, 7] ({why})")
+    return stored
+  _check(name, stored, (-(-n // 8), groups), (np.int32,),
+         why + f"; packed along N, or int8 ({n}, {groups}) unpacked")
+  return (unpack_nibbles(stored.T)[:, :n].T.astype(np.int16) - 8).astype(np.int8)
 
 
 # --------------------------------------------------------------------- nibble packing
