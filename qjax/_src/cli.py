@@ -54,7 +54,7 @@ def _jax_seed(text: str) -> int:
   value = _int_or_none(text)
   if value is None or not -2**63 <= value < 2**63:
     raise argparse.ArgumentTypeError(f"{text!r} is not a seed: give an integer from -2**63 "
-                                     "to 2**63 - 1 (JAX keys take 64 bits)")
+                                     "to 2**63 - 1 (what jax.random.key accepts)")
   return value
 
 

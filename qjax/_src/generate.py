@@ -255,7 +255,8 @@ def _chat_plan(args, cfg: Any, tok: Any) -> _Plan:
   context) and the first turn's ids where --prompt gives one; refuses a file without a
   chat template, a first turn beyond the cache, and a --devices count that does not
   divide the heads."""
-  context = DEFAULT_CONTEXT if args.context is None else args.context
+  context = getattr(args, "context", None)
+  context = DEFAULT_CONTEXT if context is None else context
   if context < 1:
     raise UsageError(f"--context={context} must be positive")
   max_len = min(cfg.context_length, context)
