@@ -115,9 +115,9 @@ def _pack_cols(a: jax.Array) -> jax.Array:
 
 
 def _unpack_cols(words: jax.Array) -> jax.Array:
-  """Inverse of :func:`_pack_cols`: ``[R, N // 8]`` int32 -> ``[R, N]`` uint8."""
-  r, nw = words.shape
-  return _nibbles_last(words).reshape(r, nw * 8)
+  """Inverse of :func:`_pack_cols`: ``[..., R, N // 8]`` int32 -> ``[..., R, N]`` uint8
+  (leading axes: stacks of layers or experts)."""
+  return _nibbles_last(words).reshape(*words.shape[:-1], words.shape[-1] * 8)
 
 
 def _dequant(codes, scales, zeros, group_of_row) -> jax.Array:
@@ -235,9 +235,7 @@ class GPTQWeight(formats.QuantizedWeight):
     _check_array("GPTQWeight", "qzeros", self.qzeros, (k // gs, n // 8), (jnp.int32,), ctx)
     _check_array("GPTQWeight", "scales", self.scales, (k // gs, n), int4.SCALE_DTYPES, ctx)
     if self.symmetric and _is_concrete(self.qzeros):  # (stacks too: leading axes)
-      words = np.asarray(self.qzeros).astype(np.int64) & 0xFFFFFFFF
-      zs = ((words[..., None] >> np.arange(0, 32, 4)) & 0xF).reshape(*words.shape[:-1], -1)
-      zs = zs + (1 if self.zero_point_version == 1 else 0)
+      zs = np.asarray(self._zeros())
       if (zs != 8).any():
         idx = tuple(int(i) for i in np.argwhere(zs != 8)[0])
         raise ValueError(
@@ -276,7 +274,7 @@ class GPTQWeight(formats.QuantizedWeight):
     return _unpack_rows(self.qweight), self.scales, self._zeros(), self.g_idx
 
   def _zeros(self) -> jax.Array:
-    """The effective zero points ``[K // G, N]`` uint8 (``nibble + 1`` for v1)."""
+    """The effective zero points ``[..., K // G, N]`` uint8 (``nibble + 1`` for v1)."""
     zeros = _unpack_cols(self.qzeros)
     return zeros + jnp.uint8(1) if self.zero_point_version == 1 else zeros
 
