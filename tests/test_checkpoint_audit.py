@@ -100,6 +100,39 @@ def test_compressed_tensors_unpacked_int8_zero_points_load(tmp_path, rng):
     sio.read_linear(sio.Checkpoint(tmp_path), "l", k, n, q)
 
 
+@pytest.mark.parametrize("n,symmetric", [(12, False), (20, True), (5, False)])
+def test_compressed_tensors_with_n_not_a_multiple_of_8_loads(tmp_path, rng, n, symmetric):
+  """compressed-tensors packs the codes along K and pads its packed zero points along N,
+  so any N fits; the loader refused N not a multiple of 8 ("must be multiples of 8"),
+  the rule of GPTQ's and AWQ's qzeros, which stays."""
+  k, g = 64, 32
+  packed = rng.integers(-2**31, 2**31, (n, k // 8), dtype=np.int64).astype(np.int32)
+  scale = (rng.uniform(0.5, 1.5, (n, k // g)) * 0.02).astype(np.float16)
+  tensors = {"l.weight_packed": packed, "l.weight_scale": scale}
+  zp = None
+  if not symmetric:
+    zp = ref_ct_pack_zero_point(rng.integers(-8, 8, (n, k // g)).astype(np.int8))
+    tensors["l.weight_zero_point"] = zp
+  _save(tmp_path / sio.SINGLE_FILE, tensors)
+  q = sio.Quantization(method="compressed-tensors", group_size=g, symmetric=symmetric)
+  w = sio.read_linear(sio.Checkpoint(tmp_path), "l", k, n, q)
+  want = ref_ct(packed, scale, zp, g)
+  assert want.shape == (k, n)
+  np.testing.assert_array_equal(np.asarray(w.dequantize()).astype(np.float64), want)
+  w4 = sio.to_device(w).to_int4()
+  np.testing.assert_array_equal(np.asarray(w4.dequantize()).astype(np.float64), want)
+  x = rng.standard_normal((3, k)).astype(np.float32)
+  y = np.asarray(qjax.matmul(jax.numpy.asarray(x), w4, implementation="xla"), np.float64)
+  np.testing.assert_allclose(y, x.astype(np.float64) @ want, rtol=1e-5, atol=1e-6)
+  other = tmp_path / "gptq"
+  other.mkdir()
+  _save(other / sio.SINGLE_FILE, {"l.qweight": np.ones((k // 8, n), np.int32)})
+  for method in ("gptq", "awq"):  # their qzeros pack 8 columns a word
+    with pytest.raises(ValueError, match=f"N={n} must be a multiple of 8 \\({method} packs"):
+      sio.read_linear(sio.Checkpoint(other), "l", k, n,
+                      sio.Quantization(method=method, group_size=g))
+
+
 # ------------------------------------------------------------------------------ GPT-OSS
 
 

@@ -457,9 +457,12 @@ def read_linear(ckpt: Checkpoint, prefix: str, k: int, n: int, q: Quantization |
   if k % g:
     raise ValueError(f"tensor {prefix}.*: group_size={g} from quantization_config does not "
                      f"divide K={k}; the checkpoint does not fit its config")
-  if k % 8 or n % 8:
-    raise ValueError(f"tensor {prefix}.*: K={k} and N={n} must be multiples of 8 (int4 "
-                     "packs 8 values per int32)")
+  if k % 8:
+    raise ValueError(f"tensor {prefix}.*: K={k} must be a multiple of 8 (int4 packs 8 "
+                     "values of K per int32)")
+  if n % 8 and q.method in ("gptq", "awq"):
+    raise ValueError(f"tensor {prefix}.*: N={n} must be a multiple of 8 ({q.method} packs "
+                     "8 columns per int32 of qzeros)")
   why = f"{q.method} with K={k}, N={n}, group_size={g}"
   get = lambda s: ckpt.get(f"{prefix}.{s}")
   if q.method == "gptq":
