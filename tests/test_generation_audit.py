@@ -764,6 +764,19 @@ def test_interactive_refusals(monkeypatch, argv, match):
   assert re.search(match, err), err
 
 
+@needs_model
+def test_interactive_without_any_message_says_so(monkeypatch):
+  """stdin that ends with only empty lines and no --prompt: no turn, exit 0, and a note
+  on stderr (before, the command printed nothing at all)."""
+  rc, turns, err, _ = _chat(monkeypatch, ["", "  "], "--context", "64")
+  assert rc == 0 and not turns
+  assert "--interactive read no message" in err, err
+  rc, turns, err, _ = _chat(monkeypatch, [], "--context", "128", "--prompt", "Hi",
+                            "--max-new-tokens", "4")
+  assert rc == 0 and len(turns) == 1
+  assert "read no message" not in err, err
+
+
 def test_context_without_interactive_is_refused():
   """--context sizes --interactive's cache only; alone it was ignored (exit 0)."""
   rc, out, err = _cli(["generate", "--context", "64", "--model", "unused.gguf"])

@@ -702,6 +702,7 @@ def _run_chat(args, params, plan: _Plan, impl_name: str) -> None:
   across = f", tensor-parallel over {args.devices} devices" if args.devices > 1 else ""
   messages: list[dict[str, str]] = []
   cached: list[int] = []  # the ids whose keys and values the cache holds, from position 0
+  turn = 0
   for turn, text in enumerate(_user_turns(args), 1):
     messages.append({"role": "user", "content": text})
     ids = conversation_ids(tok, messages)
@@ -729,6 +730,9 @@ def _run_chat(args, params, plan: _Plan, impl_name: str) -> None:
           f"{jnp.dtype(cfg.dtype).name}{across}", file=sys.stderr)
     cached = ids + reply.ids[:-1]  # the last id was sampled, not yet run
     messages.append({"role": "assistant", "content": reply.text})
+  if turn == 0:
+    print("qjax generate: --interactive read no message (stdin ended without a non-empty "
+          "line, and no --prompt); type one message a line, or pipe them in", file=sys.stderr)
 
 
 def _bad_file(e: BaseException) -> str:
