@@ -72,6 +72,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flax_layers.llama import FUSED
 from flax_layers.llama import LlamaConfig
 from flax_layers.llama import hf_rope_freqs
 from qjax._src import checkpoint_layouts as layouts
@@ -585,6 +586,15 @@ def _check_hf_llama(cfg: LlamaConfig) -> None:
   if other:  # a Qwen2 / Qwen3 GGUF's params: unpermuted q / k, biases or q / k norms
     raise ValueError(f"{', '.join(f'{k}=True' for k in other)}: not a Llama model (e.g. "
                      "Qwen2 / Qwen3); the HF Llama export writes llama models only")
+  # GPT-OSS's attention options: a Llama config.json has no place for them, and a model
+  # saved without them would load as another model.
+  extra = [f"{k}=True" for k in ("o_bias", "attn_sinks") if getattr(cfg, k)]
+  extra += [f"sliding_window={cfg.sliding_window}"] if cfg.sliding_window else []
+  extra += ["yarn (RoPE scaling)"] if cfg.yarn is not None else []
+  if extra:
+    raise ValueError(f"{', '.join(extra)}: the HF Llama config has no place for these "
+                     "(GPT-OSS's attention options), so the saved model would lose them; "
+                     "the HF Llama export writes plain llama models only")
 
 
 def hf_config(cfg: LlamaConfig, *, tie_word_embeddings: bool, torch_dtype: str
@@ -646,6 +656,12 @@ def save_hf_llama(path: str | os.PathLike[str], params: dict, cfg: LlamaConfig, 
   linears: dict[str, tuple[Any, int | None]] = {}  # HF prefix -> (weight, rope heads)
   norms: dict[str, Any] = {}
   for i, layer in enumerate(_layers_of(p, cfg)):
+    joined = [f"{block}/{name}" for block, (name, _) in FUSED.items()
+              if name in layer.get(block, {})]
+    if joined:  # a bare KeyError 'q' before
+      raise ValueError(f"layer {i} holds {', '.join(joined)}, projections joined by "
+                       "flax_layers.fuse_projections; save the params as loaded (before "
+                       "fuse_projections): HF Llama stores q / k / v and gate / up apart")
     for module, kpath in LINEARS.items():
       linears[f"model.layers.{i}.{module}"] = (_get(layer, kpath), _rope_heads(cfg, module))
     for name, npath in NORMS.items():

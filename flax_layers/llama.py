@@ -265,8 +265,27 @@ class LlamaConfig:
     if rd % 2 or rd > self.head_dim:
       raise ValueError(f"rope_dim={rd} must be even and at most head_dim={self.head_dim}")
     object.__setattr__(self, "rope_dim", rd)
+    self._check_numbers()
     self._check_experts()
     self._check_window()
+
+  def _check_numbers(self) -> None:
+    """Validates rope_base, rms_eps, context_length and dtype (bad values gave NaN logits
+    or an error about x's dtype deep in a matmul)."""
+    base, eps, ctx = self.rope_base, self.rms_eps, self.context_length
+    if not (isinstance(base, (int, float, np.number)) and 0 < base < float("inf")):
+      raise ValueError(f"rope_base={base!r} must be a positive finite number (e.g. 10000.0)")
+    if not (isinstance(eps, (int, float, np.number)) and 0 <= eps < float("inf")):
+      raise ValueError(f"rms_eps={eps!r} must be a finite number >= 0 (e.g. 1e-5)")
+    if not (isinstance(ctx, (int, np.integer)) and ctx >= 1):
+      raise ValueError(f"context_length={ctx!r} must be a positive int")
+    try:
+      floating = jnp.issubdtype(jnp.dtype(self.dtype), jnp.floating)
+    except TypeError:
+      floating = False
+    if not floating:
+      raise ValueError(f"dtype={self.dtype!r} must be a float dtype (activations and KV "
+                       "cache): float32, bfloat16 or float16")
 
   def _check_window(self) -> None:
     """Validates ``sliding_window`` / ``sliding_layers`` (stored as a tuple of bools)."""
@@ -880,6 +899,31 @@ def _pretrained(rng, *args):
   return None
 
 
+def _check_embed(embed: Any, cfg: "LlamaConfig") -> None:
+  """A ValueError where the embedding table's shape does not fit ``cfg`` (a table of
+  another vocabulary gave logits of its own width, or NaN rows past its end)."""
+  plain = isinstance(embed, (jax.Array, np.ndarray))  # stored as GGUF does: [vocab, hidden]
+  want = (cfg.vocab_size, cfg.hidden_size) if plain else (cfg.hidden_size, cfg.vocab_size)
+  if tuple(embed.shape) != want:
+    raise ValueError(f"param 'embed' has shape {tuple(embed.shape)}, want {want} "
+                     f"(vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size} of the "
+                     "config): the params and the config are of different models")
+
+
+def check_tokens(tokens: Any, ndim: int, name: str = "tokens") -> None:
+  """A ValueError unless ``tokens`` has ``ndim`` axes and an integer dtype (float ids
+  were truncated silently; 1-D prompts failed with an IndexError)."""
+  shape, dtype = jnp.shape(tokens), jnp.result_type(tokens)
+  want = "[batch, seq]" if ndim == 2 else "[batch]"
+  if len(shape) != ndim:
+    raise ValueError(f"{name} of shape {tuple(shape)} must be {want}; a single sequence "
+                     "is a batch of one (e.g. tokens[None])" if ndim == 2 else
+                     f"{name} of shape {tuple(shape)} must be {want}, one id per sequence")
+  if not jnp.issubdtype(dtype, jnp.integer):
+    raise ValueError(f"{name} of dtype {jnp.dtype(dtype).name} must be integer token ids "
+                     "(int32)")
+
+
 def _loaded_param(module: nn.Module, name: str):
   """``module``'s param ``name``; a ValueError naming both where it was not loaded (these
   modules have no random init: ``Module.init`` leaves every param None)."""
@@ -1314,12 +1358,29 @@ class Llama(nn.Module):
   fresh_prompt: bool = False
   contiguous: bool = False
 
+  def _check_num_layers(self) -> None:
+    """A ValueError where the params hold another number of layers than the config's
+    (lax.scan failed with "different leading axis sizes"; unrolled, extra layers were
+    ignored)."""
+    c = self.cfg
+    if c.scan_layers:
+      leaves = jax.tree.leaves(self.get_variable("params", "blocks"))
+      held = jnp.shape(leaves[0])[0] if leaves and jnp.ndim(leaves[0]) else None
+    else:
+      held = 0
+      while self.has_variable("params", f"layers_{held}"):
+        held += 1
+    if held != c.num_layers:
+      raise ValueError(f"the params hold {held} layers, the config num_layers="
+                       f"{c.num_layers}: the params and the config are of different models")
+
   @nn.compact
   def __call__(self, tokens, positions, cache):
     """Runs ``tokens`` at ``positions``, writing their keys and values into ``cache``.
 
     Args:
-      tokens: ``[batch, seq]`` int32.
+      tokens: ``[batch, seq]`` int32; an id outside ``[0, vocab)`` has no embedding row:
+        its logits are NaN, and so are those of the later positions of its sequence.
       positions: ``[batch, seq]`` int32; query ``(b, t)`` attends to cache slots
         ``<= positions[b, t]``. A position outside ``[0, max_len)`` has no slot: its
         logits are NaN (and :func:`sample` gives -1 for them), not those of a cache that
@@ -1335,7 +1396,12 @@ class Llama(nn.Module):
     if tokens.shape[1] > max_len:
       raise ValueError(f"{tokens.shape[1]} tokens do not fit a KV cache of max_len={max_len}; "
                        "make the cache at least as long as the sequence (init_cache)")
-    x = embedding_rows(embed, tokens).astype(c.dtype)
+    _check_embed(embed, c)
+    # A token id outside [0, vocab) has no row: its logits are NaN (jnp.take would wrap a
+    # negative id to another token's row), as a position without a cache slot.
+    known = (tokens >= 0) & (tokens < c.vocab_size)
+    x = embedding_rows(embed, jnp.where(known, tokens, 0)).astype(c.dtype)
+    x = jnp.where(known[..., None], x, jnp.asarray(jnp.nan, c.dtype))
     slots = jnp.arange(max_len)[None, None, :]  # the cache slot of position p is p
     mask = slots <= positions[:, :, None]
     # Sliding layers: the keys of the last sliding_window positions (llama.cpp's
@@ -1346,6 +1412,7 @@ class Llama(nn.Module):
     if not self.has_variable("params", layout):
       raise ValueError(f"the params have no {layout!r} (scan_layers={c.scan_layers}); build "
                        f"them with params_from_gguf(..., scan_layers={c.scan_layers})")
+    self._check_num_layers()
     # llama3 RoPE scaling: the params hold the frequency divisors (rope_freqs.weight);
     # YaRN's divisors (from the config) multiply them.
     rope_freqs = (self.param("rope_freqs", _pretrained)
@@ -1436,6 +1503,8 @@ def init_cache(cfg: LlamaConfig, batch: int, max_len: int) -> dict[str, jax.Arra
   """Zero KV cache: {"k", "v"}: ``[layers, batch, max_len, kv_heads, head_dim]`` in cfg.dtype."""
   if max_len < 1:
     raise ValueError(f"max_len={max_len} must be positive")
+  if batch < 1:
+    raise ValueError(f"batch={batch} must be positive")
   shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
   return {"k": jnp.zeros(shape, cfg.dtype), "v": jnp.zeros(shape, cfg.dtype)}
 
@@ -1455,6 +1524,7 @@ def prefill(params, tokens, cache, *, cfg: LlamaConfig):
   Returns:
     (logits ``[batch, seq, vocab]`` float32, cache).
   """
+  check_tokens(tokens, 2)
   b, t = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   # From position 0 the prompt's queries attend to its own keys, not the whole cache.
@@ -1490,6 +1560,7 @@ def extend(params, tokens, start, cache, *, cfg: LlamaConfig):
   >>> # logits, cache = prefill(params, turn1, cache, cfg=cfg)
   >>> # logits, cache = extend(params, turn2, jnp.asarray([turn1_len]), cache, cfg=cfg)
   """
+  check_tokens(tokens, 2)
   b, t = tokens.shape
   start = jnp.broadcast_to(jnp.asarray(start, jnp.int32).reshape(-1), (b,))
   positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
@@ -1512,6 +1583,7 @@ def decode_step(params, token, pos, cache, *, cfg: LlamaConfig):
   Returns:
     (logits ``[batch, vocab]`` float32, cache).
   """
+  check_tokens(token, 1, "token")
   b = token.shape[0]
   positions = jnp.broadcast_to(jnp.asarray(pos, jnp.int32).reshape(-1), (b,))[:, None]
   logits, cache = Llama(cfg).apply(params, token.astype(jnp.int32)[:, None], positions, cache)
@@ -1617,7 +1689,10 @@ def decode_tokens(params, token, pos, cache, key, count, stop_ids, *, cfg: Llama
 
 
 def forward(params, tokens, *, cfg: LlamaConfig) -> jax.Array:
-  """Logits ``[batch, seq, vocab]`` of ``tokens [batch, seq]`` with no prior cache."""
+  """Logits ``[batch, seq, vocab]`` of ``tokens [batch, seq]`` (integer ids) with no
+  prior cache. An id outside ``[0, vocab)`` has no embedding row: its logits are NaN, and
+  so are those of the positions after it in its sequence, which attend to it."""
+  check_tokens(tokens, 2)
   cache = init_cache(cfg, tokens.shape[0], tokens.shape[1])
   return prefill(params, tokens, cache, cfg=cfg)[0]
 

@@ -8,7 +8,8 @@ devices of the axis:
   units), so attention and the SwiGLU product need no communication;
 * ``o``, ``down``: row-parallel (the matching rows), their partial outputs summed over
   the axis in float32 (one ``psum`` after each, two per layer);
-* the biases of ``q``, ``k``, ``v`` (Qwen2) split with their columns, i.e. with the heads;
+* the biases of ``q``, ``k``, ``v`` (Qwen2) split with their columns, i.e. with the heads,
+  and so do GPT-OSS's attention sinks (one logit per head);
 * embedding, norms (Qwen3's per-head q / k norms too) and output head: replicated. The KV
   cache is split along its KV heads.
 
@@ -81,8 +82,11 @@ def _mode(path: tuple[str, ...]) -> str | None:
 
 
 def _is_bias(path: tuple[str, ...]) -> bool:
-  """A column-parallel projection's bias ``[N]`` (``[layers, N]`` stacked): split along N."""
-  return len(path) >= 2 and path[-1] == "bias" and path[-2] in COLUMN
+  """A leaf split along its last axis with the heads or hidden units: a column-parallel
+  projection's bias ``[N]``, or the attention sinks ``attn/sinks [num_heads]`` (GPT-OSS:
+  one logit per head); ``[layers, ...]`` when stacked."""
+  return len(path) >= 2 and ((path[-1] == "bias" and path[-2] in COLUMN)
+                             or path[-2:] == ("attn", "sinks"))
 
 
 def _bias_spec(ndim: int, axis: Any) -> P:
@@ -134,8 +138,9 @@ def shard_llama_params(params: dict, mesh: jax.sharding.Mesh, cfg: llama.LlamaCo
 
   Returns:
     The same tree with the projections of every block as :class:`qjax.ShardedWeight`
-    (q, k, v, gate, up column-parallel; o, down row-parallel), the q / k / v biases split
-    along their last axis (with the heads) and every other leaf replicated on the mesh.
+    (q, k, v, gate, up column-parallel; o, down row-parallel), the q / k / v biases and
+    the attention sinks split along their last axis (with the heads) and every other leaf
+    replicated on the mesh.
     Run it with :func:`tp_forward`, :func:`tp_prefill`, :func:`tp_decode_step`.
 
   Raises:
