@@ -20,6 +20,7 @@ from flax import nnx
 import qjax
 from flax_layers.dense import _apply
 from flax_layers.dense import _quantized_dense
+from flax_layers.dense import check_sizes
 from flax_layers.dense import _set_linear_params
 from flax_layers.dense import _value
 from flax_layers.dense import default_kernel_init
@@ -108,6 +109,7 @@ class CodebookLinear(nnx.Module):
                rotation: str = "hadamard", seed: int = 0, offload_pass2: bool = False,
                implementation: str | None = None, kernel: Any = None,
                rngs: nnx.Rngs | None = None):
+    check_sizes("CodebookLinear", in_features=in_features, out_features=out_features)
     self.in_features = in_features
     self.out_features = out_features
     self.dtype = dtype

@@ -1,7 +1,8 @@
 """Dense layers on quantized weights: ``Int4Dense`` (linen) and ``Int4Linear`` (NNX).
 
-Both are inference-only (no custom_vjp: quantized weights are not trained) and take the
-keyword-only options of ``flax.linen.Dense`` / ``flax.nnx.Linear``. The kernel param is
+Both take the keyword-only options of ``flax.linen.Dense`` / ``flax.nnx.Linear``, and
+are differentiable through ``qjax.matmul`` with respect to x, the bias and the weight's
+float arrays (no custom_vjp here: the quantized codes are not trained). The kernel param is
 a quantized-weight pytree of logical shape ``[in_features, out_features]`` and every
 call goes through ``qjax.matmul`` (the Pallas kernel on NVIDIA GPUs, XLA elsewhere).
 """
@@ -13,6 +14,7 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import qjax
@@ -64,11 +66,23 @@ def _apply(x: Array, kernel: Any, bias: Array | None, dtype: Any, implementation
   return y
 
 
+def check_sizes(owner: str, **sizes: Any) -> None:
+  """A ValueError naming ``owner`` and each of ``sizes`` that is not a positive int (a
+  zero or negative width failed inside the initializers: ZeroDivisionError, broadcasting
+  errors)."""
+  bad = {k: v for k, v in sizes.items()
+         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1}
+  if bad:
+    raise ValueError(f"{owner}: {', '.join(f'{k}={v!r}' for k, v in bad.items())} must be "
+                     "a positive int")
+
+
 def _quantized_dense(module: nn.Module, x: Array, quantize: Callable[[Array], Any],
                      how_to_quantize: str) -> Array:
   """The body of the linen quantized Dense layers: the kernel (quantized from
   ``module.kernel_init`` at init, read as it is otherwise), its shape check, the bias and
   the matmul. ``how_to_quantize`` ends the error for params without a kernel."""
+  check_sizes(module.name or type(module).__name__, features=module.features)
   if jnp.ndim(x) < 1:
     raise ValueError(f"{module.name or type(module).__name__}: x of shape "
                      f"{jnp.shape(x)} has no feature axis; give x of shape [..., K]")
@@ -194,6 +208,7 @@ class Int4Linear(nnx.Module):
                group_size: int | None = 128, symmetric: bool = True,
                scale_dtype: Any = jnp.bfloat16, implementation: str | None = None,
                kernel: Any = None, rngs: nnx.Rngs | None = None):
+    check_sizes("Int4Linear", in_features=in_features, out_features=out_features)
     self.in_features = in_features
     self.out_features = out_features
     self.dtype = dtype

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 import qjax
+from flax_layers.dense import check_sizes
 from flax_layers.dense import compute_dtype
 from qjax._src import moe
 
@@ -73,7 +74,8 @@ def gated_activation(h: Array, activation: str) -> Array:
 
 
 class MXFP4MoE(nn.Module):
-  """Top-k routed gated-MLP experts with MXFP4 weights (inference only).
+  """Top-k routed gated-MLP experts with MXFP4 weights (differentiable through
+  ``qjax.moe_matmul`` as the dense layers are; the expert codes are not trained).
 
   Params: ``router_kernel [D, E]`` (float), ``gate_up`` and ``down``
   (:class:`qjax.MXFP4Weight` of logical shapes ``(D, 2F)`` and ``(F, D)`` with a leading
@@ -161,6 +163,8 @@ class MXFP4MoE(nn.Module):
     if jnp.ndim(x) < 1:
       raise ValueError(f"{self.name or 'MXFP4MoE'}: x of shape {jnp.shape(x)} has no "
                        "feature axis; give x of shape [..., D]")
+    check_sizes(self.name or "MXFP4MoE", num_experts=self.num_experts,
+                intermediate_size=self.intermediate_size, top_k=self.top_k)
     *lead, d = x.shape
     e, f = self.num_experts, self.intermediate_size
     dtype = compute_dtype(self.dtype, x)

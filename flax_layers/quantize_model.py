@@ -49,11 +49,13 @@ from typing import Any, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import qjax
 from flax_layers.dense import Int4Linear, _value
 from qjax._src.int4 import GROUP_SIZES
+from qjax._src.int4 import SCALE_DTYPES
 
 log = logging.getLogger("flax_layers")
 
@@ -102,9 +104,18 @@ class QuantRule:
                        "no zero point) or False (a zero point per group)")
     if self.method not in METHODS:
       raise ValueError(f"QuantRule.method={self.method!r} must be one of {METHODS}")
-    if self.group_size is not None and self.group_size not in GROUP_SIZES:
-      raise ValueError(f"QuantRule.group_size={self.group_size!r} must be one of "
-                       f"{GROUP_SIZES} or None (per-channel)")
+    gs = self.group_size
+    if gs is not None and (isinstance(gs, bool) or not isinstance(gs, (int, np.integer))
+                           or gs not in GROUP_SIZES):
+      raise ValueError(f"QuantRule.group_size={gs!r} must be one of {GROUP_SIZES} (an int) "
+                       "or None (per-channel)")
+    try:
+      scale_ok = jnp.dtype(self.scale_dtype) in [jnp.dtype(d) for d in SCALE_DTYPES]
+    except TypeError:
+      scale_ok = False
+    if not scale_ok:
+      raise ValueError(f"QuantRule.scale_dtype={self.scale_dtype!r} must be bfloat16, "
+                       "float16 or float32")
 
   @property
   def regex(self) -> re.Pattern:
@@ -158,6 +169,12 @@ def _quantize_leaf(path: str, value: Any, rule: QuantRule) -> qjax.Int4Weight:
   if qjax.is_quantized(value):
     raise ValueError(f"rule {rule.pattern!r} matched {path!r}, which is already quantized "
                      f"({type(value).__name__}); add it to skip or narrow the pattern")
+  if len(shape) > 2 and path.endswith("kernel"):
+    raise ValueError(
+        f"rule {rule.pattern!r} matched {path!r} of shape {shape}: a kernel with leading "
+        "axes (layers stacked by nn.scan, or experts), which quantize_model does not "
+        "quantize; quantize each [K, N] slice with qjax.quantize and stack the results "
+        "(jax.tree.map(lambda *a: jnp.stack(a), *weights)), or add the path to skip")
   if len(shape) != 2:
     raise ValueError(
         f"rule {rule.pattern!r} matched {path!r} of shape {shape}; only 2-D [K, N] kernels "
@@ -199,6 +216,9 @@ def quantize_model(params_or_state: Any, rules: Sequence[QuantRule], *,
     ValueError: a bad regular expression, a rule matching a parameter that is not a 2-D
       float kernel, or a group size that does not divide K (each naming the path).
   """
+  if isinstance(rules, QuantRule):
+    raise TypeError(f"rules={rules!r} must be a sequence of QuantRule objects, not one "
+                    "rule: pass [rule]")
   rules = tuple(rules)
   for r in rules:
     if not isinstance(r, QuantRule):

@@ -126,7 +126,7 @@ def test_bits_per_weight_counts_everything():
 
 def test_bad_arguments_say_what_to_do():
   w = np.ones((256, 8), np.float32)
-  with pytest.raises(ValueError, match="group_size=96"):
+  with pytest.raises(ValueError, match="group=96"):
     qjax.quantize_codebook(w, group=96)
   with pytest.raises(ValueError, match="codebook='nf5'"):
     qjax.quantize_codebook(w, codebook="nf5")

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import qjax
@@ -148,3 +149,102 @@ def test_scan_layers_refuses_stacks_of_other_lengths(rng):
       flax_layers.scan_layers(_Layer(), wrong, x)
   with pytest.raises(ValueError, match="all 1 of stacked_params' leaves are scalars"):
     flax_layers.scan_layers(_Layer(), {"b": jnp.float32(1)}, x)
+
+
+# ------------------------------------------------------ session 48's audit of the layers
+
+
+def _stack(ws):
+  return jax.tree.map(lambda *a: jnp.stack(a), *ws)
+
+
+@pytest.mark.parametrize("quantize", [
+    lambda w: qjax.quantize(w, group_size=64),
+    lambda w: qjax.quantize_codebook(w, group=64),
+    qjax.quantize_mxfp4,
+])
+def test_a_stacked_weight_without_layer_of_is_named(rng, quantize):
+  """Stacked (nn.scan) kernels given to a layer as they are: INT4 and codebook failed in a
+  reshape deep in the matmul ("cannot reshape array of shape (3, 2, 8)"); every format
+  now names the stack and qjax.layer_of."""
+  stack = _stack([quantize(_f32(rng, (128, 64))) for _ in range(3)])
+  x = _f32(rng, (2, 128))
+  with pytest.raises(ValueError, match=r"of shape \(128, 64\) holds arrays that dequantize to "
+                     r"\(3, 128, 64\): a stack of weights.*qjax\.layer_of\(stack, i\)"):
+    qjax.matmul(x, stack)
+  with pytest.raises(ValueError, match="a stack of weights"):
+    flax_layers.Int4Dense(64).apply({"params": {"kernel": stack, "bias": jnp.zeros(64)}}, x)
+  got = qjax.matmul(x, qjax.layer_of(stack, 1))
+  want = _ref(x, jax.tree.map(lambda a: a[1], stack))
+  assert rel_err(got, want) < TOL
+
+
+@pytest.mark.parametrize("quantize", [
+    qjax.quantize, qjax.quantize_mxfp4, qjax.quantize_nvfp4,
+    lambda w: qjax.quantize_codebook(w, group=64),
+    lambda w: flax_layers.quantize_dense_params({"kernel": w}),
+])
+def test_quantizing_a_quantized_weight_is_named(rng, quantize):
+  """Was an AttributeError ('Int4Weight' object has no attribute 'dtype')."""
+  w = qjax.quantize(_f32(rng, (128, 64)), group_size=64)
+  with pytest.raises(ValueError, match=r"is already quantized \(Int4Weight of shape "
+                     r"\(128, 64\)\); quantize the float weight"):
+    quantize(w)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: flax_layers.Int4Dense(0).init(jax.random.key(0), jnp.ones((1, 128))),
+    lambda: flax_layers.CodebookDense(-4).init(jax.random.key(0), jnp.ones((1, 128))),
+    lambda: flax_layers.Int4Linear(128, 0, rngs=nnx.Rngs(0)),
+    lambda: flax_layers.CodebookLinear(0, 64, rngs=nnx.Rngs(0)),
+    lambda: flax_layers.MXFP4MoE(num_experts=0, top_k=1, intermediate_size=64).init(
+        jax.random.key(0), jnp.ones((1, 64))),
+    lambda: flax_layers.MXFP4MoE(num_experts=4, top_k=1, intermediate_size=0).init(
+        jax.random.key(0), jnp.ones((1, 64))),
+])
+def test_zero_or_negative_widths_are_named(make):
+  """Were a ZeroDivisionError or a broadcasting TypeError from the initializers."""
+  with pytest.raises(ValueError, match=r"(features|num_experts|intermediate_size)=-?\d+ "
+                     "must be a positive int"):
+    make()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(scale_dtype=jnp.int8), r"QuantRule\.scale_dtype=.*must be bfloat16, float16 or "
+     "float32"),
+    (dict(group_size=128.0), r"QuantRule\.group_size=128\.0 must be one of .* \(an int\)"),
+])
+def test_quant_rule_refuses_bad_options_at_once(kwargs, match):
+  """An int8 scale_dtype was accepted and failed later without the parameter's path; a
+  float group size passed the rule and was refused by qjax.quantize."""
+  with pytest.raises(ValueError, match=match):
+    flax_layers.QuantRule("kernel$", **kwargs)
+
+
+def test_quantize_model_names_a_single_rule_and_stacked_kernels(rng):
+  """One QuantRule instead of a list: "'QuantRule' object is not iterable". A stacked
+  kernel: the error asked to narrow a pattern that already ends in kernel$."""
+  params = {"dense": {"kernel": _f32(rng, (128, 64))}}
+  rule = flax_layers.QuantRule("kernel$", group_size=64)
+  with pytest.raises(TypeError, match="not one rule: pass \\[rule\\]"):
+    flax_layers.quantize_model(params, rule)
+  stacked = {"blocks": {"kernel": _f32(rng, (3, 128, 64))}}
+  with pytest.raises(ValueError, match=r"a kernel with leading axes \(layers stacked by "
+                     r"nn\.scan, or experts\)"):
+    flax_layers.quantize_model(stacked, [rule])
+
+
+def test_codebook_group_errors_name_the_group_argument(rng):
+  """CodebookDense(group=100) was refused as "group_size=100", a name it does not take."""
+  with pytest.raises(ValueError, match=r"^group=100 is not supported"):
+    flax_layers.CodebookDense(64, group=100).init(jax.random.key(0), jnp.ones((1, 128)))
+  with pytest.raises(ValueError, match=r"^group=100 is not supported"):
+    qjax.quantize_codebook(_f32(rng, (200, 64)), group=100)
+
+
+def test_save_names_a_frozen_dict(tmp_path):
+  """A FrozenDict value was stored as its keys' strings and refused for dtype <U15."""
+  from flax.core import FrozenDict  # pylint: disable=g-import-not-at-top
+  with pytest.raises(TypeError, match=r"'params' is a FrozenDict, not an array.*flatten "
+                     "nested dicts"):
+    qjax.save(tmp_path / "m.qjax", {"params": FrozenDict({"a": jnp.ones(3)})})

@@ -210,6 +210,7 @@ def _norms_in(norms, norm_dtype, name: str):
 
 
 def _check_weight(w, name):
+  formats.check_not_quantized(w, name)
   if getattr(w, "ndim", None) != 2:
     raise ValueError(f"{name} must be a [K, N] matrix, got shape {getattr(w, 'shape', None)}")
   if not jnp.issubdtype(w.dtype, jnp.floating):
@@ -240,13 +241,16 @@ def quantize_codebook(
     seed: rotation seed of pass 1 (pass 2 uses seed + 1), in [0, 2**31 - 2].
     norm_dtype: dtype of the stored norms (bf16, f16, f32).
     offload_pass2: place pass 2's arrays in pinned host memory (see
-      :func:`qjax.offload_pass2`); matmul copies them to the device per call.
+      :func:`qjax.place_pass2`); matmul copies them to the device per call.
     name: the weight's name, for error and warning messages.
 
   Raises:
-    ValueError: naming ``name``, when ``w`` holds NaN or Inf or (float64) values beyond
-      float32's range, or a norm is not finite even in float32 (weights near the
-      float32 maximum).
+    ValueError: naming ``name``, when ``w`` is not a float ``[K, N]`` matrix (or is
+      already quantized), holds NaN or Inf or (float64) values beyond float32's range, or
+      a norm is not finite even in float32 (weights near the float32 maximum); naming the
+      argument, for a ``group``, ``passes``, ``codebook``, ``rotation``, ``seed`` or
+      ``norm_dtype`` not listed above, K not a multiple of ``group``, or
+      ``offload_pass2`` with one pass.
 
   Guards: for a concrete ``w`` (not a tracer under ``jax.jit``, where values are
   unknown), non-finite weights raise, and norms that overflow ``norm_dtype``, round to
@@ -262,7 +266,7 @@ def quantize_codebook(
   ((32, 64), (2, 64), 2, 8.316)
   """
   _check_weight(w, name)
-  rotation_lib.check(rotation, group, seed)
+  rotation_lib.check(rotation, group, seed, group_name="group")
   if passes not in (1, 2):
     raise ValueError(f"{passes=} must be 1 or 2")
   codebook_tables.table(codebook)  # validates the name

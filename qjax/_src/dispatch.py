@@ -219,6 +219,43 @@ def _check_args(x: jax.Array, w: Any) -> None:
     raise ValueError(
         f"x.shape={tuple(x.shape)}: the last dim must equal K={w.shape[0]} of the weight "
         f"of shape {w.shape}")
+  got = _dequantized_shape(*jax.tree_util.tree_flatten(w)[::-1])
+  if got is not None and got != tuple(w.shape):
+    raise ValueError(
+        f"{type(w).__name__} of shape {tuple(w.shape)} holds arrays that dequantize to "
+        f"{got}: a stack of weights (e.g. layers stacked by nn.scan, or experts)? "
+        "qjax.matmul takes one weight: pass qjax.layer_of(stack, i) for layer i, or use "
+        "qjax.moe_matmul for experts")
+
+
+@functools.lru_cache(maxsize=512)
+def _abstract_dequantized_shape(treedef: Any, avals: tuple) -> tuple[int, ...] | None:
+  """:func:`_dequantized_shape` of a weight's structure and leaf shapes / dtypes."""
+  dequantize = lambda w_: w_.dequantize()
+  try:
+    w = jax.tree_util.tree_unflatten(treedef, [jax.ShapeDtypeStruct(*a) for a in avals])
+  except Exception:  # pylint: disable=broad-except  (its own error shows when it runs)
+    return None
+  # Whole, then one weight per index of the arrays' leading axis (a stack of a format
+  # whose dequantize takes one weight only).
+  for fn in (dequantize, jax.vmap(dequantize)):
+    try:
+      return tuple(jax.eval_shape(fn, w).shape)
+    except Exception:  # pylint: disable=broad-except  (its own error shows when it runs)
+      continue
+  return None
+
+
+def _dequantized_shape(treedef: Any, leaves: list) -> tuple[int, ...] | None:
+  """The shape ``w.dequantize()`` returns for the weight of ``treedef`` and ``leaves``
+  (traced once per structure, leaf shapes and dtypes), or None where that fails here; a
+  weight of stacked arrays gives ``[L, K, N]`` (dequantized whole, or one layer at a
+  time where the format's dequantize takes one weight only)."""
+  try:
+    avals = tuple((tuple(a.shape), jnp.dtype(a.dtype)) for a in leaves)
+    return _abstract_dequantized_shape(treedef, avals)
+  except (AttributeError, TypeError):  # leaves without shapes, an unhashable structure
+    return None
 
 
 def resolve(w: Any, implementation: str | None) -> tuple[str, Callable[..., jax.Array]]:
@@ -275,6 +312,14 @@ def matmul(x: jax.Array, w: Any, *, implementation: str | None = None) -> jax.Ar
 
   Returns:
     ``[..., N]`` in x's dtype, accumulated in float32.
+
+  Raises:
+    TypeError: ``w`` is no quantized weight (e.g. a plain array).
+    ValueError: x's last dim is not K, x's dtype is not one of the three above,
+      ``implementation`` is not one of these names, or ``w`` holds a stack of weights
+      (use :func:`qjax.layer_of`).
+    NotImplementedError: "pallas" or "interpret" where no kernel for ``w``'s format is
+      registered or runs on this device.
 
   >>> import jax, jax.numpy as jnp, qjax
   >>> w = qjax.quantize(jax.random.normal(jax.random.key(0), (256, 128)))

@@ -180,6 +180,16 @@ def dense_dot(x: jax.Array, wd: jax.Array) -> jax.Array:
   return jnp.dot(x, wd.astype(x.dtype))
 
 
+def check_not_quantized(w: Any, name: str) -> None:
+  """A ValueError naming ``name`` where ``w``, given to a quantizer, is already a
+  quantized weight (its ``ndim`` of 2 passed the quantizers' shape checks, and their
+  dtype checks failed with an AttributeError)."""
+  if isinstance(w, QuantizedWeight):
+    raise ValueError(f"{name} is already quantized ({type(w).__name__} of shape "
+                     f"{tuple(w.shape)}); quantize the float weight, or use this one as it "
+                     "is (w.dequantize() gives its float values)")
+
+
 def is_quantized(x: Any) -> bool:
   """Whether ``x`` is a quantized weight (any :class:`QuantizedWeight` format), e.g. as
   the ``is_leaf`` of a ``jax.tree.map`` over a model's params."""

@@ -244,6 +244,7 @@ class NVFP4Weight(_FP4Weight):
 
 
 def _check_weight(w, block: int, name: str) -> tuple[int, int]:
+  formats.check_not_quantized(w, name)
   if getattr(w, "ndim", 0) < 2:
     raise ValueError(
         f"{name} must be a [..., K, N] matrix, got shape {getattr(w, 'shape', None)}")
@@ -277,6 +278,16 @@ def quantize_mxfp4(w: jax.Array, *, tile_k: int = packing.NATIVE_TILE_K,
   A concrete ``w`` holding NaN or Inf raises ValueError naming ``name`` (under
   ``jax.jit`` values are unknown and nothing is checked). Scales are powers of two from
   2**-127 to 2**126, so no finite float32 range overflows them.
+
+  Args:
+    w: ``[..., K, N]`` float weight (leading axes: a stack, e.g. experts).
+    tile_k: packing order of the codes (default: the kernel-native order).
+    name: the weight's name, used in error messages.
+
+  Raises:
+    ValueError: naming ``name``, when ``w`` is not a float array of at least two axes
+      (or is already quantized), is empty, holds NaN or Inf (concrete ``w`` only), or K
+      is not a multiple of the block (32); or a ``tile_k`` the packing does not take.
 
   >>> import jax, qjax
   >>> qw = qjax.quantize_mxfp4(jax.random.normal(jax.random.key(0), (256, 64)))
@@ -312,6 +323,16 @@ def quantize_nvfp4(w: jax.Array, *, tile_k: int = packing.NATIVE_TILE_K,
   ``jax.jit`` values are unknown and nothing is checked). The block scales are relative
   to the tensor's ``amax``, so they cannot overflow float8_e4m3fn; blocks below
   ``amax / (448 * 512 * 6)`` round to zero (NVFP4's own range, 2**-9 to 448 per block).
+
+  Args:
+    w: ``[..., K, N]`` float weight (leading axes: a stack, e.g. experts).
+    tile_k: packing order of the codes (default: the kernel-native order).
+    name: the weight's name, used in error messages.
+
+  Raises:
+    ValueError: naming ``name``, when ``w`` is not a float array of at least two axes
+      (or is already quantized), is empty, holds NaN or Inf (concrete ``w`` only), or K
+      is not a multiple of the block (16); or a ``tile_k`` the packing does not take.
 
   >>> import jax, qjax
   >>> qw = qjax.quantize_nvfp4(jax.random.normal(jax.random.key(0), (256, 64)))

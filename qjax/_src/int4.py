@@ -220,9 +220,11 @@ def quantize(
     An :class:`Int4Weight`.
 
   Raises:
-    ValueError: naming ``name``, when ``w`` is empty, holds NaN or Inf or (float64)
-      values beyond float32's range, or when a scale is not finite even in float32 (a
-      group spanning more than the float32 range).
+    ValueError: naming ``name``, when ``w`` is not a float ``[K, N]`` matrix (or is
+      already quantized), is empty, holds NaN or Inf or (float64) values beyond float32's
+      range, or when a scale is not finite even in float32 (a group spanning more than
+      the float32 range); naming the argument, for a ``group_size``, ``scale_dtype``,
+      ``method`` or ``tile_k`` not listed above, or K not a multiple of ``group_size``.
 
   Guards: for a concrete ``w`` (not a tracer under ``jax.jit``, where values are
   unknown), non-finite weights raise, and when the min-max scales overflow
@@ -240,6 +242,7 @@ def quantize(
   >>> bool(jnp.linalg.norm(qw.dequantize() - w) / jnp.linalg.norm(w) < 0.15)
   True
   """
+  formats.check_not_quantized(w, name)
   if getattr(w, "ndim", None) != 2:
     raise ValueError(f"{name} must be a [K, N] matrix, got shape {getattr(w, 'shape', None)}")
   if not jnp.issubdtype(w.dtype, jnp.floating):
@@ -328,7 +331,8 @@ def _fit_groups(wg, shrink, *, symmetric, scale_dtype):
 
 
 def dequantize(w) -> jax.Array:
-  """``[K, N]`` float32 matrix of any quantized weight (``w.dequantize()``)."""
+  """``[K, N]`` float32 matrix of any quantized weight (``w.dequantize()``); ``[..., K, N]``
+  for a stack (experts, layers) of the formats whose dequantize takes leading axes."""
   if not isinstance(w, formats.QuantizedWeight):
     raise TypeError(f"expected a quantized weight, got {type(w).__name__}")
   return w.dequantize()

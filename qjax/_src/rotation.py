@@ -26,11 +26,13 @@ GROUP_SIZES = (64, 128)
 MAX_SEED = 2**31 - 2  # pass 2 uses seed + 1; both fit a stored int32
 
 
-def check(rotation: str, group_size: int, seed: int) -> None:
+def check(rotation: str, group_size: int, seed: int, group_name: str = "group_size") -> None:
+  """A ValueError for a rotation, group size or seed the rotations do not take;
+  ``group_name`` is the group size's name in the caller's arguments."""
   if rotation not in ROTATIONS:
     raise ValueError(f"{rotation=} is not known; use one of {ROTATIONS}")
   if group_size not in GROUP_SIZES:
-    raise ValueError(f"{group_size=} is not supported; use one of {GROUP_SIZES}")
+    raise ValueError(f"{group_name}={group_size!r} is not supported; use one of {GROUP_SIZES}")
   if not isinstance(seed, (int, np.integer)) or not 0 <= seed <= MAX_SEED:
     raise ValueError(f"{seed=} must be an int in [0, {MAX_SEED}]")
 

@@ -136,8 +136,9 @@ def save(path: str | os.PathLike, tensors: Mapping[str, Any]) -> None:
       for field in formats.static_field_names(cls):
         entry["static"][field] = _jsonable(getattr(value, field))
     else:
-      a = _to_numpy(value)
-      if a.dtype == object:
+      # A nested mapping (a flax FrozenDict too, which numpy turned into its keys' strings)
+      a = None if isinstance(value, Mapping) else _to_numpy(value)
+      if a is None or a.dtype == object:
         raise TypeError(
             f"save: {name!r} is a {type(value).__name__}, not an array or a quantized "
             "weight; save takes a flat mapping {name: QuantizedWeight | array} (flatten "
