@@ -6,10 +6,11 @@ YaRN), built in memory as ``flax_layers.llama.params_from_gguf`` reads a GGUF fi
 its weights in a GGUF block type against the same model in bf16.
 
 Random blocks (finite f16 scales), so the tokens are meaningless and the timing is not.
-Every 2-D block weight and expert stack is of ``--type``; norms are float32, the router
-float32 (as the loader keeps it). Each row times ``llama.decode_and_sample`` (one jitted
-program per token, as ``qjax generate`` runs) for ``--steps`` tokens after a warm-up, at
-batch 1, and the model's weight bytes on the device. The bf16 model is the same tensors
+Every 2-D block weight and expert stack is of one of ``--types``; norms are float32, the
+router float32 (as the loader keeps it). Each row times ``llama.decode_and_sample`` (one
+jitted program per token; ``qjax generate`` runs up to 64 steps a call,
+``llama.decode_tokens``) for ``--steps`` tokens after a warm-up, at batch 1, and the
+model's weight bytes on the device. The bf16 model is the same tensors
 stored as GGUF BF16 (``GGUFDense``). Prints a Markdown table last.
 
   python examples/moe_decode_bench.py           # GPU: 8 layers, Q4_0, Q4_K, MXFP4 vs bf16

@@ -43,7 +43,8 @@ def main() -> int:
   p.add_argument("--k", type=int, default=2880, help="expert K (default 2880, GPT-OSS)")
   p.add_argument("--n", type=int, default=2880, help="expert N (default 2880)")
   p.add_argument("--top-k", type=int, default=4, help="experts per token (default 4)")
-  p.add_argument("--calls", type=int, default=24, help="timed calls, one routing each")
+  p.add_argument("--calls", type=int, default=24,
+                 help="timed calls, one routing each (default %(default)s)")
   p.add_argument("--default-only", action="store_true", help="time the default config only")
   args = p.parse_args()
   if not kw.supported(jax.devices()[0]):

@@ -102,9 +102,12 @@ def sweep(rows: int, calls: int) -> list[tuple[float, str]]:
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--shapes", default="4096x4096,4096x14336,8192x28672",
-                      help="KxN list; bytes are those of the int4 floor at M = 1")
-  parser.add_argument("--calls", type=int, default=20, help="timed calls per variant")
-  parser.add_argument("--top", type=int, default=4, help="variants listed per shape")
+                      help="KxN list; bytes are those of the int4 floor at M = 1 (default "
+                      "%(default)s)")
+  parser.add_argument("--calls", type=int, default=20,
+                      help="timed calls per variant (default %(default)s)")
+  parser.add_argument("--top", type=int, default=4,
+                      help="variants listed per shape (default %(default)s)")
   args = parser.parse_args(argv)
   if jax.devices()[0].platform != "gpu":
     parser.error("these reads are GPU kernels; run on a GPU (H100)")

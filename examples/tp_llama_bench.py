@@ -37,23 +37,31 @@ ROW = ("o", "down")
 
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--layers", type=int, default=16)
-  p.add_argument("--hidden", type=int, default=4096)
-  p.add_argument("--ffn", type=int, default=14336)
-  p.add_argument("--heads", type=int, default=32)
-  p.add_argument("--kv-heads", type=int, default=8)
-  p.add_argument("--head-dim", type=int, default=128)
-  p.add_argument("--batch", default="1,16", help="comma-separated decode batch sizes")
+  p.add_argument("--layers", type=int, default=16, help="decoder layers (default %(default)s)")
+  p.add_argument("--hidden", type=int, default=4096, help="hidden size (default %(default)s)")
+  p.add_argument("--ffn", type=int, default=14336,
+                 help="the MLP's hidden width (default %(default)s)")
+  p.add_argument("--heads", type=int, default=32, help="query heads (default %(default)s)")
+  p.add_argument("--kv-heads", type=int, default=8, help="key / value heads (default "
+                 "%(default)s)")
+  p.add_argument("--head-dim", type=int, default=128, help="head width (default %(default)s)")
+  p.add_argument("--batch", default="1,16", help="comma-separated decode batch sizes "
+                 "(default %(default)s)")
   p.add_argument("--devices", default=None,
                  help="comma-separated device counts (default: 1, 2, 4, ... up to all); "
                  "1, the baseline, always runs")
-  p.add_argument("--format", default="int4", choices=("int4", "mxfp4", "nvfp4"))
-  p.add_argument("--group-size", type=int, default=128)
-  p.add_argument("--tile-k", type=int, default=qjax.NATIVE_TILE_K)
+  p.add_argument("--format", default="int4", choices=("int4", "mxfp4", "nvfp4"),
+                 help="the projections' format (default %(default)s)")
+  p.add_argument("--group-size", type=int, default=128,
+                 help="INT4 rows of K per scale (default %(default)s)")
+  p.add_argument("--tile-k", type=int, default=qjax.NATIVE_TILE_K,
+                 help="packing order of the codes (default %(default)s, the kernels')")
   p.add_argument("--implementation", default=None,
                  help="qjax.matmul implementation (default: best available)")
-  p.add_argument("--steps", type=int, default=50, help="timed decode steps per point")
-  p.add_argument("--warmup", type=int, default=3)
+  p.add_argument("--steps", type=int, default=50, help="timed decode steps per point "
+                 "(default %(default)s)")
+  p.add_argument("--warmup", type=int, default=3,
+                 help="untimed decode steps first (default %(default)s)")
   p.add_argument("--tiny", action="store_true",
                  help="tiny shapes for a CPU check (2 layers, hidden 256, tile_k 8); the "
                  "options given beside it still apply")

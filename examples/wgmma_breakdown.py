@@ -73,9 +73,11 @@ def time_variant(name: str, m: int, k: int, n: int, calls: int) -> float:
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--shapes", default="4096x4096,4096x14336,14336x4096,8192x28672",
-                      help="comma-separated KxN")
-  parser.add_argument("--m", default="1,16,64", help="comma-separated rows of x")
-  parser.add_argument("--calls", type=int, default=10, help="timed calls per point")
+                      help="comma-separated KxN (default %(default)s)")
+  parser.add_argument("--m", default="1,16,64",
+                      help="comma-separated rows of x (default %(default)s)")
+  parser.add_argument("--calls", type=int, default=10,
+                      help="timed calls per point (default %(default)s)")
   args = parser.parse_args(argv)
   if not kw.supported(jax.devices()[0]):
     parser.error("the wgmma kernel needs a Hopper GPU (sm_90)")

@@ -3,7 +3,7 @@
 For every (K, N) and M: each variant (``materialize`` is today's ``matmul_xla``), the
 naive user program (a native ``jnp.int4`` ``[K, N]`` array, ``w.astype(bf16) * scales``
 repeated over the groups, ``jnp.dot``, under one jit: the xla-int4 column of
-shared/notes/peers-h100.md) and bf16 ``jnp.dot``. Weights are ``qjax bench``'s random
+docs/peers-h100.md) and bf16 ``jnp.dot``. Weights are ``qjax bench``'s random
 int4 (group 128, symmetric, bf16 scales), rotated so that repeated calls do not read
 them from L2; x is bf16. Every output (the naive one too) is checked against a float64
 reference on its first 256 columns: the table's last column holds the largest relative
@@ -54,7 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="comma-separated M (default: 1,16,256)")
   p.add_argument("--variants", default=",".join(variants.VARIANTS),
                  help="comma-separated variant names (default: all)")
-  p.add_argument("--calls", type=int, default=10, help="timed calls per measurement")
+  p.add_argument("--calls", type=int, default=10,
+                 help="timed calls per measurement (default %(default)s)")
   p.add_argument("--all", action="store_true", help="time every variant at every M")
   p.add_argument("--tiny", action="store_true", help="small shapes, for a CPU check")
   p.add_argument("--json", default=None, help="also write the rows to this file")

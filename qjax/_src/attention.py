@@ -33,11 +33,13 @@ MASKED_SCORE = float(np.finfo(np.float32).min)
 
 @dataclasses.dataclass(frozen=True)
 class AttentionBackend:
-  """A registered implementation of :func:`decode_attention`.
+  """A registered kernel of one of the four attention operations: decode
+  (:func:`register_decode_attention_kernel`), causal, write and write_decode (their
+  ``register_*_kernel`` functions say what ``fn`` takes). Below, decode's.
 
   Attributes:
     name: e.g. "pallas_triton".
-    fn: ``fn(q, k_cache, v_cache, mask, layer, sinks, *, scale, interpret) ->
+    fn: for decode, ``fn(q, k_cache, v_cache, mask, layer, sinks, *, scale, interpret) ->
       [batch, heads, head_dim]`` in q's dtype, with the arguments of
       :func:`decode_attention` checked and normalized: ``k_cache`` / ``v_cache`` always
       ``[layers, batch, slots, kv_heads, head_dim]``, ``layer`` a ``[1]`` int32 array in

@@ -277,7 +277,8 @@ def _add_bench(sub) -> None:
   p.add_argument("--calls", type=_positive_int, default=40,
                  help="timed calls per measurement (default 40)")
   p.add_argument("--json", type=_output_file,
-                 help="also write the results to this JSON file")
+                 help="also write the results to this JSON file (not with --offload, "
+                 "which prints its table only)")
   p.add_argument("--plot", type=_plot_file, help="also write a plot of %% of floor against "
                  "M to this file, in the format its extension names (.png, .pdf, .svg, ...)")
   p.add_argument("--tune", action="store_true", help="sweep kernel configs first and write "
@@ -446,7 +447,8 @@ def _add_generate(sub) -> None:
                  "folder: config.json, safetensors (dense, GPTQ, AWQ or compressed-tensors) "
                  "and tokenizer.json, of a Llama, Mistral, Qwen2 or Qwen3 model, or of the "
                  "mixtures of experts GPT-OSS (e.g. openai/gpt-oss-20b: its MXFP4 experts "
-                 "as stored), Qwen3-MoE and Mixtral (float experts)")
+                 "as stored), Qwen3-MoE and Mixtral (float, GPTQ, AWQ or compressed-tensors "
+                 "experts)")
   p.add_argument("--prompt", default=None, help="the prompt text (default: 'The capital of "
                  "France is'; with --interactive: the first user message, if given)")
   p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in "
@@ -482,8 +484,10 @@ def _add_generate(sub) -> None:
                  "qjax.matmul's choice for this device, the Pallas kernels on an NVIDIA GPU "
                  "after a lossless conversion of the blocks at load, XLA elsewhere; on an H100 "
                  "it decodes SmolLM2-135M as fast as xla does and a Qwen3-30B-A3B-shaped "
-                 "Q4_0 MoE 1.4x, a GPT-OSS-20B-shaped MXFP4 one 2.3x as fast), xla (the 4-bit "
-                 "blocks stay as the file has them, XLA's fused dequantize-and-multiply), "
+                 "Q4_0 MoE 1.4x, a GPT-OSS-20B-shaped MXFP4 one 2.3x as fast), xla (XLA's fused "
+                 "dequantize-and-multiply on the 4-bit blocks as the file has them, except "
+                 "dense MXFP4 weights, converted losslessly at load, and on a CPU Q4_0 / Q4_1 "
+                 "ones, converted to qjax.Int4Weight), "
                  "pallas (GPU kernels) or interpret (the kernels in Pallas interpret mode, "
                  "slow, for tests)")
   p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="activation "
@@ -532,7 +536,9 @@ def _add_check(sub) -> None:
       "NVFP4, GPT-OSS MXFP4, and INT4 / MXFP4 / NVFP4 in the [N, K / 8] layouts of the Hopper "
       "wgmma kernel) on every implementation available here (xla, interpret; "
       "pallas on a GPU), over 56 (M, K, N) shapes (M 1 ... 4096, primes included; K and N "
-      "on and off tile multiples), against float64 x @ dequantize(W). Prints the worst "
+      "on and off tile multiples; each format rounds K and N to what it stores, so the "
+      "table counts more distinct shapes), against float64 x @ dequantize(W). Prints the "
+      "worst "
       "relative error per (format, implementation); exit code 1 on any miss (relative "
       "error >= 1e-2, non-finite output, or an error other than a kernel declining a "
       "shape). The default is the reduced CPU form (a few minutes); --full runs every "

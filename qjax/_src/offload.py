@@ -324,9 +324,10 @@ def make_stacked_forward(layer_fn: Callable[[jax.Array, jax.Array], jax.Array] =
   ``h = layer_fn(h, qjax.matmul(h, W_i))``, with pass 2 copied to the device ahead of its
   layer (see :class:`LayerStack` for the schedule).
 
-  ``compiler_options``: XLA options of the jitted forward; the default on a GPU is
-  :data:`GPU_COMPILER_OPTIONS` (no command buffers, the latency-hiding scheduler), under
-  which the copies overlap the compute; none elsewhere.
+  ``implementation``: each layer's :func:`qjax.matmul` implementation (None: the best
+  available). ``compiler_options``: XLA options of the jitted forward; the default on a
+  GPU is :data:`GPU_COMPILER_OPTIONS` (no command buffers, the latency-hiding
+  scheduler), under which the copies overlap the compute; none elsewhere.
   """
 
   def layer(h, first, second):

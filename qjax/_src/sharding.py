@@ -468,7 +468,8 @@ def sharded_moe_matmul(x: jax.Array, w: Any, expert_ids: jax.Array,
 
   Args:
     x: ``[T, K]`` or ``[T, top_k, K]`` (replicated; row-wise split along K).
-    w: an :class:`qjax.MXFP4Weight` of E experts (codes ``[E, Kp // 8, N]``) or a
+    w: an expert stack :func:`qjax.moe_matmul` takes (e.g. :class:`qjax.MXFP4Weight` or
+      :class:`qjax.Int4Weight` of E experts, codes ``[E, K // 8, N]``) or a
       :class:`ShardedWeight` of one.
     expert_ids: ``[T, top_k]`` integers in ``[0, E)`` (replicated).
     mesh, axis: as :func:`sharded_matmul`'s.

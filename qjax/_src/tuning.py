@@ -43,10 +43,13 @@ FORMATS = ("int4", "mxfp4", "nvfp4", "codebook", "int4nk", "mxfp4nk", "nvfp4nk")
 class KernelConfig:
   """Tiling of a fused dequant-matmul kernel (hashable; round-trips JSON).
 
-  ``ptx_scales``: the FP4 tiled kernel decodes its block scales in inline PTX and applies
-  the decoder's constant factor once per output (the GEMV kernels decide that from
-  ``block_n`` alone; other kernels ignore it). Measured per shape by the tuner: it wins on
-  some shapes and loses on others.
+  ``block_m``, ``block_n``, ``block_k``: the tile of x's rows, W's columns and the K step
+  (powers of two); ``split_k``: K split over this many programs, their partial sums
+  added afterwards; ``num_warps``, ``num_stages``: Triton's warps per program and
+  software-pipeline depth. ``ptx_scales``: the FP4 tiled kernel decodes its block
+  scales in inline PTX and applies the decoder's constant factor once per output (the
+  GEMV kernels decide that from ``block_n`` alone; other kernels ignore it). Measured
+  per shape by the tuner: it wins on some shapes and loses on others.
   """
   block_m: int
   block_n: int
