@@ -20,9 +20,9 @@ from flax import nnx
 import qjax
 from flax_layers.dense import _apply
 from flax_layers.dense import _quantized_dense
-from flax_layers.dense import check_sizes
 from flax_layers.dense import _set_linear_params
 from flax_layers.dense import _value
+from flax_layers.dense import check_sizes
 from flax_layers.dense import default_kernel_init
 
 Array = jax.Array

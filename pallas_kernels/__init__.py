@@ -120,12 +120,13 @@ qjax.register_kernel(
     qjax.Int4NKWeight,
     qjax.Backend(name="mosaic_gpu_wgmma", fn=int4_wgmma.int4_nk_matmul,
                  supported_on=int4_wgmma.supported, declines=int4_wgmma.declines,
-                 candidate_configs=int4_wgmma.tuner_candidates("int4nk")))
+                 candidate_configs=int4_wgmma.tuner_candidates("int4nk"), interprets=False))
 # ... and qjax.moe_matmul of its expert stacks (GPTQ / AWQ experts after qjax.to_int4_nk).
 qjax.register_moe_kernel(
     qjax.Int4NKWeight,
     qjax.Backend(name="mosaic_gpu_wgmma", fn=int4_wgmma.int4_nk_moe_matmul,
-                 supported_on=int4_wgmma.supported, declines=int4_wgmma.moe_declines))
+                 supported_on=int4_wgmma.supported, declines=int4_wgmma.moe_declines,
+                 interprets=False))
 # MXFP4NKWeight, NVFP4NKWeight: the same kernel with E2M1 codes and their block scales.
 for _fp4_nk_format in (qjax.MXFP4NKWeight, qjax.NVFP4NKWeight):
   qjax.register_kernel(
@@ -133,13 +134,14 @@ for _fp4_nk_format in (qjax.MXFP4NKWeight, qjax.NVFP4NKWeight):
       qjax.Backend(name="mosaic_gpu_wgmma", fn=int4_wgmma.fp4_nk_matmul,
                    supported_on=int4_wgmma.supported, declines=int4_wgmma.declines,
                    candidate_configs=int4_wgmma.tuner_candidates(
-                       int4_wgmma.TABLE_FORMATS[_fp4_nk_format])))
+                       int4_wgmma.TABLE_FORMATS[_fp4_nk_format]), interprets=False))
   # ... and qjax.moe_matmul of their expert stacks: a grouped GEMM over the selected
   # experts.
   qjax.register_moe_kernel(
       _fp4_nk_format,
       qjax.Backend(name="mosaic_gpu_wgmma", fn=int4_wgmma.fp4_nk_moe_matmul,
-                   supported_on=int4_wgmma.supported, declines=int4_wgmma.moe_declines))
+                   supported_on=int4_wgmma.supported, declines=int4_wgmma.moe_declines,
+                   interprets=False))
 del _fp4_nk_format
 
 # Attention of one query per sequence over a KV cache (qjax.decode_attention).

@@ -156,3 +156,70 @@ def test_moe_block_dtypes(rng):
   assert y.dtype == jnp.bfloat16
   xb = x.astype(jnp.bfloat16)  # the layer routes the tokens in its dtype
   assert rel_err(y, np_moe_block(xb, params, 2, "topk_softmax", "swiglu")) < 2e-2
+
+
+# ------------------------------------------- session 48's audit: sharding, offload, save
+
+
+def test_sharded_moe_matmul_refuses_concrete_ids_out_of_range(rng):
+  """qjax.moe_matmul refused them; sharded_moe_matmul returned NaN rows for the bad
+  pairs in expert and column mode."""
+  from test_sharding import _mesh  # pylint: disable=g-import-not-at-top
+  mesh = _mesh(4)
+  w = make_experts(rng, 8, 64, 32)
+  x = jnp.asarray(rng.standard_normal((2, 64)), jnp.float32)
+  for mode in ("expert", "column"):
+    with pytest.raises(ValueError, match=r"range over \[-1, 9\]; they must lie in \[0, 8\)"):
+      qjax.sharded_moe_matmul(x, w, jnp.asarray([[0, 9], [-1, 3]]), mesh, "tp", mode)
+  ids = jnp.asarray([[0, 7], [1, 3]])
+  got = qjax.sharded_moe_matmul(x, w, ids, mesh, "tp", "expert")
+  assert rel_err(got, np_moe_matmul(x, w, ids)) < 1e-5
+
+
+def test_moe_matmul_errors_give_the_right_advice(rng):
+  """An NVFP4Weight stack was told to use .to_mxfp4(); a Hopper-only NK stack on the CPU
+  to try implementation='interpret' (it has none)."""
+  import pallas_kernels  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+  x = jnp.asarray(rng.standard_normal((2, 64)), jnp.float32)
+  ids = jnp.asarray([[0, 1], [2, 3]])
+  nv = qjax.quantize_nvfp4(jnp.asarray(rng.standard_normal((4, 64, 32)), jnp.float32))
+  with pytest.raises(NotImplementedError, match=r"qjax\.to_nvfp4_nk\(w\)"):
+    qjax.moe_matmul(x, nv, ids)
+  if jax.devices()[0].platform == "cpu":
+    with pytest.raises(NotImplementedError, match=r"use implementation='xla' \(it has no "
+                       "interpret mode\\)"):
+      qjax.moe_matmul(x.astype(jnp.bfloat16), qjax.to_nvfp4_nk(nv), ids,
+                      implementation="pallas")
+
+
+def test_view_weights_and_sharded_load_names_are_checked(rng, tmp_path):
+  """save of a ShardedWeight / LayerOf ended "flatten nested dicts"; load_sharded ignored
+  a misspelled name (its weight loaded whole on every device); partition_specs in expert
+  mode of a weight without experts gave P(None, None) where shard_weight refuses it."""
+  from test_sharding import _mesh  # pylint: disable=g-import-not-at-top
+  mesh = _mesh(2)
+  w = qjax.quantize(jnp.asarray(rng.standard_normal((128, 64)), jnp.float32), group_size=64)
+  with pytest.raises(TypeError, match=r"'w' is a ShardedWeight, a view of a weight; save its "
+                     r"global weight, value\.weight\(\)"):
+    qjax.save(tmp_path / "a.qjax", {"w": qjax.ShardedWeight.of(w, mesh, "tp", "column")})
+  stack = jax.tree.map(lambda *a: jnp.stack(a), w, w)
+  with pytest.raises(TypeError, match=r"'w' is a LayerOf.*value\.stack"):
+    qjax.save(tmp_path / "a.qjax", {"w": qjax.layer_of(stack, 0)})
+  qjax.save(tmp_path / "b.qjax", {"w": w})
+  with pytest.raises(ValueError, match=r"modes names \['v'\], which .* does not hold; its "
+                     r"names: \['w'\]"):
+    qjax.load_sharded(tmp_path / "b.qjax", mesh, "tp", {"v": "column"})
+  got = qjax.load_sharded(tmp_path / "b.qjax", mesh, "tp", {"w": "column"})["w"]
+  np.testing.assert_array_equal(np.asarray(got.dequantize()), np.asarray(w.dequantize()))
+  with pytest.raises(ValueError, match="has no leading expert axis"):
+    qjax.partition_specs(w, "expert", "ep")
+
+
+def test_stack_layers_refuses_layers_that_are_not_square(rng):
+  """Non-square layers were accepted and failed at the forward pass ("the last dim must
+  equal K")."""
+  layers = [qjax.quantize_codebook(jnp.asarray(rng.standard_normal((128, 64)), jnp.float32),
+                                   group=64, passes=2) for _ in range(3)]
+  with pytest.raises(ValueError, match=r"layer 0 has shape \(128, 64\); a stack of layers "
+                     r"needs square \[D, D\] weights"):
+    qjax.stack_layers(layers, offload_pass2=False)

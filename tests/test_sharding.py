@@ -298,15 +298,17 @@ def test_expert_parallel_moe_matmul(n):
 
 @pytest.mark.parametrize("mode", ["expert", "column", "row"])
 def test_sharded_moe_ids_out_of_range_give_nan_rows(mode):
-  """Traced ids outside [0, E) (sharded_moe_matmul is jitted) give those pairs NaN rows,
-  as unsharded; in expert mode such an id belongs to no device (it used to sum to 0)."""
+  """Traced ids outside [0, E) (under jax.jit) give those pairs NaN rows, as unsharded;
+  in expert mode such an id belongs to no device (it used to sum to 0). Concrete ones
+  raise, as moe_matmul's do (tests/test_moe_audit.py)."""
   mesh = _mesh(2, "ep")
   w, x, ids, ref = moe_case()
   bad = np.array(ids)
   bad[0, 1], bad[3, 0], bad[4, 1] = -1, 8, 11
   invalid = (bad < 0) | (bad >= 8)
-  y = np.asarray(qjax.sharded_moe_matmul(x, w, jnp.asarray(bad), mesh, "ep", mode,
-                                         implementation="xla"), np.float64)
+  run = jax.jit(lambda ids_: qjax.sharded_moe_matmul(x, w, ids_, mesh, "ep", mode,
+                                                     implementation="xla"))
+  y = np.asarray(run(jnp.asarray(bad)), np.float64)
   assert np.isnan(y[invalid]).all() and np.isfinite(y[~invalid]).all()
   wd = np.asarray(jax.jit(jax.vmap(lambda w: w.dequantize()))(w), np.float64)
   want = np.einsum("tk,tjkn->tjn", np.asarray(x, np.float64), wd[np.where(invalid, 0, bad)])

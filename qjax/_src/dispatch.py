@@ -67,6 +67,8 @@ class Backend:
       reason it would raise NotImplementedError for some M; None: every weight of the
       format runs. Read by :func:`qjax.kernel_layouts`, which converts a weight to this
       format only where the kernel runs it.
+    interprets: whether ``fn`` runs in Pallas interpret mode (on any device); False for
+      kernels without one (Mosaic GPU's), so errors do not suggest it.
   """
   name: str
   fn: KernelFn
@@ -75,6 +77,7 @@ class Backend:
   auto_max_m: int | None = None
   auto_prefers_xla: Callable[[int, Any], bool] | None = None
   declines: Callable[[Any, Any], str | None] | None = None
+  interprets: bool = True
 
   def auto_runs_xla(self, m: int, w: Any, dtype) -> bool:
     """Whether ``implementation=None`` runs the XLA path instead of this kernel for ``m``
@@ -194,9 +197,11 @@ def explicit_kernel(backends: list[Any], implementation: str, what: str, missing
   backend = backends[0]
   interpret = implementation == "interpret"
   if not interpret and not backend.supported_on(default_device()):
+    instead = ("implementation='interpret' or 'xla'" if getattr(backend, "interprets", True)
+               else "implementation='xla' (it has no interpret mode)")
     raise NotImplementedError(
         f"the {backend.name} {what} does not run on {default_device().device_kind!r}; use "
-        "implementation='interpret' or 'xla'")
+        f"{instead}")
   return f"{backend.name}{'-interpret' if interpret else ''}", backend, interpret
 
 

@@ -355,6 +355,12 @@ def takes_format(w: Any) -> bool:
   return isinstance(w, MOE_FORMATS) or type(w) in _MOE_XLA or type(w) in _MOE_KERNELS
 
 
+# What to convert a stack of these formats to, for moe_matmul's error.
+_CONVERSION_HINTS = {
+    "NVFP4Weight": "convert an NVFP4Weight stack with qjax.to_nvfp4_nk(w) (lossless)",
+}
+
+
 def _check(x: jax.Array, w: Any, expert_ids: jax.Array) -> None:
   if not takes_format(w):
     registered = {**_MOE_XLA, **_MOE_KERNELS}
@@ -363,7 +369,8 @@ def _check(x: jax.Array, w: Any, expert_ids: jax.Array) -> None:
         f"block weight with a leading expert axis, or a format with a registered MoE path, got "
         f"{type(w).__name__}"
         f"{dispatch.not_inherited(type(w), registered, 'register_moe_xla')}; "
-        "convert GPT-OSS checkpoints with .to_mxfp4()")
+        + _CONVERSION_HINTS.get(type(w).__name__,
+                                "convert GPT-OSS checkpoints with .to_mxfp4()"))
   if isinstance(w, MOE_FORMATS) and w.codes.ndim != 3:
     raise ValueError(
         f"w.codes has shape {tuple(w.codes.shape)}: moe_matmul needs exactly one leading "
@@ -393,7 +400,7 @@ def _check(x: jax.Array, w: Any, expert_ids: jax.Array) -> None:
         f"x.shape={tuple(x.shape)} must be [T, K] = {(t, k)} or [T, top_k, K] = "
         f"{(t, top_k, k)} for expert_ids of shape {(t, top_k)} and weights of K={k}")
   (e,) = experts
-  _check_ids_in_range(expert_ids, e)
+  check_ids_in_range(expert_ids, e)
 
 
 def _check_arrays(x: Any, expert_ids: Any) -> None:
@@ -404,7 +411,7 @@ def _check_arrays(x: Any, expert_ids: Any) -> None:
                       f"{type(a).__name__}; wrap it in jnp.asarray(...)")
 
 
-def _check_ids_in_range(expert_ids: Any, num_experts: int) -> None:
+def check_ids_in_range(expert_ids: Any, num_experts: int) -> None:
   """Refuses concrete ids outside ``[0, E)`` (traced ones get NaN rows instead)."""
   if isinstance(expert_ids, jax.core.Tracer):
     return
@@ -459,7 +466,9 @@ def resolve_moe(w: Any, implementation: str | None, num_pairs: int | None = None
         kernels, mode, "MoE kernel",
         f"no Pallas MoE kernel is registered for {fmt.__name__}"
         f"{dispatch.not_inherited(fmt, _MOE_KERNELS, 'register_moe_kernel')}; use "
-        "implementation='xla' (is the pallas_kernels package installed?)")
+        "implementation='xla'"
+        + ("" if fmt.__name__.startswith("GGUF") else
+           " (is the pallas_kernels package installed?)"))
     return name, lambda *a: backend.fn(*a, interpret=interpret)
   if mode is None:
     for backend in kernels:
@@ -501,6 +510,13 @@ def moe_matmul(x: jax.Array, w: Any, expert_ids: jax.Array, *,
   Returns:
     ``[T, top_k, N]`` in x's dtype, accumulated in float32.
 
+  Raises:
+    ValueError: concrete ids out of range, x or the ids of the wrong shape or dtype, no
+      tokens (T = 0) or no selected experts (top_k = 0): skip the call for an empty
+      batch; K of x not the weight's.
+    NotImplementedError: a format without an MoE path (the message names the
+      conversion where one exists), or "pallas" where no MoE kernel runs here.
+
   >>> import jax, jax.numpy as jnp, qjax
   >>> w = qjax.quantize_mxfp4(jax.random.normal(jax.random.key(0), (4, 64, 32)))
   >>> x = jnp.ones((3, 64), jnp.bfloat16)
@@ -527,7 +543,7 @@ def moe_matmul(x: jax.Array, w: Any, expert_ids: jax.Array, *,
     if takes_format(w):
       _check(x, w, expert_ids)
     elif isinstance(w, stacked.LayerOf) and takes_format(w.stack):
-      _check_ids_in_range(expert_ids, jax.tree.leaves(w.stack)[0].shape[1])
+      check_ids_in_range(expert_ids, jax.tree.leaves(w.stack)[0].shape[1])
     return _kernel_moe_matmul(x, w, expert_ids, implementation=implementation)
   sharded = dispatch.sharded_weight_class()
   if isinstance(w, sharded):

@@ -289,6 +289,10 @@ def stack_layers(layers: Sequence[CodebookWeight], *, offload_pass2: bool = True
   if not isinstance(c, int) or not 1 <= c <= g:
     raise ValueError(f"carried={carried!r} must be an int in [1, {g}] (the group of {g} "
                      "layers per scan step); leave it None to carry the whole group")
+  k, n = layers[0].shape
+  if k != n:  # each layer's output is the next one's input
+    raise ValueError(f"layer 0 has shape ({k}, {n}); a stack of layers needs square [D, D] "
+                     "weights (each layer's output feeds the next)")
   scanned = (num - c) // g  # >= 0: c <= g <= num
   firsts = [w.first_pass() for w in layers]
   seconds = [PackedPass2.pack(_to_device(w)) for w in layers]

@@ -87,6 +87,11 @@ def load_sharded(path: str | os.PathLike, mesh: jax.sharding.Mesh, axis: Any,
   """
   from qjax._src import serialization  # pylint: disable=g-import-not-at-top
   tensors = serialization.load(path)
+  if not callable(modes):
+    unknown = sorted(set(modes) - set(tensors))
+    if unknown:  # a misspelled name left its weight whole on every device
+      raise ValueError(f"modes names {unknown}, which {os.fspath(path)!r} does not hold; "
+                       f"its names: {sorted(tensors)}")
   return {name: place_tensor(name, v, mesh, axis, _mode(modes, name, v), wrap=wrap)
           for name, v in tensors.items()}
 

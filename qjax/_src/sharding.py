@@ -483,6 +483,9 @@ def sharded_moe_matmul(x: jax.Array, w: Any, expert_ids: jax.Array,
   sw = w if isinstance(w, ShardedWeight) else ShardedWeight.of(w, mesh, axis, mode)
   check_mesh(sw, mesh, axis)
   _check_k(x, sw)
+  # Concrete ids out of range are refused, as qjax.moe_matmul refuses them (each device
+  # saw only its experts and gave NaN rows).
+  moe.check_ids_in_range(expert_ids, rules.num_experts(sw.weight()))
   return _sharded_moe_matmul(x, sw, expert_ids, mesh=mesh, implementation=implementation)
 
 

@@ -339,6 +339,8 @@ def partition_specs(w: Any, mode: str, axis: Any) -> Any:
   """
   if mode not in MODES:
     raise ValueError(f"{mode=} must be one of {MODES}")
+  if mode == "expert":
+    num_experts(w)  # a ValueError for a weight without a leading expert axis
   specs = field_specs(w, mode, axis)
   return type(w)(**specs, **static_of(w))
 
@@ -380,7 +382,9 @@ def concat_columns(weights: Sequence[Any]) -> Any:
       expert) axes; or plain arrays ``[..., K, N_i]`` (joined along the last axis).
 
   Returns:
-    The joined weight, ``[K, sum N_i]``.
+    The joined weight, ``[K, sum N_i]``. Arrays are joined with ``jnp.concatenate``, so
+    fields of different dtypes promote (bf16 scales beside f16 ones become float32, the
+    same values); give the weights one scale dtype to keep it.
 
   Raises:
     ValueError: no weights, formats or static fields that differ, a field without an N
