@@ -136,12 +136,12 @@ def save(path: str | os.PathLike, tensors: Mapping[str, Any]) -> None:
       for field in formats.static_field_names(cls):
         entry["static"][field] = _jsonable(getattr(value, field))
     else:
-      # A nested mapping (a flax FrozenDict too, which numpy turned into its keys' strings)
       views = {"ShardedWeight": "save its global weight, value.weight()",
                "LayerOf": "save the stack, value.stack, or one layer, value.layer()"}
       if type(value).__name__ in views:
         raise TypeError(f"save: {name!r} is a {type(value).__name__}, a view of a weight; "
                         f"{views[type(value).__name__]}")
+      # A nested mapping (a flax FrozenDict too, which numpy turned into its keys' strings)
       a = None if isinstance(value, Mapping) else _to_numpy(value)
       if a is None or a.dtype == object:
         raise TypeError(
