@@ -85,6 +85,15 @@ class QuantRule:
     method: "minmax" (round to nearest over the full range) or "mse" (best of 20
       shrunken ranges per group).
     scale_dtype: dtype of the scales (bf16, f16, f32).
+    stacked_axes: leading axes of the matched kernels that stack layers (``nn.scan``
+      with ``variable_axes={"params": 0}``) or experts, e.g. 1 for ``[layers, K, N]``.
+      Each ``[K, N]`` slice is quantized on its own and the :class:`qjax.Int4Weight`'s
+      arrays get these leading axes (``codes: [*stack, K // 8, N]``, ``scales: [*stack,
+      groups, N]``), as ``jax.tree.map(jnp.stack, ...)`` of the slices would: what
+      ``nn.scan`` slices for ``Int4Dense``, and what :func:`qjax.layer_of`,
+      :func:`flax_layers.scan_layers` and ``qjax.moe_matmul`` (one axis of experts)
+      take. Where one slice needs float32 scales (:class:`qjax.ScaleRangeWarning`),
+      every slice keeps float32 scales (exact). 0 (default): the kernels must be 2-D.
   """
   pattern: str
   _: dataclasses.KW_ONLY
@@ -93,6 +102,7 @@ class QuantRule:
   symmetric: bool = True
   method: str = "minmax"
   scale_dtype: Any = jnp.bfloat16
+  stacked_axes: int = 0
 
   def __post_init__(self):
     _compile(self.pattern, "QuantRule.pattern")
@@ -116,6 +126,11 @@ class QuantRule:
     if not scale_ok:
       raise ValueError(f"QuantRule.scale_dtype={self.scale_dtype!r} must be bfloat16, "
                        "float16 or float32")
+    axes = self.stacked_axes
+    if isinstance(axes, bool) or not isinstance(axes, (int, np.integer)) or axes < 0:
+      raise ValueError(f"QuantRule.stacked_axes={axes!r} must be an int >= 0: the leading "
+                       "axes that stack layers or experts (1 for [layers, K, N]), 0 for "
+                       "2-D kernels")
 
   @property
   def regex(self) -> re.Pattern:
@@ -169,28 +184,51 @@ def _quantize_leaf(path: str, value: Any, rule: QuantRule) -> qjax.Int4Weight:
   if qjax.is_quantized(value):
     raise ValueError(f"rule {rule.pattern!r} matched {path!r}, which is already quantized "
                      f"({type(value).__name__}); add it to skip or narrow the pattern")
-  if len(shape) > 2 and path.endswith("kernel"):
+  stack = rule.stacked_axes
+  if len(shape) != stack + 2:
+    if stack == 0 and len(shape) > 2 and path.endswith("kernel"):
+      raise ValueError(
+          f"rule {rule.pattern!r} matched {path!r} of shape {shape}: a kernel with "
+          f"leading axes {shape[:-2]} (layers stacked by nn.scan, or experts); set "
+          f"QuantRule(..., stacked_axes={len(shape) - 2}) to quantize each [K, N] slice "
+          "and stack the results, or add the path to skip")
+    want = "[K, N]" if stack == 0 else f"[{', '.join(['stack'] * stack)}, K, N]"
     raise ValueError(
-        f"rule {rule.pattern!r} matched {path!r} of shape {shape}: a kernel with leading "
-        "axes (layers stacked by nn.scan, or experts), which quantize_model does not "
-        "quantize; quantize each [K, N] slice with qjax.quantize and stack the results "
-        "(jax.tree.map(lambda *a: jnp.stack(a), *weights)), or add the path to skip")
-  if len(shape) != 2:
-    raise ValueError(
-        f"rule {rule.pattern!r} matched {path!r} of shape {shape}; only 2-D [K, N] kernels "
-        "can be quantized: narrow the pattern (e.g. end it with '/kernel$') or add the path "
-        "to skip")
+        f"rule {rule.pattern!r} (stacked_axes={stack}) matched {path!r} of shape {shape}; "
+        f"only {stack + 2}-D {want} kernels can be quantized by it: narrow the pattern "
+        "(e.g. end it with '/kernel$'), fix stacked_axes, or add the path to skip")
   if not jnp.issubdtype(value.dtype, jnp.floating):
     raise ValueError(f"rule {rule.pattern!r} matched {path!r} of dtype {value.dtype}; only "
                      "floating-point kernels can be quantized")
-  k = shape[0]
+  k = shape[-2]
   if rule.group_size is not None and k % rule.group_size:
     raise ValueError(
         f"rule {rule.pattern!r}: {path!r} has K={k} rows, not a multiple of "
         f"group_size={rule.group_size}; use a group size that divides {k}, None "
         "(per-channel), or a separate rule for this path")
-  return qjax.quantize(value, group_size=rule.group_size, symmetric=rule.symmetric,
-                       scale_dtype=rule.scale_dtype, method=rule.method, name=path)
+  quantize = lambda w, name: qjax.quantize(
+      w, group_size=rule.group_size, symmetric=rule.symmetric,
+      scale_dtype=rule.scale_dtype, method=rule.method, name=name)
+  if stack == 0:
+    return quantize(value, path)
+  return _quantize_stacked(path, value, quantize)
+
+
+def _quantize_stacked(path: str, value: Any, quantize) -> qjax.Int4Weight:
+  """``value [*stack, K, N]`` quantized slice by slice; every array of the result has the
+  leading ``stack`` axes (scales in their widest dtype where slices differ: exact)."""
+  lead = value.shape[:-2]
+  if 0 in lead:
+    raise ValueError(f"{path!r} of shape {tuple(value.shape)} stacks no [K, N] slice; add "
+                     "it to skip")
+  flat = jnp.reshape(value, (-1,) + tuple(value.shape[-2:]))
+  slices = []
+  for i, index in enumerate(np.ndindex(*lead)):
+    slices.append(quantize(flat[i], f"{path}[{', '.join(map(str, index))}]"))
+  scale_dtype = jnp.result_type(*(w.scales.dtype for w in slices))
+  slices = [dataclasses.replace(w, scales=w.scales.astype(scale_dtype)) for w in slices]
+  stacked = jax.tree.map(lambda *a: jnp.stack(a), *slices)
+  return jax.tree.map(lambda a: jnp.reshape(a, lead + a.shape[1:]), stacked)
 
 
 def quantize_model(params_or_state: Any, rules: Sequence[QuantRule], *,

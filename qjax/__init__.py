@@ -19,6 +19,7 @@ from qjax._src.autodiff import retraced_on_registration as retraced_on_registrat
 from qjax._src.int4 import Int4Weight as Int4Weight
 from qjax._src.int4 import dequantize as dequantize
 from qjax._src.int4 import quantize as quantize
+from qjax._src.int4 import ScaleRangeWarning as ScaleRangeWarning
 from qjax._src.int4_nk import Int4NKWeight as Int4NKWeight
 from qjax._src.int4_nk import to_int4_nk as to_int4_nk
 from qjax._src.kernel_layouts import LayoutChoice as LayoutChoice

@@ -229,8 +229,8 @@ def test_quantize_model_names_a_single_rule_and_stacked_kernels(rng):
   with pytest.raises(TypeError, match="not one rule: pass \\[rule\\]"):
     flax_layers.quantize_model(params, rule)
   stacked = {"blocks": {"kernel": _f32(rng, (3, 128, 64))}}
-  with pytest.raises(ValueError, match=r"a kernel with leading axes \(layers stacked by "
-                     r"nn\.scan, or experts\)"):
+  with pytest.raises(ValueError, match=r"a kernel with leading axes \(3,\) \(layers stacked by "
+                     r"nn\.scan, or experts\); set QuantRule\(\.\.\., stacked_axes=1\)"):
     flax_layers.quantize_model(stacked, [rule])
 
 
