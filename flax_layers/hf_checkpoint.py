@@ -72,7 +72,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flax_layers.llama import FUSED
+from flax_layers.llama import check_not_fused
 from flax_layers.llama import LlamaConfig
 from flax_layers.llama import hf_rope_freqs
 from qjax._src import checkpoint_layouts as layouts
@@ -653,15 +653,11 @@ def save_hf_llama(path: str | os.PathLike[str], params: dict, cfg: LlamaConfig, 
     raise ValueError("the params hold rope_freqs (llama3 rope scaling), which config.json "
                      "keeps as rope_scaling's four numbers, not as factors; save_hf_llama "
                      "writes unscaled models only")
+  check_not_fused(p, "save the params as loaded (before fuse_projections): HF "
+                  "Llama stores q / k / v and gate / up apart")  # was KeyError 'q'
   linears: dict[str, tuple[Any, int | None]] = {}  # HF prefix -> (weight, rope heads)
   norms: dict[str, Any] = {}
   for i, layer in enumerate(_layers_of(p, cfg)):
-    joined = [f"{block}/{name}" for block, (name, _) in FUSED.items()
-              if name in layer.get(block, {})]
-    if joined:  # a bare KeyError 'q' before
-      raise ValueError(f"layer {i} holds {', '.join(joined)}, projections joined by "
-                       "flax_layers.fuse_projections; save the params as loaded (before "
-                       "fuse_projections): HF Llama stores q / k / v and gate / up apart")
     for module, kpath in LINEARS.items():
       linears[f"model.layers.{i}.{module}"] = (_get(layer, kpath), _rope_heads(cfg, module))
     for name, npath in NORMS.items():

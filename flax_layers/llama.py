@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -1453,6 +1454,27 @@ class Llama(nn.Module):
 
 # module -> (the fused projection's name, the projections it joins, in column order).
 FUSED = {"attn": ("qkv", ("q", "k", "v")), "mlp": ("gate_up", ("gate", "up"))}
+
+
+def check_not_fused(params: Any, what: str) -> None:
+  """A ValueError naming the projections of ``params`` (Llama params, with or without the
+  ``"params"`` level) that :func:`fuse_projections` joined (``.../attn/qkv``,
+  ``.../mlp/gate_up``), followed by ``what`` (what to do instead); None where there are
+  none, as in params as loaded."""
+  joined = []
+
+  def walk(tree: Any, path: tuple[str, ...]) -> None:
+    if not isinstance(tree, Mapping):
+      return
+    for name, sub in tree.items():
+      if name in FUSED and isinstance(sub, Mapping) and FUSED[name][0] in sub:
+        joined.append("/".join(path + (name, FUSED[name][0])))
+      walk(sub, path + (str(name),))
+
+  walk(params.get("params", params) if isinstance(params, Mapping) else params, ())
+  if joined:
+    raise ValueError(f"{', '.join(joined)}: projections joined by "
+                     f"flax_layers.fuse_projections; {what}")
 
 
 def fuse_projections(params: dict) -> dict:

@@ -147,12 +147,8 @@ def shard_llama_params(params: dict, mesh: jax.sharding.Mesh, cfg: llama.LlamaCo
     ValueError: a head count or the ffn size does not divide, or a projection cannot
       split (e.g. a row shard that would cut a packed tile), naming the valid counts.
   """
-  fused = {name for name, _ in llama.FUSED.values()}
-  for path, _ in _map_paths(params):
-    if fused & set(path):
-      raise ValueError(f"{'/'.join(path)}: projections joined by fuse_projections do not "
-                       "split by heads; shard the params as loaded (before "
-                       "flax_layers.fuse_projections)")
+  llama.check_not_fused(params, "they do not split by heads: shard the params as loaded "
+                        "(before fuse_projections)")
   n = sharding_lib.mesh_axis_size(mesh, axis)
   local_config(cfg, n)
   everywhere = NamedSharding(mesh, P())

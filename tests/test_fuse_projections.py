@@ -245,5 +245,6 @@ def test_tensor_parallel_refuses_joined_projections():
   from test_sharding import _mesh
   cfg = _config("gqa6x3_partial_rope")
   params, _ = _model(cfg, seed_from("tp"))
-  with pytest.raises(ValueError, match=r"blocks/attn/qkv/kernel: .*fuse_projections"):
+  with pytest.raises(ValueError, match=r"^blocks/attn/qkv, blocks/mlp/gate_up: projections "
+                     r"joined by flax_layers\.fuse_projections; they do not split by heads"):
     tp.shard_llama_params(llama.fuse_projections(params), _mesh(3), cfg)
