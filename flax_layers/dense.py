@@ -126,9 +126,31 @@ def _set_linear_params(module: nnx.Module, kernel: Any, in_features: int, out_fe
 def quantize_dense_params(params: dict[str, Any], *, group_size: int | None = 128,
                           symmetric: bool = True, scale_dtype: Any = jnp.bfloat16,
                           method: str = "minmax") -> dict[str, Any]:
-  """``nn.Dense`` params ``{"kernel": [K, N], "bias": [N]}`` -> ``Int4Dense`` params."""
+  """``nn.Dense`` params -> :class:`Int4Dense` params: the kernel quantized by
+  :func:`qjax.quantize`, the bias kept.
+
+  Args:
+    params: ``{"kernel": [K, N] float, "bias": [N]}`` (the bias optional).
+    group_size, symmetric, scale_dtype, method: as :func:`qjax.quantize` takes them.
+
+  Returns:
+    ``{"kernel": Int4Weight of logical shape [K, N], "bias": [N]}``.
+
+  Raises:
+    ValueError: no ``kernel``, keys other than ``kernel`` and ``bias``, a bias that is
+      not ``[N]``, or what :func:`qjax.quantize` refuses (a kernel that is not a float
+      ``[K, N]`` matrix, non-finite values, a group size that does not divide K).
+  """
   if "kernel" not in params:
     raise ValueError(f"expected nn.Dense params with a 'kernel', got keys {sorted(params)}")
+  extra = sorted(set(params) - {"kernel", "bias"})
+  if extra:
+    raise ValueError(f"params hold {extra} besides 'kernel' and 'bias'; pass one "
+                     "nn.Dense's params (quantize_model quantizes a whole model)")
+  n = jnp.shape(params["kernel"])[-1] if jnp.ndim(params["kernel"]) else None
+  if "bias" in params and jnp.shape(params["bias"]) != (n,):
+    raise ValueError(f"bias of shape {jnp.shape(params['bias'])} does not match the "
+                     f"kernel of shape {jnp.shape(params['kernel'])}: it must be [N] = [{n}]")
   out = dict(params)
   out["kernel"] = qjax.quantize(params["kernel"], group_size=group_size, symmetric=symmetric,
                                 scale_dtype=scale_dtype, method=method, name="kernel")

@@ -1026,7 +1026,13 @@ def apply_rope(x: jax.Array, positions: jax.Array, base: float, rope_dim: int, *
 
   Returns:
     ``[batch, seq, heads, head_dim]`` in x's dtype.
+
+  Raises:
+    ValueError: x not 4-D; positions not integer ``[batch, seq]`` (a batch of 1
+      broadcasts); ``rope_dim`` not an even int in ``[2, head_dim]``; ``freq_factors`` not
+      ``[rope_dim // 2]``.
   """
+  _check_rope_args(x, positions, rope_dim, freq_factors)
   inv_freq = jnp.asarray(base ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim),
                          jnp.float32)
   if freq_factors is not None:
@@ -1044,6 +1050,26 @@ def apply_rope(x: jax.Array, positions: jax.Array, base: float, rope_dim: int, *
     out = jnp.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1).reshape(rot.shape)
   out = out.astype(x.dtype)
   return jnp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
+
+
+def _check_rope_args(x: Any, positions: Any, rope_dim: Any, freq_factors: Any) -> None:
+  """apply_rope's arguments' shapes and dtypes (static: nothing runs on the device)."""
+  if jnp.ndim(x) != 4:
+    raise ValueError(f"x of shape {jnp.shape(x)} must be [batch, seq, heads, head_dim]")
+  batch, seq, _, head_dim = jnp.shape(x)
+  if (isinstance(rope_dim, bool) or not isinstance(rope_dim, (int, np.integer))
+      or rope_dim % 2 or not 2 <= rope_dim <= head_dim):
+    raise ValueError(f"rope_dim={rope_dim!r} must be an even int in [2, {head_dim}] (x's "
+                     "head_dim)")
+  shape = jnp.shape(positions)
+  if (len(shape) != 2 or shape[0] not in (1, batch) or shape[1] != seq
+      or not jnp.issubdtype(jnp.result_type(positions), jnp.integer)):
+    raise ValueError(f"positions of shape {shape} and dtype {jnp.result_type(positions)} "
+                     f"must be integer [batch, seq] = [{batch}, {seq}] (x's first two axes; "
+                     "a batch of 1 broadcasts)")
+  if freq_factors is not None and jnp.shape(freq_factors) != (rope_dim // 2,):
+    raise ValueError(f"freq_factors of shape {jnp.shape(freq_factors)} must be "
+                     f"[rope_dim // 2] = [{rope_dim // 2}], one divisor per rotated pair")
 
 
 def attention_implementation(implementation: str | None, op: str = "decode") -> str | None:
@@ -1522,11 +1548,23 @@ def fuse_projections(params: dict) -> dict:
 
 
 def init_cache(cfg: LlamaConfig, batch: int, max_len: int) -> dict[str, jax.Array]:
-  """Zero KV cache: {"k", "v"}: ``[layers, batch, max_len, kv_heads, head_dim]`` in cfg.dtype."""
-  if max_len < 1:
-    raise ValueError(f"max_len={max_len} must be positive")
-  if batch < 1:
-    raise ValueError(f"batch={batch} must be positive")
+  """A zero KV cache for :func:`prefill`, :func:`decode_step` and the other entry points.
+
+  Args:
+    cfg: the model's config (layers, KV heads, head size, dtype).
+    batch: sequences, an int >= 1.
+    max_len: positions per sequence, an int >= 1 (prompt plus generated tokens).
+
+  Returns:
+    ``{"k", "v"}``: each ``[layers, batch, max_len, kv_heads, head_dim]`` in cfg.dtype.
+
+  Raises:
+    ValueError: ``batch`` or ``max_len`` not a positive int.
+  """
+  for name, value in (("max_len", max_len), ("batch", batch)):
+    if (isinstance(value, bool) or not isinstance(value, (int, np.integer))
+        or value < 1):
+      raise ValueError(f"{name}={value!r} must be a positive int")
   shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
   return {"k": jnp.zeros(shape, cfg.dtype), "v": jnp.zeros(shape, cfg.dtype)}
 
@@ -1767,23 +1805,38 @@ def sample(logits: jax.Array, key: jax.Array | None = None, *, temperature: floa
   ``temperature``, drawn with ``key`` (the Gumbel-max draw over that set: each token id
   gets its own noise of ``key``; the whole vocabulary is sorted only where the
   vocabulary's own Gumbel argmax falls outside the set). A row of logits holding a NaN
-  (e.g. a position past the KV cache, see :class:`Llama`) gives -1, which is no token,
-  greedy or sampled.
+  (e.g. a position past the KV cache, see :class:`Llama`), or only -inf (no token
+  possible), gives -1, which is no token, greedy or sampled.
+
+  Args:
+    logits: ``[batch, vocab]`` float.
+    key: a PRNG key; needed where ``temperature > 0``.
+    temperature: 0 (greedy) or the softmax temperature, finite.
+    top_p: the nucleus' probability mass, in (0, 1]; 1 draws from every token.
+
+  Returns:
+    ``[batch]`` int32 token ids (-1 for the rows above).
+
+  Raises:
+    ValueError: logits not 2-D, temperature negative or not finite, top_p outside (0, 1],
+      or no key with ``temperature > 0``.
   """
   if not 0 <= temperature < np.inf:
     raise ValueError(f"temperature={temperature} must be finite and >= 0")
   if not 0 < top_p <= 1:
     raise ValueError(f"top_p={top_p} must be in (0, 1]")
   if jnp.ndim(logits) != 2:
-    raise ValueError(f"logits of shape {jnp.shape(logits)} must be [batch, vocab]; add a "
-                     "batch axis (logits[None])")
+    hint = ("add a batch axis (logits[None])" if jnp.ndim(logits) == 1 else
+            "for [batch, seq, vocab] pass the position to sample, e.g. logits[:, -1]")
+    raise ValueError(f"logits of shape {jnp.shape(logits)} must be [batch, vocab]; {hint}")
   if temperature == 0:
     tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   elif key is None:
     raise ValueError("sampling with temperature > 0 needs a PRNG key")
   else:
     tokens = _sample_top_p(logits, key, jnp.float32(temperature), jnp.float32(top_p))
-  return jnp.where(jnp.isnan(logits).any(axis=-1), -1, tokens).astype(jnp.int32)
+  no_token = jnp.isnan(logits).any(axis=-1) | ~(logits > -jnp.inf).any(axis=-1)
+  return jnp.where(no_token, -1, tokens).astype(jnp.int32)
 
 
 # GGUF tensor name (in block i) -> path in the block params.

@@ -30,6 +30,7 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import qjax
 from flax_layers.dense import check_sizes
@@ -44,12 +45,28 @@ GPT_OSS_LIMIT = 7.0
 
 
 def route(logits: Array, top_k: int, gating: str = "topk_softmax") -> tuple[Array, Array]:
-  """``logits [T, E]`` -> (gate weights ``[T, top_k]`` float32, expert ids ``[T, top_k]``
-  int32), experts in decreasing logit order."""
+  """The router's choice of ``top_k`` experts per token.
+
+  Args:
+    logits: ``[T, E]`` router logits.
+    top_k: experts per token, an int in ``[1, E]``.
+    gating: "topk_softmax" (softmax over the ``top_k`` selected logits: GPT-OSS,
+      Mixtral) or "softmax_topk" (softmax over all E, the selected experts'
+      probabilities as they are, not renormalized).
+
+  Returns:
+    (gate weights ``[T, top_k]`` float32, expert ids ``[T, top_k]`` int32), experts in
+    decreasing logit order (ties: the lower id first).
+
+  Raises:
+    ValueError: an unknown ``gating``, or ``top_k`` not an int in ``[1, E]``.
+  """
   if gating not in GATINGS:
     raise ValueError(f"{gating=} must be one of {GATINGS}")
-  if not 1 <= top_k <= logits.shape[-1]:
-    raise ValueError(f"{top_k=} must lie in [1, {logits.shape[-1]}] (the number of experts)")
+  if (isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer))
+      or not 1 <= top_k <= logits.shape[-1]):
+    raise ValueError(f"top_k={top_k!r} must be an int in [1, {logits.shape[-1]}] (the number "
+                     "of experts)")
   logits = logits.astype(jnp.float32)
   top_logits, ids = jax.lax.top_k(logits, top_k)
   if gating == "topk_softmax":

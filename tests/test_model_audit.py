@@ -93,7 +93,7 @@ def test_unrolled_params_with_extra_layers_are_named(model):
 
 def test_init_cache_refuses_a_batch_below_one(model):
   cfg, _ = model
-  with pytest.raises(ValueError, match="batch=0 must be positive"):
+  with pytest.raises(ValueError, match="batch=0 must be a positive int"):
     llama.init_cache(cfg, 0, 4)
 
 
