@@ -139,7 +139,7 @@ def test_moe_block_edge_routings_match_float64(rng, e, top_k, gating, activation
 def test_moe_block_top_k_above_experts_is_named():
   from flax_layers import MXFP4MoE  # pylint: disable=g-import-not-at-top
   layer = MXFP4MoE(num_experts=4, top_k=5, intermediate_size=32)
-  with pytest.raises(ValueError, match=r"top_k=5 must lie in \[1, 4\]"):
+  with pytest.raises(ValueError, match=r"top_k=5 must be an int in \[1, 4\]"):
     layer.init(jax.random.key(0), jnp.ones((3, 64)))
 
 
