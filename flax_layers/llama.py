@@ -1770,7 +1770,11 @@ def _sample_top_p(logits, key, temperature, top_p):
   tokens), top-p 0.9, the decode loop: a sampled token took 1053 us with the sort for
   every draw, 1031 this way, a greedy one 965 (docs/experiments/s42_decode_write.py).
   """
-  logits = logits.astype(jnp.float32) / temperature
+  # Shifted so that each row's largest logit is 0: a tiny temperature sends the others to
+  # -inf (greedy in the limit), where unshifted they overflowed to inf and the softmax to
+  # NaN (temperature 1e-38 gave token 0).
+  logits = logits.astype(jnp.float32)
+  logits = (logits - jnp.max(logits, axis=-1, keepdims=True)) / temperature
   noisy = logits + jax.random.gumbel(key, logits.shape, jnp.float32)
   first = jnp.argmax(noisy, axis=-1)
   probs = jax.nn.softmax(logits, axis=-1)
@@ -1834,6 +1838,8 @@ def sample(logits: jax.Array, key: jax.Array | None = None, *, temperature: floa
   elif key is None:
     raise ValueError("sampling with temperature > 0 needs a PRNG key")
   else:
+    # At least float32's smallest normal: XLA flushes subnormals to zero (a division by 0).
+    temperature = max(float(temperature), float(np.finfo(np.float32).tiny))
     tokens = _sample_top_p(logits, key, jnp.float32(temperature), jnp.float32(top_p))
   no_token = jnp.isnan(logits).any(axis=-1) | ~(logits > -jnp.inf).any(axis=-1)
   return jnp.where(no_token, -1, tokens).astype(jnp.int32)

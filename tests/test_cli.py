@@ -403,13 +403,16 @@ BAD_ARGUMENTS = [
     (["bench", "--offload", "--format", "int4"], "--offload does not use --format; drop it"),
     (["bench", "--moe", "--tune-missing"], "--moe does not use --tune-missing; drop it"),
     (["bench", "--offload", "--shapes", "512x512"], "--offload does not use --shapes; drop it"),
-    (["bench", "--moe-top-k", "2"], "--moe-experts and --moe-top-k are options of --moe"),
+    (["bench", "--moe-top-k", "2"], "error: --moe-top-k is an option of --moe; add --moe or "
+     "drop it"),
+    (["bench", "--moe-top-k", "2", "--moe-experts", "4"], "error: --moe-experts, --moe-top-k "
+     "are options of --moe; add --moe or drop them"),
     (["bench", "--attention", "--shapes", "512x512"], "--attention does not use --shapes; "
      "drop it"),
     (["bench", "--attention", "--format", "int4"], "--attention does not use --format"),
-    (["bench", "--attention-slots", "64"], "--attention-slots, --attention-heads and "
-     "--prefill are options of --attention"),
-    (["bench", "--prefill"], "--prefill are options of --attention"),
+    (["bench", "--attention-slots", "64"], "error: --attention-slots is an option of "
+     "--attention; add --attention or drop it"),
+    (["bench", "--prefill"], "error: --prefill is an option of --attention"),
     (["bench", "--attention", "--attention-slots", "0"], "argument --attention-slots: '0' "
      "is not a positive integer"),
     (["bench", "--attention", "--attention-heads", "32/8"], "argument --attention-heads: "
@@ -431,9 +434,10 @@ BAD_ARGUMENTS = [
     (["demo", "--seed", str(2**63)], f"argument --seed: '{2**63}' is not a seed: give an "
      "integer from -2**63 to 2**63 - 1"),
     (["generate", "--seed", "1e3"], "argument --seed: '1e3' is not a seed"),
-    (["bench", "--offload-group", "2"], "--offload-group and --offload-carried are options "
-     "of --offload; add --offload or drop them"),
-    (["bench", "--offload-carried", "1"], "are options of --offload"),
+    (["bench", "--offload-group", "2"], "error: --offload-group is an option of --offload; "
+     "add --offload or drop it"),
+    (["bench", "--offload-carried", "1", "--offload-group", "2"], "error: --offload-group, "
+     "--offload-carried are options of --offload"),
     (["bench", "--format", "int4,mxfp4,int4"], "argument --format: format 'int4' in "
      "'int4,mxfp4,int4' is given twice; name each once"),
     (["bench", "--attention", "--attention-slots", "64,0"], "'0' in '64,0' is not a "
@@ -557,6 +561,7 @@ def test_bench_prints_why_cells_are_nan(capsys):
   assert notes == [line for line in table if line.startswith("nan: ")]
   assert len(notes) == 1 and notes[0].startswith("nan: interpret int4nk: the Mosaic GPU "
                                                  "wgmma kernel has no interpret mode")
+  assert notes[0].endswith("use --impl xla on the CPU")  # was "implementation='xla'"
 
 
 def test_compile_cache_dir(monkeypatch, tmp_path):
@@ -575,6 +580,8 @@ def test_compile_cache_dir(monkeypatch, tmp_path):
   assert generate.compile_cache_dir("OFF") is None
   monkeypatch.setenv("QJAX_COMPILE_CACHE", "off")
   assert generate.compile_cache_dir(None) is None
+  monkeypatch.setenv("QJAX_COMPILE_CACHE", "")  # unset, not the folder '' (a warning)
+  assert generate.compile_cache_dir(None) == str(tmp_path / "xdg" / "qjax" / "jax-compile")
 
 
 def test_use_compile_cache_sets_jax_or_warns(monkeypatch, tmp_path, capsys):

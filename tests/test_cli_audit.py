@@ -38,6 +38,17 @@ def test_output_in_a_missing_folder_is_a_usage_error(capsys, tmp_path, command, 
 
 @pytest.mark.parametrize("command,option,name", OUTPUTS,
                          ids=[f"{c} {o}" for c, o, _ in OUTPUTS])
+def test_output_under_a_file_names_the_file(capsys, tmp_path, command, option, name):
+  """A file where the path needs a folder was called a missing folder."""
+  (tmp_path / "t.txt").write_text("x")
+  path = tmp_path / "t.txt" / "sub" / name
+  last = _usage_error(capsys, SMALL[command] + [option, str(path)])
+  assert (f"argument {option}: {str(path)!r}: {str(tmp_path / 't.txt')!r} is a file, not a "
+          "folder; give a path in a folder") in last
+
+
+@pytest.mark.parametrize("command,option,name", OUTPUTS,
+                         ids=[f"{c} {o}" for c, o, _ in OUTPUTS])
 def test_output_that_is_a_folder_is_a_usage_error(capsys, tmp_path, command, option, name):
   """Was an IsADirectoryError traceback after the whole run."""
   last = _usage_error(capsys, SMALL[command] + [option, str(tmp_path)])

@@ -98,3 +98,15 @@ def test_sample_hint_for_logits_with_a_sequence_axis():
     llama.sample(jnp.zeros((2, 3, 5)))
   with pytest.raises(ValueError, match=r"add a batch axis"):
     llama.sample(jnp.zeros((5,)))
+
+
+@pytest.mark.parametrize("temperature", [1e-39, 1e-38, 1e-30, 1e-6])
+def test_sample_at_a_tiny_temperature_is_greedy(temperature):
+  """Temperatures of 1e-38 and below gave token 0 for every row (the logits overflowed,
+  or the subnormal temperature was flushed to zero, and the softmax was NaN)."""
+  rng = np.random.default_rng(seed_from("tiny-temperature"))
+  logits = jnp.asarray(rng.standard_normal((6, 50)) * 30, jnp.float32)
+  want = np.asarray(jnp.argmax(logits, axis=-1))
+  for seed in range(3):
+    got = llama.sample(logits, jax.random.key(seed), temperature=temperature, top_p=0.9)
+    np.testing.assert_array_equal(np.asarray(got), want)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import os
 import subprocess
 import sys
@@ -266,7 +267,9 @@ def nan_notes(rows: Sequence[Row], impls: Sequence[str]) -> list[str]:
         seen = fmts.setdefault((impl, r.nan_reasons[impl]), [])
         if r.fmt not in seen:
           seen.append(r.fmt)
-  return [f"nan: {impl} {','.join(f)}: {reason}" for (impl, reason), f in fmts.items()]
+  # The reasons are the API's errors; the command line names the option instead.
+  cli = lambda reason: re.sub(r"implementation='(\w+)'", r"--impl \1", reason)
+  return [f"nan: {impl} {','.join(f)}: {cli(reason)}" for (impl, reason), f in fmts.items()]
 
 
 def plot(rows: Sequence[Row], impls: Sequence[str], path: str, title: str) -> Any:
@@ -875,8 +878,9 @@ def run(args) -> int:
     print(f"wrote {len(entries)} entries to {path}")
   bandwidth = measure_copy_bandwidth(2**30 if on_gpu else 2**26)
   print(f"# measured copy bandwidth: {bandwidth / 1e12:.3f} TB/s (read + write)")
-  print("# floor = weight + x + output bytes at that bandwidth; read = XLA's fastest pass "
-        "over those bytes; ceil% = floor / read, the most of the floor reading them reaches")
+  print("# times in us per call (device time); floor = weight + x + output bytes at that "
+        "bandwidth; read = XLA's fastest pass over those bytes; ceil% = floor / read, the "
+        "most of the floor reading them reaches")
   rows = []
   for fmt in fmts:
     for k, n in shapes:
@@ -889,6 +893,10 @@ def run(args) -> int:
   print(format_table(rows, impls))
   for note in nan_notes(rows, impls):
     print(note)
+  if any(r.read_ceiling() > 1.01 for r in rows):
+    print("# ceil% above 100 %: reading those bytes beat the floor, as bytes served from a "
+          "cache do (the bandwidth copy is larger than the caches); the floor is not a "
+          "bound at that size on this device")
   result = {"environment": env, "bandwidth_bytes_per_s": bandwidth,
             "rows": [dataclasses.asdict(r) for r in rows]}
   if args.model:

@@ -139,6 +139,12 @@ def _output_file(text: str, example: str = "out.json") -> str:
                                      f"{os.path.join(text, example)}")
   folder = os.path.dirname(os.path.abspath(text))
   if not os.path.isdir(folder):
+    up = folder
+    while up != os.path.dirname(up) and not os.path.exists(up):
+      up = os.path.dirname(up)
+    if os.path.exists(up) and not os.path.isdir(up):
+      raise argparse.ArgumentTypeError(f"{text!r}: {up!r} is a file, not a folder; give a "
+                                       "path in a folder")
     raise argparse.ArgumentTypeError(f"{text!r}: the folder {folder!r} does not exist; "
                                      "create it first or give a path in an existing one")
   if not os.access(folder, os.W_OK) or (os.path.exists(text) and not os.access(text, os.W_OK)):
@@ -342,14 +348,20 @@ def _add_bench(sub) -> None:
       p.error(f"--{mode} does not use {', '.join(given)}; drop "
               f"{'it' if len(given) == 1 else 'them'}")
 
+  def refuse_orphans(args, mode: str, names: tuple[str, ...]) -> None:
+    """Options of ``--mode`` given without it are errors, naming the ones given."""
+    given = [f"--{n.replace('_', '-')}" for n in names
+             if getattr(args, n) not in (None, False)]
+    if given:
+      one = len(given) == 1
+      p.error(f"{', '.join(given)} {'is an option' if one else 'are options'} of --{mode}; "
+              f"add --{mode} or drop {'it' if one else 'them'}")
+
   def run(args):
-    if not args.offload and (args.offload_group is not None
-                             or args.offload_carried is not None):
-      p.error("--offload-group and --offload-carried are options of --offload; add "
-              "--offload or drop them")
-    if not args.attention and (args.attention_slots or args.attention_heads or args.prefill):
-      p.error("--attention-slots, --attention-heads and --prefill are options of "
-              "--attention; add --attention or drop them")
+    if not args.offload:
+      refuse_orphans(args, "offload", ("offload_group", "offload_carried"))
+    if not args.attention:
+      refuse_orphans(args, "attention", ("attention_slots", "attention_heads", "prefill"))
     if args.attention:
       refuse_unused(args, "attention", ("moe", "offload", "tune", "tune_missing", "shapes",
                                         "plot", "model", "moe_experts", "moe_top_k"))
@@ -393,8 +405,7 @@ def _add_bench(sub) -> None:
       shapes = args.shapes.split(",")[:1] if args.shapes else []
     else:
       args.format = args.format or "int4"
-      if args.moe_experts or args.moe_top_k:
-        p.error("--moe-experts and --moe-top-k are options of --moe; add --moe or drop them")
+      refuse_orphans(args, "moe", ("moe_experts", "moe_top_k"))
       if args.tune_missing and not args.tune:
         p.error("--tune-missing is an option of --tune; add --tune or drop it")
       if args.tune and not on_gpu:
@@ -556,7 +567,8 @@ def _add_check(sub) -> None:
                  help="comma-separated implementations (default: xla,interpret and pallas "
                  "where it compiles)")
   p.add_argument("--seed", type=_non_negative_int, default=0,
-                 help="seed of the random weights and inputs of every case (default 0)")
+                 help="seed of the random weights and inputs of every case, an integer >= 0 "
+                 "(default 0)")
   p.add_argument("--json", metavar="FILE", type=_output_file, help="also write every case "
                  "and the table to this JSON file")
   p.add_argument("--shard", metavar="I/N", type=_shard, help="run every N-th format from "
@@ -592,7 +604,7 @@ def _add_fuzz_readers(sub) -> None:
   p.add_argument("--cases", type=_non_negative_int, default=1000,
                  help="files per reader (default 1000)")
   p.add_argument("--seed", type=_non_negative_int, default=0,
-                 help="case i uses default_rng([seed, i]) (default 0)")
+                 help="case i uses default_rng([seed, i]); an integer >= 0 (default 0)")
   p.add_argument("--timeout", type=_positive_seconds, default=10.0, help="seconds per case "
                  "before it counts as a hang, above 0 (default 10)")
   p.add_argument("--keep-failures", metavar="DIR", type=_output_folder,

@@ -767,12 +767,13 @@ COMPILE_CACHE_ENV = "QJAX_COMPILE_CACHE"
 def compile_cache_dir(option: str | None) -> str | None:
   """The folder of ``qjax generate``'s persistent compilation cache: ``option`` (the
   ``--compile-cache`` value), else ``$QJAX_COMPILE_CACHE``, else ``qjax/jax-compile`` in
-  ``$XDG_CACHE_HOME`` (``~/.cache``); None where that value is "off" (no cache).
+  ``$XDG_CACHE_HOME`` (``~/.cache``); None where that value is "off" (no cache). An empty
+  ``$QJAX_COMPILE_CACHE`` counts as unset (it named the folder '' before).
 
   >>> compile_cache_dir("/tmp/c"), compile_cache_dir("off")
   ('/tmp/c', None)
   """
-  value = option if option is not None else os.environ.get(COMPILE_CACHE_ENV)
+  value = option if option is not None else (os.environ.get(COMPILE_CACHE_ENV) or None)
   if value is None:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     value = os.path.join(base, "qjax", "jax-compile")
