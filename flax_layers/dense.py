@@ -249,7 +249,20 @@ class Int4Linear(nnx.Module):
   def from_linear(cls, linear: nnx.Linear, *, group_size: int | None = 128,
                   symmetric: bool = True, scale_dtype: Any = jnp.bfloat16,
                   method: str = "minmax", implementation: str | None = None) -> "Int4Linear":
-    """Quantizes an existing ``nnx.Linear``."""
+    """An ``Int4Linear`` with ``linear``'s kernel quantized and its bias kept.
+
+    Args:
+      linear: the ``nnx.Linear`` (kernel ``[in_features, out_features]``); left unchanged.
+      group_size, symmetric, scale_dtype, method: as :func:`qjax.quantize` takes them.
+      implementation: the layer's matmul implementation (None: the dispatcher's choice).
+
+    Returns:
+      The new layer, computing in ``linear.dtype``.
+
+    Raises:
+      ValueError: what :func:`qjax.quantize` refuses (e.g. a group size that does not
+        divide ``in_features``, non-finite weights).
+    """
     kernel = qjax.quantize(_value(linear.kernel), group_size=group_size, symmetric=symmetric,
                            scale_dtype=scale_dtype, method=method, name="kernel")
     layer = cls(linear.in_features, linear.out_features, use_bias=linear.bias is not None,

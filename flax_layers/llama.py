@@ -1749,9 +1749,24 @@ def decode_tokens(params, token, pos, cache, key, count, stop_ids, *, cfg: Llama
 
 
 def forward(params, tokens, *, cfg: LlamaConfig) -> jax.Array:
-  """Logits ``[batch, seq, vocab]`` of ``tokens [batch, seq]`` (integer ids) with no
-  prior cache. An id outside ``[0, vocab)`` has no embedding row: its logits are NaN, and
-  so are those of the positions after it in its sequence, which attend to it."""
+  """The model's logits for whole sequences, with no prior cache (a fresh one of ``seq``
+  positions is made and dropped).
+
+  Args:
+    params: ``{"params": ...}`` of :class:`Llama` (e.g. from :func:`params_from_gguf` or
+      :func:`flax_layers.load_hf_llama`).
+    tokens: ``[batch, seq]`` integer ids. An id outside ``[0, vocab)`` has no embedding
+      row: its logits are NaN, and so are those of the positions after it in its
+      sequence, which attend to it.
+    cfg: the model's config.
+
+  Returns:
+    ``[batch, seq, vocab]`` float32 logits.
+
+  Raises:
+    ValueError: tokens not a 2-D integer array, params of another vocabulary or layer
+      count than ``cfg`` (see :func:`prefill`).
+  """
   check_tokens(tokens, 2)
   cache = init_cache(cfg, tokens.shape[0], tokens.shape[1])
   return prefill(params, tokens, cache, cfg=cfg)[0]

@@ -201,7 +201,21 @@ def cache_spec(axis: Any) -> P:
 
 def init_tp_cache(cfg: llama.LlamaConfig, batch: int, max_len: int,
                   mesh: jax.sharding.Mesh, axis: Any = "tp") -> dict[str, jax.Array]:
-  """A zero KV cache split along its KV heads over ``mesh[axis]``."""
+  """A zero KV cache split along its KV heads over ``mesh[axis]``.
+
+  Args:
+    cfg: the model's config (its KV heads must divide by the axis' size).
+    batch, max_len: as :func:`flax_layers.init_cache` takes them.
+    mesh: the device mesh; axis: its axis to split over.
+
+  Returns:
+    ``{"k", "v"}``: each ``[layers, batch, max_len, kv_heads, head_dim]`` in cfg.dtype,
+    placed with ``kv_heads`` split over ``mesh[axis]``.
+
+  Raises:
+    ValueError: a head count or the ffn size that does not divide by the axis' size, or
+      a ``batch`` / ``max_len`` that is not a positive int.
+  """
   local_config(cfg, sharding_lib.mesh_axis_size(mesh, axis))
   cache = llama.init_cache(cfg, batch, max_len)
   s = NamedSharding(mesh, cache_spec(axis))
@@ -258,10 +272,18 @@ def tp_prefill(params, tokens, cache, *, cfg: llama.LlamaConfig, mesh: jax.shard
                    donate_argnames=("cache",))
 def tp_extend(params, tokens, start, cache, *, cfg: llama.LlamaConfig,
               mesh: jax.sharding.Mesh, axis: Any = "tp"):
-  """:func:`flax_layers.extend`, tensor-parallel: tokens ``[batch, seq]`` int32 at
-  positions ``start[b] ..`` over a cache from :func:`init_tp_cache` (donated) that holds
-  the earlier positions -> (logits ``[batch, seq, vocab]`` float32, replicated; the
-  cache)."""
+  """:func:`flax_layers.extend`, tensor-parallel.
+
+  Args:
+    params: from :func:`shard_llama_params`.
+    tokens: ``[batch, seq]`` int32 (replicated), at positions ``start[b] ..``.
+    start: ``[batch]`` or scalar int32, each sequence's first new position.
+    cache: from :func:`init_tp_cache` (donated), holding the earlier positions.
+    cfg, mesh, axis: as the cache and params were made with (static).
+
+  Returns:
+    (logits ``[batch, seq, vocab]`` float32, replicated; the cache).
+  """
   b, t = tokens.shape
   start = jnp.broadcast_to(jnp.asarray(start, jnp.int32).reshape(-1), (b,))
   positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
@@ -274,8 +296,18 @@ def tp_extend(params, tokens, start, cache, *, cfg: llama.LlamaConfig,
                    donate_argnames=("cache",))
 def tp_decode_step(params, token, pos, cache, *, cfg: llama.LlamaConfig,
                    mesh: jax.sharding.Mesh, axis: Any = "tp"):
-  """:func:`flax_layers.decode_step`, tensor-parallel: token ``[batch]`` int32, pos
-  ``[batch]`` or scalar -> (logits ``[batch, vocab]`` float32, cache)."""
+  """:func:`flax_layers.decode_step`, tensor-parallel.
+
+  Args:
+    params: from :func:`shard_llama_params`.
+    token: ``[batch]`` int32, each sequence's next token.
+    pos: ``[batch]`` or scalar int32, its position.
+    cache: from :func:`init_tp_cache` (donated).
+    cfg, mesh, axis: as the cache and params were made with (static).
+
+  Returns:
+    (logits ``[batch, vocab]`` float32, replicated; the cache).
+  """
   b = token.shape[0]
   positions = jnp.broadcast_to(jnp.asarray(pos, jnp.int32).reshape(-1), (b,))[:, None]
   logits, cache = _apply(params, token.astype(jnp.int32)[:, None], positions, cache, cfg,
@@ -285,6 +317,20 @@ def tp_decode_step(params, token, pos, cache, *, cfg: llama.LlamaConfig,
 
 def tp_forward(params, tokens, *, cfg: llama.LlamaConfig, mesh: jax.sharding.Mesh,
                axis: Any = "tp") -> jax.Array:
-  """Logits ``[batch, seq, vocab]`` of ``tokens [batch, seq]`` with no prior cache."""
+  """:func:`flax_layers.forward`, tensor-parallel: the logits of whole sequences with no
+  prior cache.
+
+  Args:
+    params: from :func:`shard_llama_params`.
+    tokens: ``[batch, seq]`` integer ids.
+    cfg, mesh, axis: as the params were placed with.
+
+  Returns:
+    ``[batch, seq, vocab]`` float32 logits, replicated.
+
+  Raises:
+    ValueError: params not placed by :func:`shard_llama_params` on this mesh and axis
+      (naming the projection), or the checks of :func:`init_tp_cache`.
+  """
   cache = init_tp_cache(cfg, tokens.shape[0], tokens.shape[1], mesh, axis)
   return tp_prefill(params, tokens, cache, cfg=cfg, mesh=mesh, axis=axis)[0]
