@@ -11,10 +11,12 @@ nothing is a classic bug).
 
 Works on linen params (``dict`` or ``FrozenDict``, with or without the ``"params"``
 collection level) and on NNX state (``nnx.state(model)`` / ``nnx.split``).
-A quantized kernel ``[K, N]`` becomes a :class:`qjax.Int4Weight` of logical shape
+A quantized kernel ``[K, N]`` becomes a :class:`qjax.Int4Weight` (or, by the rule's
+``format``, a :class:`qjax.MXFP4Weight` / :class:`qjax.NVFP4Weight`) of logical shape
 ``[K, N]``, which :class:`~flax_layers.Int4Dense` (linen), :class:`~flax_layers.Int4Linear`
-(NNX) and ``qjax.matmul`` consume; :func:`quantize_nnx_model` also swaps the quantized
-``nnx.Linear`` modules for ``Int4Linear``.
+(NNX) and ``qjax.matmul`` consume (the layers take any quantized weight);
+:func:`quantize_nnx_model` also swaps the quantized ``nnx.Linear`` modules for
+``Int4Linear``.
 
 >>> import jax, jax.numpy as jnp, flax.linen as nn
 >>> from flax_layers import Int4Dense, QuantRule, quantize_model
@@ -59,8 +61,13 @@ from qjax._src.int4 import SCALE_DTYPES
 
 log = logging.getLogger("flax_layers")
 
-FORMATS = ("int4",)
+FORMATS = ("int4", "mxfp4", "nvfp4")
 METHODS = ("minmax", "mse")
+# The FP4 formats' quantizers and blocks (rows of K per scale): their scales are fixed by
+# the format, so a rule of theirs takes none of INT4's options.
+_FP4 = {"mxfp4": (qjax.quantize_mxfp4, 32), "nvfp4": (qjax.quantize_nvfp4, 16)}
+_INT4_OPTIONS = {"group_size": 128, "symmetric": True, "method": "minmax",
+                 "scale_dtype": jnp.bfloat16}
 
 
 def _compile(pattern: str, what: str) -> re.Pattern:
@@ -79,12 +86,18 @@ class QuantRule:
     pattern: regular expression searched (``re.search``) in the ``'/'``-joined path of
       each parameter, e.g. ``r"mlp_.*/kernel$"``. It should select 2-D ``[K, N]``
       kernels (``y = x @ W``) only: any other match is an error.
-    format: "int4" (group-wise affine 4-bit, :class:`qjax.Int4Weight`).
-    group_size: rows of K sharing a scale (32, 64, 128, 256) or None (per-channel).
-    symmetric: signed int4 with ``scale = absmax / 7`` (True) or a zero point (False).
-    method: "minmax" (round to nearest over the full range) or "mse" (best of 20
+    format: "int4" (group-wise affine 4-bit, :class:`qjax.Int4Weight`), "mxfp4" (E2M1
+      with an E8M0 scale per 32 rows, :func:`qjax.quantize_mxfp4`) or "nvfp4" (E2M1
+      with an e4m3 scale per 16 rows and a float32 scale per matrix,
+      :func:`qjax.quantize_nvfp4`). The FP4 formats fix their scales: their rules take
+      none of the four options below.
+    group_size: (int4) rows of K sharing a scale (32, 64, 128, 256) or None
+      (per-channel).
+    symmetric: (int4) signed int4 with ``scale = absmax / 7`` (True) or a zero point
+      (False).
+    method: (int4) "minmax" (round to nearest over the full range) or "mse" (best of 20
       shrunken ranges per group).
-    scale_dtype: dtype of the scales (bf16, f16, f32).
+    scale_dtype: (int4) dtype of the scales (bf16, f16, f32).
     stacked_axes: leading axes of the matched kernels that stack layers (``nn.scan``
       with ``variable_axes={"params": 0}``) or experts, e.g. 1 for ``[layers, K, N]``.
       Each ``[K, N]`` slice is quantized on its own and the :class:`qjax.Int4Weight`'s
@@ -93,7 +106,8 @@ class QuantRule:
       ``nn.scan`` slices for ``Int4Dense``, and what :func:`qjax.layer_of`,
       :func:`flax_layers.scan_layers` and ``qjax.moe_matmul`` (one axis of experts)
       take. Where one slice needs float32 scales (:class:`qjax.ScaleRangeWarning`),
-      every slice keeps float32 scales (exact). 0 (default): the kernels must be 2-D.
+      every slice keeps float32 scales (exact). NVFP4 gets a tensor scale per slice.
+      0 (default): the kernels must be 2-D.
   """
   pattern: str
   _: dataclasses.KW_ONLY
@@ -126,6 +140,14 @@ class QuantRule:
     if not scale_ok:
       raise ValueError(f"QuantRule.scale_dtype={self.scale_dtype!r} must be bfloat16, "
                        "float16 or float32")
+    if self.format in _FP4:
+      given = [name for name, default in _INT4_OPTIONS.items()
+               if not _same_option(getattr(self, name), default)]
+      if given:
+        block = _FP4[self.format][1]
+        raise ValueError(f"QuantRule(format={self.format!r}) takes no {', '.join(given)}: "
+                         f"{self.format.upper()} fixes its scales (one per {block} rows of "
+                         "K); drop them or use format='int4'")
     axes = self.stacked_axes
     if isinstance(axes, bool) or not isinstance(axes, (int, np.integer)) or axes < 0:
       raise ValueError(f"QuantRule.stacked_axes={axes!r} must be an int >= 0: the leading "
@@ -155,8 +177,10 @@ class QuantizationReport:
 
   def __str__(self) -> str:
     lines = [f"quantized {len(self.quantized)} parameters:"]
-    lines += [f"  {p}: {r.format} group_size={r.group_size} symmetric={r.symmetric} "
-              f"(rule {r.pattern!r})" for p, r in self.quantized.items()]
+    lines += [f"  {p}: {r.format}"
+              + (f" group_size={r.group_size} symmetric={r.symmetric}"
+                 if r.format == "int4" else "") + f" (rule {r.pattern!r})"
+              for p, r in self.quantized.items()]
     lines.append(f"skipped {len(self.skipped)}:")
     lines += [f"  {p} (skip {s!r})" for p, s in self.skipped.items()]
     if self.unused_rules:
@@ -166,6 +190,12 @@ class QuantizationReport:
       lines.append("skip patterns that matched nothing: "
                    + ", ".join(repr(s) for s in self.unused_skips))
     return "\n".join(lines)
+
+
+def _same_option(value: Any, default: Any) -> bool:
+  if default is jnp.bfloat16:
+    return jnp.dtype(value) == jnp.dtype(default)
+  return type(value) is type(default) and value == default
 
 
 def _key_name(key: Any) -> str:
@@ -179,7 +209,7 @@ def _is_variable(x: Any) -> bool:
   return isinstance(x, nnx.Variable)
 
 
-def _quantize_leaf(path: str, value: Any, rule: QuantRule) -> qjax.Int4Weight:
+def _quantize_leaf(path: str, value: Any, rule: QuantRule) -> Any:
   shape = tuple(getattr(value, "shape", ()))
   if qjax.is_quantized(value):
     raise ValueError(f"rule {rule.pattern!r} matched {path!r}, which is already quantized "
@@ -201,6 +231,15 @@ def _quantize_leaf(path: str, value: Any, rule: QuantRule) -> qjax.Int4Weight:
     raise ValueError(f"rule {rule.pattern!r} matched {path!r} of dtype {value.dtype}; only "
                      "floating-point kernels can be quantized")
   k = shape[-2]
+  if rule.format in _FP4:
+    quantize_fp4, block = _FP4[rule.format]
+    if k % block:
+      raise ValueError(
+          f"rule {rule.pattern!r}: {path!r} has K={k} rows, not a multiple of "
+          f"{rule.format.upper()}'s block of {block}; pad K with zero rows, or use a "
+          "separate rule for this path")
+    # The FP4 quantizers take stacks as they are, each [K, N] slice on its own.
+    return quantize_fp4(value, name=path)
   if rule.group_size is not None and k % rule.group_size:
     raise ValueError(
         f"rule {rule.pattern!r}: {path!r} has K={k} rows, not a multiple of "
@@ -246,13 +285,15 @@ def quantize_model(params_or_state: Any, rules: Sequence[QuantRule], *,
 
   Returns:
     ``(new_params, report)``: the same tree type and structure with every quantized
-    kernel ``[K, N]`` replaced by a :class:`qjax.Int4Weight` of logical shape
-    ``[K, N]`` (inside its ``nnx.Param`` for NNX state), and a
-    :class:`QuantizationReport`.
+    kernel ``[K, N]`` replaced by a :class:`qjax.Int4Weight` (``format="int4"``),
+    :class:`qjax.MXFP4Weight` or :class:`qjax.NVFP4Weight` of logical shape ``[K, N]``
+    (inside its ``nnx.Param`` for NNX state; with the rule's ``stacked_axes`` leading
+    every array), and a :class:`QuantizationReport`.
 
   Raises:
-    ValueError: a bad regular expression, a rule matching a parameter that is not a 2-D
-      float kernel, or a group size that does not divide K (each naming the path).
+    ValueError: a bad regular expression, a rule matching a parameter that is not a
+      float kernel of ``2 + stacked_axes`` axes, or a group size (FP4: block) that does
+      not divide K (each naming the path).
   """
   if isinstance(rules, QuantRule):
     raise TypeError(f"rules={rules!r} must be a sequence of QuantRule objects, not one "

@@ -219,3 +219,64 @@ def test_a_bad_slice_is_named_by_its_index(rng):
 def test_stacked_axes_must_be_a_count(axes):
   with pytest.raises(ValueError, match=rf"QuantRule\.stacked_axes={axes!r} must be an int"):
     QuantRule("kernel$", stacked_axes=axes)
+
+
+# ----------------------------------------------------------------------------- FP4 rules
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_fp4_rules_quantize_as_the_fp4_quantizers_and_run_in_int4_dense(rng, fmt):
+  quantize = {"mxfp4": qjax.quantize_mxfp4, "nvfp4": qjax.quantize_nvfp4}[fmt]
+  x = jnp.asarray(rng.standard_normal((5, D)), jnp.float32)
+  params = _Scanned().init(jax.random.key(int(rng.integers(1 << 30))), x)["params"]
+  qparams, report = quantize_model(params, [QuantRule(r"up/kernel$", format=fmt,
+                                                      stacked_axes=1)])
+  assert list(report.quantized) == ["layers/up/kernel"]
+  assert f"layers/up/kernel: {fmt} (rule" in str(report)
+  assert not qjax.is_quantized(qparams["layers"]["down"]["kernel"])
+  q = qparams["layers"]["up"]["kernel"]
+  assert q.shape == (D, H)
+  for i in range(L):  # each slice as the quantizer makes it of that slice alone
+    _assert_same_weight(jax.tree.map(lambda a: a[i], q),
+                        quantize(params["layers"]["up"]["kernel"][i]))
+  # A 2-D kernel through a linen Int4Dense, which takes any quantized weight.
+  w = jnp.asarray(rng.standard_normal((D, 48)), jnp.float32)
+  dense = {"kernel": w, "bias": jnp.asarray(rng.standard_normal(48), jnp.float32)}
+  qd = quantize_model(dense, [QuantRule("kernel$", format=fmt)])[0]
+  _assert_same_weight(qd["kernel"], quantize(w))
+  got = Int4Dense(48, implementation="xla").apply({"params": qd}, x)
+  want = (np.asarray(x, np.float64) @ np.asarray(qd["kernel"].dequantize(), np.float64)
+          + np.asarray(dense["bias"], np.float64))
+  assert rel_err(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("kwargs", [dict(group_size=64), dict(group_size=None),
+                                    dict(symmetric=False), dict(method="mse"),
+                                    dict(scale_dtype=jnp.float32)])
+def test_fp4_rules_take_no_int4_options(kwargs):
+  name = next(iter(kwargs))
+  with pytest.raises(ValueError, match=rf"QuantRule\(format='nvfp4'\) takes no {name}: "
+                     r"NVFP4 fixes its scales \(one per 16 rows of K\)"):
+    QuantRule("kernel$", format="nvfp4", **kwargs)
+
+
+def test_fp4_rule_names_a_k_off_the_block(rng):
+  params = {"a": {"kernel": jnp.asarray(rng.standard_normal((48, 8)), jnp.float32)}}
+  with pytest.raises(ValueError, match=r"'a/kernel' has K=48 rows, not a multiple of "
+                     r"MXFP4's block of 32"):
+    quantize_model(params, [QuantRule("kernel$", format="mxfp4")])
+  q = quantize_model(params, [QuantRule("kernel$", format="nvfp4")])[0]["a"]["kernel"]
+  assert isinstance(q, qjax.NVFP4Weight) and q.shape == (48, 8)
+
+
+def test_nnx_linear_quantized_to_mxfp4(rng):
+  model = nnx.Linear(D, 40, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
+  qmodel, _ = quantize_nnx_model(model, [QuantRule("kernel$", format="mxfp4")],
+                                 implementation="xla")
+  assert isinstance(qmodel, flax_layers.Int4Linear)
+  kernel = _v(qmodel.kernel)
+  _assert_same_weight(kernel, qjax.quantize_mxfp4(_v(model.kernel)))
+  x = jnp.asarray(rng.standard_normal((3, D)), jnp.float32)
+  want = (np.asarray(x, np.float64) @ np.asarray(kernel.dequantize(), np.float64)
+          + np.asarray(_v(model.bias), np.float64))
+  assert rel_err(qmodel(x), want) < 1e-5
