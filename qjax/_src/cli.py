@@ -475,8 +475,8 @@ def _add_generate(sub) -> None:
                  "above the model's context length, that length, with a note on stderr); a "
                  "turn beyond it stops the run with an error")
   p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most "
-                 "(per turn with --interactive); stops earlier at the end-of-sequence token "
-                 "(default 64)")
+                 "(per turn with --interactive); stops earlier at the end-of-sequence token; "
+                 "0 runs the prompt only (its time with --stats) (default 64)")
   p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy; "
                  "above 0 samples with top-p")
   p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass in (0, 1] "
