@@ -23,8 +23,22 @@ T = TypeVar("T", bound=type)
 def register_format(cls: T) -> T:
   """Class decorator: registers a frozen dataclass as a pytree and a named format.
 
-  Fields whose ``metadata`` has ``static=True`` become pytree metadata; the others are
-  array leaves (or ``None``). ``cls.format_name`` keys the format in saved files.
+  Fields whose ``metadata`` has ``static=True`` (:func:`static_field`) become pytree
+  metadata; the others are array leaves (or ``None``). ``cls.format_name`` keys the format
+  in saved files (:func:`qjax.save` / :func:`qjax.load`).
+
+  Args:
+    cls: a ``@dataclasses.dataclass(frozen=True)`` subclass of :class:`QuantizedWeight`
+      with a class attribute ``format_name`` (apply this decorator above the dataclass
+      one).
+
+  Returns:
+    ``cls`` itself, now a pytree and looked up by ``format_name``.
+
+  Raises:
+    ValueError: when another class already registered ``cls.format_name`` (pick a new
+      name; re-registering the same class is allowed).
+    AttributeError: when ``cls`` has no ``format_name``.
   """
   fields = dataclasses.fields(cls)
   meta = [f.name for f in fields if f.metadata.get("static", False)]
@@ -38,7 +52,16 @@ def register_format(cls: T) -> T:
 
 
 def static_field(**kwargs: Any) -> Any:
-  """A dataclass field that is pytree metadata (hashable, not traced)."""
+  """A dataclass field that is pytree metadata (hashable, not traced).
+
+  Args:
+    **kwargs: passed to ``dataclasses.field`` (e.g. ``default=128``); not ``metadata``.
+
+  Returns:
+    A ``dataclasses.field`` with ``metadata={"static": True}``: :func:`register_format`
+    makes it part of the treedef, so ``jax.jit`` retraces when it changes and
+    ``jax.tree.map`` leaves it alone. Use it for shapes, group sizes and layouts.
+  """
   return dataclasses.field(metadata={"static": True}, **kwargs)
 
 
@@ -75,7 +98,22 @@ def static_field_names(cls: type) -> list[str]:
 
 
 class QuantizedWeight:
-  """Mixin for quantized-weight pytrees of logical shape ``[K, N]``."""
+  """Base of the quantized-weight pytrees of logical shape ``[K, N]`` (``y = x @ W``).
+
+  A format subclasses it as a frozen dataclass decorated with :func:`register_format`,
+  sets ``format_name``, declares its arrays as fields and its static metadata with
+  :func:`static_field` (``shape`` at least), and implements :meth:`dequantize`.
+  :func:`qjax.matmul` dispatches on the class (:func:`qjax.register_xla`,
+  :func:`qjax.register_kernel`), and :func:`qjax.is_quantized` tests for it.
+
+  Attributes:
+    format_name: the class's key in saved files (a ClassVar).
+    shape: the logical ``(K, N)``, whatever the storage layout; arrays may carry leading
+      stack axes (layers, experts) before their own.
+
+  Formats validate shapes and dtypes at construction where the leaves are concrete
+  arrays; none checks values (NaN or Inf scales are taken as they are).
+  """
 
   format_name: ClassVar[str]
   shape: tuple[int, int]

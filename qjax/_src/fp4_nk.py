@@ -182,6 +182,13 @@ class MXFP4NKWeight(_FP4NKWeight):
     self._validate({})
 
   def block_scales(self) -> jax.Array:
+    """The decoded E8M0 scales: what each block's E2M1 values are multiplied by.
+
+    Returns:
+      ``[..., K // 32, N]`` float32, ``2 ** (scales - 127)`` exactly (``scales == 0``
+      gives the float32 subnormal ``2 ** -127``; ``scales == 255`` gives NaN, the E8M0
+      NaN, which makes that block of :meth:`dequantize` NaN).
+    """
     return fp4.decode_e8m0(self.scales)
 
   def to_mxfp4(self, tile_k: int = packing.NATIVE_TILE_K) -> fp4.MXFP4Weight:
@@ -225,6 +232,13 @@ class NVFP4NKWeight(_FP4NKWeight):
                        f"{jnp.dtype(g.dtype).name} (shape={self.shape})")
 
   def block_scales(self) -> jax.Array:
+    """The float8_e4m3fn block scales as float32 (exact), without ``global_scale``.
+
+    Returns:
+      ``[..., K // 16, N]`` float32; :meth:`dequantize` is ``e2m1(q) * block_scales()``
+      per block, then times ``global_scale``. A NaN scale (e4m3fn bytes ``0x7F`` /
+      ``0xFF``) stays NaN and makes that block NaN.
+    """
     return self.scales.astype(jnp.float32)
 
   def _finish(self, w: jax.Array) -> jax.Array:
@@ -256,6 +270,18 @@ def _fragment_words_of(w) -> jax.Array:
 def to_mxfp4_nk(w: fp4.MXFP4Weight) -> MXFP4NKWeight:
   """``w`` in the ``[N, K // 8]`` layout of :class:`MXFP4NKWeight`: bit-exact, jittable.
 
+  Args:
+    w: an :class:`~qjax.MXFP4Weight` with K a multiple of 32 (any ``tile_k``).
+
+  Returns:
+    An :class:`MXFP4NKWeight` with ``codes: [N, K // 8] uint32`` (fragment order, bits
+    placed as :data:`STORED_BIT` says) and ``w``'s ``scales: [K // 32, N] uint8`` as they
+    are; ``dequantize()`` equals ``w.dequantize()`` bit for bit, and ``to_mxfp4()`` gives
+    ``w`` back.
+
+  Raises:
+    TypeError: when ``w`` is not an :class:`~qjax.MXFP4Weight` (naming its type).
+
   >>> import jax, qjax
   >>> w = qjax.quantize_mxfp4(jax.random.normal(jax.random.key(0), (256, 128)))
   >>> wn = qjax.to_mxfp4_nk(w)
@@ -269,6 +295,21 @@ def to_mxfp4_nk(w: fp4.MXFP4Weight) -> MXFP4NKWeight:
 
 def to_nvfp4_nk(w: fp4.NVFP4Weight) -> NVFP4NKWeight:
   """``w`` in the ``[N, K // 8]`` layout of :class:`NVFP4NKWeight`: bit-exact, jittable.
+
+  Args:
+    w: an :class:`~qjax.NVFP4Weight` with K a multiple of 32 (two NVFP4 blocks per run of
+      32 codes; any ``tile_k``).
+
+  Returns:
+    An :class:`NVFP4NKWeight` with ``codes: [N, K // 8] uint32`` (fragment order, bits
+    placed as :data:`STORED_BIT` says), and ``w``'s ``scales: [K // 16, N]``
+    float8_e4m3fn and ``global_scale: [] float32`` as they are; ``dequantize()`` equals
+    ``w.dequantize()`` bit for bit, and ``to_nvfp4()`` gives ``w`` back.
+
+  Raises:
+    TypeError: when ``w`` is not an :class:`~qjax.NVFP4Weight` (naming its type).
+    ValueError: for K not a multiple of 32 (K = 16 * odd is a valid NVFP4Weight that this
+      layout cannot hold: keep the NVFP4Weight).
 
   >>> import jax, qjax
   >>> w = qjax.quantize_nvfp4(jax.random.normal(jax.random.key(0), (256, 128)))

@@ -270,7 +270,24 @@ def load_gguf(path: str | os.PathLike[str] | GGUFHeader, *, progress: bool = Tru
 def describe_gguf(path: str | os.PathLike[str]) -> list[tuple[str, str, tuple[int, ...], int]]:
   """``(name, GGUF type, logical shape, bytes)`` of every tensor, without loading any.
 
-  The logical shape is ``(K, N)`` for a 2-D tensor (GGUF's ``ne`` order).
+  Reads only the header (the data is memory-mapped, never read), so it is cheap on a
+  file of any size and works for types qjax cannot load.
+
+  Args:
+    path: a GGUF file.
+
+  Returns:
+    One tuple per tensor, in file order: its name, its GGUF type name (e.g. ``"Q4_K"``,
+    ``"F32"``), its logical shape in GGUF's ``ne`` order (``(K, N)`` for a 2-D weight,
+    ``(K, N, E)`` for stacked experts, ``(n,)`` for a vector) and its size in bytes in
+    the file.
+
+  Raises:
+    FileNotFoundError: when ``path`` is not a file.
+    ValueError: when the file is not a readable GGUF file (bad magic, version or a
+      header that points outside the file).
+    ImportError: when the ``gguf`` package is missing (the message says how to install
+      it).
   """
   reader = _open(path)
   return [(t.name, t.tensor_type.name, _logical_shape(t), int(t.n_bytes))

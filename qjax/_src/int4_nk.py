@@ -145,7 +145,17 @@ def to_int4_nk(w: int4.Int4Weight) -> Int4NKWeight:
   Args:
     w: an :class:`~qjax.Int4Weight`, symmetric or with integer zero points (not float
       biases); K and its group size multiples of 32. Its scales and zero points are kept
-      as they are (dtype included).
+      as they are (dtype included); its ``tile_k`` may be any.
+
+  Returns:
+    An :class:`Int4NKWeight` with ``codes: [N, K // 8] uint32`` in wgmma fragment order,
+    ``scales: [K // G, N]`` and ``zeros: [K // G, N] uint8`` (or None) shared with ``w``;
+    ``dequantize()`` equals ``w.dequantize()`` bit for bit.
+
+  Raises:
+    TypeError: when ``w`` is not an :class:`~qjax.Int4Weight` (naming its type).
+    ValueError: when ``w`` has float ``biases`` (keep the Int4Weight), or K or
+      ``group_size`` is not a multiple of 32 (naming both).
 
   >>> import jax, qjax
   >>> w = qjax.quantize(jax.random.normal(jax.random.key(0), (256, 128)))

@@ -54,17 +54,38 @@ _AUTO_WHEN: dict[tuple[type, str], Callable[[int, Any], bool]] = {}
 
 
 def register_moe_xla(format_cls: type, fn: Callable[..., jax.Array]) -> None:
-  """Registers the reference ``fn(rows [R, K], w, pair_rows [P], pair_experts [P]) ->
-  [P, N]`` of a format."""
+  """Registers the XLA (reference) implementation of :func:`moe_matmul` for a format.
+
+  Args:
+    format_cls: the class of the stacked expert weight (``[E, ...]`` leading axis).
+    fn: ``fn(rows [R, K], w, pair_rows [P] int32, pair_experts [P] int32) -> [P, N]``:
+      row ``p`` of the result is ``rows[pair_rows[p]] @ W[pair_experts[p]]`` in rows'
+      dtype, float32 accumulation, traceable. Also the backward pass of the kernels. A
+      later registration replaces the earlier one.
+
+  Returns:
+    None. Registering invalidates cached traces that chose an implementation.
+  """
   _MOE_XLA[format_cls] = fn
   autodiff.registry_changed()
 
 
 def register_moe_kernel(format_cls: type, backend: dispatch.Backend, *,
                         auto_when: Callable[[int, Any], bool] | None = None) -> None:
-  """Registers a kernel whose ``backend.fn(rows, w, pair_rows, pair_experts, *, interpret,
-  config=None)`` follows the canonical form. The first registered is the default; a later
-  registration of a name replaces that backend in its place.
+  """Registers a kernel implementation of :func:`moe_matmul` for a format.
+
+  ``backend.fn(rows [R, K], w, pair_rows [P], pair_experts [P], *, interpret,
+  config=None) -> [P, N]`` computes what :func:`register_moe_xla`'s ``fn`` does. The first
+  registered is the default; a later registration of a name replaces that backend in its
+  place (and its ``auto_when`` rule: passing None removes an earlier rule).
+
+  Args:
+    format_cls: the class of the stacked expert weight.
+    backend: a :class:`~qjax.Backend`.
+    auto_when: see below; None for a kernel picked by registration order.
+
+  Returns:
+    None. Registering invalidates cached traces that chose an implementation.
 
   ``auto_when(num_pairs, w)``: for a kernel that is the fast path only for some calls
   (e.g. decode, a few (token, expert) pairs): None / "pallas" / "interpret" pick it, ahead

@@ -259,6 +259,28 @@ def stack_layers(layers: Sequence[CodebookWeight], *, offload_pass2: bool = True
   pass 2 from the previous step (default ``group``: all of them); see
   :class:`LayerStack`. Up to ``group + carried`` layers' pass 2 are on the device at once
   as prefetch buffers. BENCHMARKS.md has what the choices gave on the H100.
+
+  Args:
+    layers: ``L >= 2`` two-pass :class:`CodebookWeight` (``quantize_codebook(...,
+      passes=2)``) of one square shape ``[D, D]`` (each layer's output feeds the next),
+      with the same ``group_size``, ``rotation``, ``seed`` and norm dtypes.
+    offload_pass2: keep pass 2 in ``pinned_host`` memory (True) or on the device.
+    group: ``G``, layers per scan step, a positive int (capped at ``L``).
+    carried: ``C`` in ``[1, min(G, L)]``, layers per step whose pass 2 the previous step
+      copied; None for ``C = G``.
+
+  Returns:
+    A :class:`LayerStack` of ``S = (L - C) // G`` scanned groups and ``L - S * G`` tail
+    layers, pass 1 on the device and pass 2 packed (:class:`PackedPass2`) in the chosen
+    memory; :attr:`LayerStack.prefetch_buffer_bytes` is the device memory its prefetch
+    buffers take.
+
+  Raises:
+    ValueError: naming the bad value, for fewer than 2 layers, a layer that is not a
+      two-pass CodebookWeight, layers that differ in shape, group size, rotation, seed or
+      norm dtypes, a non-square shape, a ``group`` or ``carried`` out of range, or a
+      memory kind this device does not have (e.g. ``pinned_host`` where it is missing:
+      pass ``offload_pass2=False``).
   """
   if len(layers) < 2:
     raise ValueError(f"stack_layers needs at least 2 layers, got {len(layers)}")

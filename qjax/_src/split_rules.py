@@ -332,6 +332,25 @@ def partition_specs(w: Any, mode: str, axis: Any) -> Any:
   NamedSharding(mesh, s), partition_specs(w, "column", "tp"))``. Arrays without the split
   axis (NVFP4's tensor scale, codebooks) get ``P()`` along it (replicated).
 
+  Args:
+    w: a quantized weight of a shardable format (Int4Weight, MXFP4Weight, NVFP4Weight,
+      ...; ``[E, ...]`` stacked experts for ``mode="expert"``). Only shapes are read.
+    mode: "column" (split N), "row" (split K) or "expert" (split the leading expert
+      axis).
+    axis: the mesh axis name (or tuple of names) to put in the split dimension.
+
+  Returns:
+    An instance of ``type(w)`` with ``w``'s static fields and a
+    ``jax.sharding.PartitionSpec`` (or None for a None field) in place of each array,
+    e.g. ``codes: P("tp", None)`` for an Int4Weight split by rows. Divisibility by the
+    mesh size is not checked here (:func:`qjax.shard_weight` checks it).
+
+  Raises:
+    ValueError: for a ``mode`` not in ``("column", "row", "expert")``, or
+      ``mode="expert"`` for a weight without a leading expert axis.
+    TypeError: naming the class, for a format without a sharding rule (with the
+      conversion to use, where it has one).
+
   >>> import jax, qjax
   >>> w = qjax.quantize(jax.random.normal(jax.random.key(0), (256, 64)))
   >>> qjax.partition_specs(w, "row", "tp").codes == jax.sharding.PartitionSpec("tp", None)
