@@ -98,15 +98,40 @@ _plugins_lock = threading.Lock()
 
 
 def register_xla(format_cls: type, fn: Callable[[jax.Array, Any], jax.Array]) -> None:
-  """Registers the reference implementation ``fn(x2d [M, K], w) -> [M, N]``."""
+  """Registers the XLA (reference) implementation of :func:`matmul` for a format.
+
+  Args:
+    format_cls: the weight's class (a :func:`~qjax.register_format` class); an exact
+      class match, not its subclasses.
+    fn: ``fn(x2d [M, K], w) -> [M, N]`` in x2d's dtype, float32 accumulation, traceable
+      under ``jax.jit``; run by ``implementation="xla"`` and wherever no kernel is
+      chosen, and the backward pass of every implementation (:mod:`qjax._src.autodiff`).
+      A later registration replaces the earlier one.
+
+  Returns:
+    None. Registering invalidates cached traces that chose an implementation
+    (:func:`qjax.retraced_on_registration`).
+  """
   _XLA[format_cls] = fn
   autodiff.registry_changed()
 
 
 def register_kernel(format_cls: type, backend: Backend) -> None:
-  """Registers a kernel implementation. The first registered is the default of
-  "pallas" / "interpret"; a later registration of a name replaces that backend in its
-  place."""
+  """Registers a kernel implementation of :func:`matmul` for a format.
+
+  The first backend registered for ``format_cls`` is the one "pallas" / "interpret"
+  run; ``implementation=None`` runs the first whose ``supported_on`` accepts the device,
+  unless :meth:`Backend.auto_runs_xla` picks XLA. A later registration of a name
+  replaces that backend in its place (the order is kept), otherwise it is appended.
+
+  Args:
+    format_cls: the weight's class (an exact class match).
+    backend: a :class:`Backend`; ``backend.fn(x2d [M, K], w, *, interpret, config=None)
+      -> [M, N]``.
+
+  Returns:
+    None. Registering invalidates cached traces that chose an implementation.
+  """
   _KERNELS[format_cls] = replaced_in_place(_KERNELS.get(format_cls, []), backend)
   autodiff.registry_changed()
 
@@ -338,6 +363,13 @@ def matmul(x: jax.Array, w: Any, *, implementation: str | None = None) -> jax.Ar
   with the whole x (as :func:`qjax.sharded_matmul` takes it). Or a :class:`qjax.LayerOf`
   (:func:`qjax.layer_of`): one layer of a stacked weight, which the kernels read in place
   instead of from a copy (for layers run by ``lax.scan``).
+
+  No value of ``w`` is checked (that would need a device sync): a NaN or Inf scale, zero
+  point or E8M0 scale byte 255 gives NaN (or Inf) in every output row of the columns
+  its group or block covers, and NaN in x spreads along its row. The quantizers
+  (:func:`qjax.quantize`, :func:`qjax.quantize_mxfp4`, :func:`qjax.quantize_nvfp4`)
+  refuse non-finite concrete weights; weights built from their arrays directly or loaded
+  from a file are taken as they are.
 
   Differentiable in reverse mode (``jax.grad``, ``jax.vjp``) with respect to x and to the
   weight's float arrays on every implementation. Where a kernel runs, the backward pass

@@ -185,6 +185,11 @@ class MXFP4Weight(_FP4Weight):
     tile_k: packing order of ``codes`` (128, the default: kernel-native).
 
   Leading batch axes (experts) may precede the last two axes of both arrays.
+
+  Construction checks shapes and dtypes only, not values: a scale byte of 255 (E8M0 NaN)
+  is accepted and gives NaN in its block of 32 rows of that column, in :meth:`dequantize`
+  and in ``qjax.matmul``'s output column. :func:`quantize_mxfp4` checks that a concrete
+  float weight is finite before quantizing it (not a tracer under ``jax.jit``).
   """
 
   format_name = "mxfp4"
@@ -200,6 +205,13 @@ class MXFP4Weight(_FP4Weight):
     self._validate({})
 
   def block_scales(self) -> jax.Array:
+    """The decoded E8M0 scales: what each block's E2M1 values are multiplied by.
+
+    Returns:
+      ``[..., K // 32, N]`` float32, ``2 ** (scales - 127)`` exactly (``scales == 0``
+      gives the float32 subnormal ``2 ** -127``; ``scales == 255`` gives NaN, the E8M0
+      NaN, which makes that block of :meth:`dequantize` NaN).
+    """
     return decode_e8m0(self.scales)
 
 
@@ -217,6 +229,12 @@ class NVFP4Weight(_FP4Weight):
     global_scale: ``[]`` float32 tensor scale (``[E]`` with a leading expert axis).
     shape: the logical ``(K, N)``; K a multiple of 16.
     tile_k: packing order of ``codes``.
+
+  Construction checks shapes and dtypes only, not values: a NaN block scale (e4m3fn
+  ``0x7F`` / ``0xFF``) is accepted and gives NaN in its block of 16 rows of that column,
+  and a NaN or Inf ``global_scale`` makes the whole weight NaN or Inf, in
+  :meth:`dequantize` and in ``qjax.matmul``'s output. :func:`quantize_nvfp4` checks that a
+  concrete float weight is finite before quantizing it (not a tracer under ``jax.jit``).
   """
 
   format_name = "nvfp4"
@@ -233,6 +251,13 @@ class NVFP4Weight(_FP4Weight):
     self._validate({"global_scale": ((), jnp.float32)})
 
   def block_scales(self) -> jax.Array:
+    """The float8_e4m3fn block scales as float32 (exact), without ``global_scale``.
+
+    Returns:
+      ``[..., K // 16, N]`` float32; :meth:`dequantize` is ``e2m1(q) * block_scales()``
+      per block, then times ``global_scale``. A NaN scale (e4m3fn bytes ``0x7F`` /
+      ``0xFF``) stays NaN and makes that block NaN.
+    """
     return self.scales.astype(jnp.float32)
 
   def _finish(self, w: jax.Array) -> jax.Array:

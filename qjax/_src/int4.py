@@ -40,6 +40,12 @@ class Int4Weight(formats.QuantizedWeight):
     group_size: ``G``; equal to K for one group per column (per-channel).
     tile_k: packing order of ``codes`` (128, the default: kernel-native; 8: plain GPTQ
       order).
+
+  Construction checks shapes and dtypes only, not values: a NaN or Inf in ``scales`` (or
+  ``biases``) is accepted and gives NaN or Inf in that group of that column of
+  :meth:`dequantize` and of ``qjax.matmul``'s output column ``n``. :func:`quantize` checks
+  that a concrete float weight (not a tracer under ``jax.jit``) is finite, and that its
+  scales are, before making one.
   """
 
   format_name = "int4"
@@ -331,8 +337,26 @@ def _fit_groups(wg, shrink, *, symmetric, scale_dtype):
 
 
 def dequantize(w) -> jax.Array:
-  """``[K, N]`` float32 matrix of any quantized weight (``w.dequantize()``); ``[..., K, N]``
-  for a stack (experts, layers) of the formats whose dequantize takes leading axes."""
+  """The float32 matrix a quantized weight stands for: ``w.dequantize()``.
+
+  Args:
+    w: any :class:`~qjax.QuantizedWeight` (:class:`~qjax.Int4Weight`,
+      :class:`~qjax.MXFP4Weight`, a GGUF format, ...), possibly with leading stack axes
+      (experts, layers) for the formats whose ``dequantize`` takes them.
+
+  Returns:
+    ``[K, N]`` float32, or ``[..., K, N]`` for a stacked weight. No value is checked: a
+    NaN or Inf scale gives NaN or Inf in its group / block of the result.
+
+  Raises:
+    TypeError: naming the type, when ``w`` is not a quantized weight (e.g. a plain array:
+      it is already dense).
+
+  >>> import jax, qjax
+  >>> w = qjax.quantize(jax.random.normal(jax.random.key(0), (256, 64)))
+  >>> qjax.dequantize(w).shape, qjax.dequantize(w).dtype
+  ((256, 64), dtype('float32'))
+  """
   if not isinstance(w, formats.QuantizedWeight):
     raise TypeError(f"expected a quantized weight, got {type(w).__name__}")
   return w.dequantize()
