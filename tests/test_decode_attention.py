@@ -399,3 +399,19 @@ class TestDecodeAttentionGpu:
     ref = reference(q, k[1], v[1], mask)
     _check(auto, ref, q, GPU_BOUND[jnp.bfloat16], "auto")
     assert rel_err(auto, xla) < GPU_BOUND[jnp.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.uint8, jnp.float32, jnp.bfloat16])
+def test_non_bool_mask_is_refused(dtype):
+  """An int or float mask (0.5 included) is refused by its static dtype, not read as a
+  bias or truthiness; the message names the dtype and says to pass a bool array."""
+  rng = np.random.default_rng(3)
+  q, k, v, mask, _ = _inputs(rng, (2, 4, 2, 8, 5, 1), jnp.float32)
+  bad = jnp.where(jnp.asarray(mask), 0.5, 0.0).astype(dtype)
+  with pytest.raises(ValueError, match=rf"mask\.dtype={jnp.dtype(dtype).name}.*bool array"):
+    qjax.decode_attention(q, k[0], v[0], bad, implementation="xla")
+  with pytest.raises(ValueError, match=rf"mask\.dtype={jnp.dtype(dtype).name}"):
+    jax.jit(lambda m: qjax.decode_attention(q, k[0], v[0], m, implementation="xla"))(bad)
+  # The bool mask of the same slots runs.
+  out = qjax.decode_attention(q, k[0], v[0], jnp.asarray(mask), implementation="xla")
+  assert out.shape == q.shape

@@ -193,6 +193,9 @@ def check_decode_arguments(q, k_cache, v_cache, mask, layer, sinks):
                      f"head_dim={cd}]")
   if tuple(mask.shape) != (b, slots):
     raise ValueError(f"mask.shape={tuple(mask.shape)}: want [batch, slots] = ({b}, {slots})")
+  if jnp.dtype(mask.dtype) != jnp.dtype(bool):  # static: no device sync
+    raise ValueError(f"mask.dtype={jnp.dtype(mask.dtype).name}: want bool (True: attend); "
+                     "pass a bool array, e.g. mask != 0 (a float mask is not a bias)")
   if sinks is not None and tuple(jnp.shape(sinks)) != (heads,):
     raise ValueError(f"sinks of shape {tuple(jnp.shape(sinks))}: want [heads] = ({heads},)")
   return k_cache, v_cache, layer_array(layer, k_cache.shape[0])
@@ -255,6 +258,12 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask:
 
   Returns:
     ``[batch, heads, head_dim]`` in q's dtype.
+
+  Raises:
+    ValueError: naming the argument, for shapes that do not fit each other, a q dtype
+      other than the three above, a ``mask`` that is not bool (an int or float mask is
+      refused, not read as a bias: pass ``mask != 0``), an int ``layer`` outside the
+      cache, or ``sinks`` not ``[heads]``. These checks read shapes and dtypes only.
 
   A query whose slots are all masked gets zeros (every implementation). Through a kernel,
   reverse mode (``jax.grad``) takes the XLA path's derivative; forward mode is the XLA

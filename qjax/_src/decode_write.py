@@ -60,7 +60,9 @@ def write_and_decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_cache
     k_cache, v_cache: ``[batch, slots, kv_heads, head_dim]``, or ``[layers, batch, slots,
       kv_heads, head_dim]`` with ``layer`` (written and read in place).
     positions: ``[batch]`` integers, each new token's slot.
-    mask: ``[batch, slots]`` bool, the slots each query attends to.
+    mask: ``[batch, slots]`` bool, the slots each query attends to (another dtype is
+      refused, as in :func:`qjax.decode_attention`; the caches must be floating point, as
+      in :func:`qjax.write_kv_cache`).
     layer, sinks, scale: as :func:`qjax.decode_attention` (a traced ``layer`` outside
       ``[-layers, layers)`` writes nothing and reads the nearest end's layer).
     implementation: None (a registered kernel where it supports the device and q is
