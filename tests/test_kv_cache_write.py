@@ -212,3 +212,27 @@ class TestKvCacheWriteGpu:
 
     for g, w in zip(scanned("pallas")(kc, vc), scanned("xla")(kc, vc)):
       _same(g, np.asarray(w))
+
+
+@pytest.mark.parametrize("cache_dtype", [jnp.int8, jnp.int32, jnp.uint8, jnp.bool_])
+def test_non_float_cache_is_refused(cache_dtype):
+  """A cache that is not floating point would truncate the float keys cast into it: the
+  check refuses it by dtype (static, also under jit) and names the dtype."""
+  rng = np.random.default_rng(5)
+  kc, vc, k, v, pos = _inputs(rng, (2, 3, 9, 2, 24, 4), jnp.float32)
+  kc, vc = kc.astype(cache_dtype), vc.astype(cache_dtype)
+  with pytest.raises(ValueError, match=rf"dtype {jnp.dtype(cache_dtype).name}.*floating"):
+    qjax.write_kv_cache(kc, vc, k, v, pos, layer=1, implementation="xla")
+  with pytest.raises(ValueError, match="floating"):
+    jax.jit(lambda a, b: qjax.write_kv_cache(a, b, k, v, pos, layer=1))(kc, vc)
+
+
+def test_float_keys_of_another_dtype_are_cast():
+  """Mixing float dtypes is documented (k / v cast to the cache's dtype) and still runs."""
+  rng = np.random.default_rng(6)
+  shape = (2, 3, 9, 2, 24, 4)
+  kc, vc, k, v, pos = _inputs(rng, shape, jnp.bfloat16, new_dtype=jnp.float32)
+  got = qjax.write_kv_cache(kc, vc, k, v, pos, layer=-1, implementation="xla")
+  want = reference(kc, vc, k, v, pos, -1)  # numpy's own float32 -> bfloat16 cast
+  _same(got[0], want[0])
+  _same(got[1], want[1])

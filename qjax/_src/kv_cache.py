@@ -42,6 +42,11 @@ def check_write_arguments(k_cache, v_cache, k, v, positions, layer):
   if tuple(k_cache.shape) != tuple(v_cache.shape) or k_cache.dtype != v_cache.dtype:
     raise ValueError(f"k_cache {tuple(k_cache.shape)} {k_cache.dtype} and v_cache "
                      f"{tuple(v_cache.shape)} {v_cache.dtype} must have one shape and dtype")
+  if not jnp.issubdtype(k_cache.dtype, jnp.floating):  # static: no device sync
+    raise ValueError(f"k_cache / v_cache of dtype {jnp.dtype(k_cache.dtype).name}: the cache "
+                     "must be floating point (bfloat16, float16 or float32; keys and values "
+                     "are cast to it, an integer cache would truncate them): allocate it "
+                     "with a float dtype")
   stacked = layer is not None
   k_cache, v_cache, layer = attention.stacked_caches(k_cache, v_cache, layer)
   _, b, _, kv_heads, d = k_cache.shape
@@ -72,7 +77,7 @@ def write_kv_cache(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.
   Args:
     k_cache, v_cache: ``[batch, slots, kv_heads, head_dim]``, or ``[layers, batch, slots,
       kv_heads, head_dim]`` with ``layer``: the whole model's cache, of which layer
-      ``layer`` is written.
+      ``layer`` is written; floating point, one dtype for both.
     k, v: ``[batch, seq, kv_heads, head_dim]``, the new tokens' keys and values.
     positions: ``[batch, seq]`` integers, each token's slot.
     layer: the layer of a stacked cache (an int, checked, or a scalar integer array, e.g.
@@ -84,6 +89,13 @@ def write_kv_cache(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.
     ``(k_cache, v_cache)`` updated, of the shapes given. Under ``jax.jit`` the kernel and
     XLA write the caches' buffers in place where the old caches are not used afterwards
     (a loop's carry; donated arguments), else XLA copies them first.
+
+  Raises:
+    ValueError: naming the argument, for caches of different shapes or dtypes, a cache
+      that is not floating point (e.g. int8: keys would be truncated; any float dtype
+      is taken, and ``k`` / ``v`` of another float dtype are cast to it), ``k`` / ``v``
+      that do not fit the cache, ``positions`` not ``[batch, seq]`` integers, or an int
+      ``layer`` outside the cache. These checks read shapes and dtypes only.
 
   >>> import jax.numpy as jnp, qjax
   >>> kc = vc = jnp.zeros((1, 8, 2, 4), jnp.bfloat16)
