@@ -18,8 +18,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 import os
+import re
 import subprocess
 import sys
 import time
