@@ -446,4 +446,4 @@ def test_bench_prefill_cpu_smoke(tmp_path, capsys):
   assert attention_bench.causal_flops(2, 20, 6, 32) == 2 * 2 * 2 * 6 * 32 * 210
   with pytest.raises(SystemExit):
     cli.main(["bench", "--prefill"])
-  assert "options of --attention" in capsys.readouterr().err
+  assert "--prefill is an option of --attention" in capsys.readouterr().err
