@@ -878,7 +878,7 @@ def run(args) -> int:
     print(f"wrote {len(entries)} entries to {path}")
   bandwidth = measure_copy_bandwidth(2**30 if on_gpu else 2**26)
   print(f"# measured copy bandwidth: {bandwidth / 1e12:.3f} TB/s (read + write)")
-  print("# times in us per call (device time); floor = weight + x + output bytes at that "
+  print("# times in us per call; floor = weight + x + output bytes at that "
         "bandwidth; read = XLA's fastest pass over those bytes; ceil% = floor / read, the "
         "most of the floor reading them reaches")
   rows = []
