@@ -61,6 +61,7 @@ from qjax._src import moe as moe_lib
 from qjax._src.gguf_formats import embedding_rows
 from flax_layers import moe as moe_layers
 from flax_layers import scan
+from flax_layers.dense import check_sizes
 
 # general.architecture -> the LlamaConfig fields it sets (llama.cpp: LLM_ARCH_LLAMA uses
 # LLAMA_ROPE_TYPE_NORM, LLM_ARCH_QWEN2 / QWEN3 LLAMA_ROPE_TYPE_NEOX; llm_build_qwen2 adds
@@ -1561,10 +1562,7 @@ def init_cache(cfg: LlamaConfig, batch: int, max_len: int) -> dict[str, jax.Arra
   Raises:
     ValueError: ``batch`` or ``max_len`` not a positive int.
   """
-  for name, value in (("max_len", max_len), ("batch", batch)):
-    if (isinstance(value, bool) or not isinstance(value, (int, np.integer))
-        or value < 1):
-      raise ValueError(f"{name}={value!r} must be a positive int")
+  check_sizes("init_cache", max_len=max_len, batch=batch)
   shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
   return {"k": jnp.zeros(shape, cfg.dtype), "v": jnp.zeros(shape, cfg.dtype)}
 
